@@ -1,0 +1,114 @@
+"""Adam and AdamW with configurable storage precision."""
+
+from __future__ import annotations
+
+import math
+
+from .backends import AdamScalars, Bucket, f32
+from .optimizer import (MixedPrecisionOptimizer, check_betas, check_flag, check_number)
+
+__all__ = ["Adam", "AdamW", "adam_scalars"]
+
+
+def adam_scalars(group: dict, step: int) -> AdamScalars:
+    """The float32 scalars of one Adam step (host float64 math, one rounding each)."""
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    weight_decay = float(group["weight_decay"])
+    decoupled = group["decoupled_weight_decay"]
+    return AdamScalars(
+        beta1=f32(beta1),
+        beta2=f32(beta2),
+        one_minus_beta1=f32(1.0 - beta1),
+        one_minus_beta2=f32(1.0 - beta2),
+        step_size=f32(lr / (1.0 - beta1 ** step)),
+        inv_sqrt_bias_correction2=f32(1.0 / math.sqrt(1.0 - beta2 ** step)),
+        eps=f32(float(group["eps"])),
+        weight_decay=0.0 if decoupled else f32(weight_decay),
+        decay=f32(1.0 - lr * weight_decay) if decoupled else 1.0,
+    )
+
+
+class Adam(MixedPrecisionOptimizer):
+    r"""Adam (Kingma & Ba, 2014) whose master weights and moments live in chosen dtypes.
+
+    A drop-in for :class:`torch.optim.Adam`: same arguments and defaults, plus
+
+    * ``precision``: a preset name (``"fp32"``, ``"bf16"``, ``"bf16-master"``,
+      ``"bf16-states"``) or a :class:`bf16opt.Precision`; also per param group.
+    * ``backend``: ``"auto"``, ``"reference"``, ``"numba"`` or ``"cupy"``.
+
+    The math, with :math:`\theta` the master weights, per step :math:`t`:
+
+    .. math::
+        g_t &= \pm\nabla_\theta f_t(\theta_{t-1})\ (- \text{ if maximize}),
+              \quad g_t \leftarrow g_t + \lambda\theta_{t-1}\ \text{(Adam, } \lambda \ne 0)\\
+        \theta_{t-1} &\leftarrow \theta_{t-1}(1 - \gamma\lambda)\ \text{(AdamW)}\\
+        m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t,\qquad
+        v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2\\
+        \hat v_t &= \max(\hat v_{t-1}, v_t)\ \text{(amsgrad) else } v_t\\
+        \theta_t &= \theta_{t-1} - \frac{\gamma}{1-\beta_1^t}\,
+            \frac{m_t}{\sqrt{\hat v_t}/\sqrt{1-\beta_2^t} + \epsilon}
+
+    The exact float32 operation order is specified in ``bf16opt/backends/reference.py``.
+
+    ``foreach`` and ``fused`` are accepted and have no effect (every backend is
+    multi-tensor already); ``capturable=True`` and ``differentiable=True`` are rejected.
+    """
+
+    family = "adam"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False,
+                 precision="fp32", backend="auto"):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        foreach=foreach, maximize=maximize, capturable=capturable,
+                        differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay,
+                        precision=precision, backend=backend)
+        self._check_hyperparameters(dict(defaults))
+        super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_number(group["lr"], "learning rate (lr)")
+        check_number(group["eps"], "epsilon value (eps)")
+        check_number(group["weight_decay"], "weight_decay value (weight_decay)")
+        check_betas(group["betas"])
+        for flag in ("amsgrad", "maximize", "decoupled_weight_decay"):
+            check_flag(group[flag], flag)
+
+    def _moment_keys(self, group: dict) -> tuple:
+        if group["amsgrad"]:
+            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        return ("exp_avg", "exp_avg_sq")
+
+    def _all_moment_keys(self) -> tuple:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def _new_bucket(self, group: dict, plan) -> Bucket:
+        bucket = super()._new_bucket(group, plan)
+        bucket.l2 = (not group["decoupled_weight_decay"]) and float(group["weight_decay"]) != 0.0
+        return bucket
+
+    def _update(self, backend, bucket: Bucket, group: dict, step: int) -> None:
+        backend.adam(bucket, adam_scalars(group, step))
+
+
+class AdamW(Adam):
+    """AdamW (Loshchilov & Hutter, 2019): Adam with decoupled weight decay.
+
+    A drop-in for :class:`torch.optim.AdamW` (``weight_decay`` defaults to 1e-2);
+    see :class:`Adam` for ``precision`` and ``backend``.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, precision="fp32", backend="auto"):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True, precision=precision,
+                         backend=backend)
+
+    def _force_group_entries(self, group: dict) -> None:
+        group["decoupled_weight_decay"] = True

@@ -1,0 +1,31 @@
+"""Backend registry: one picker chooses the implementation for a device.
+
+``"reference"`` is plain torch (the specification).  ``"numba"`` (CPU kernels from
+``cpu_src/``) and ``"cupy"`` (CUDA kernels from ``cuda_src/``) are added by later
+releases; ``"auto"`` picks the fastest available one for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .base import AdamScalars, Backend, Bucket, LionScalars, f32
+
+__all__ = ["BACKEND_NAMES", "AdamScalars", "Backend", "Bucket", "LionScalars", "f32",
+           "check_backend_name", "resolve_backend"]
+
+BACKEND_NAMES = ("auto", "reference", "numba", "cupy")
+
+
+def check_backend_name(name) -> None:
+    if not isinstance(name, str) or name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+
+
+def resolve_backend(name: str, device: torch.device) -> Backend:
+    """The backend object for ``name`` on ``device``; raises ValueError if unavailable."""
+    check_backend_name(name)
+    if name in ("auto", "reference"):
+        return reference
+    raise ValueError(f"backend={name!r} is not available in this release; use 'reference' or 'auto'")

@@ -1,0 +1,67 @@
+"""What every backend receives: buckets of tensors and per-step float32 scalars.
+
+The optimizer groups the params of one param group by (device, StoragePlan, step);
+one bucket is one call into a backend, so a kernel backend can update all tensors of a
+bucket in a single launch.  Scalars are computed once on the host in float64 and
+rounded to float32 once (``f32``); every backend gets the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Protocol
+
+import numpy as np
+import torch
+
+from ..precision import StoragePlan
+
+
+def f32(value: float) -> float:
+    """Round a host scalar to float32 once (returned as an exactly representable float)."""
+    return float(np.float32(value))
+
+
+class AdamScalars(NamedTuple):
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    step_size: float                  # lr / (1 - beta1**step)
+    inv_sqrt_bias_correction2: float  # 1 / sqrt(1 - beta2**step)
+    eps: float
+    weight_decay: float               # L2 coefficient (Adam); 0.0 when decay is decoupled
+    decay: float                      # 1 - lr * weight_decay (AdamW); 1.0 for Adam
+
+
+class LionScalars(NamedTuple):
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    lr: float
+    decay: float                      # 1 - lr * weight_decay
+
+
+@dataclass
+class Bucket:
+    """Tensors of one (device, plan, step) set; list entries line up by param."""
+
+    plan: StoragePlan
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    masters: list[Optional[torch.Tensor]] = field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)       # Adam only
+    max_exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)   # amsgrad only
+    maximize: bool = False
+    amsgrad: bool = False
+    l2: bool = False  # Adam: add weight_decay * param to the gradient
+
+
+class Backend(Protocol):
+    name: str
+
+    def adam(self, bucket: Bucket, scalars: AdamScalars) -> None: ...
+
+    def lion(self, bucket: Bucket, scalars: LionScalars) -> None: ...

@@ -1,0 +1,61 @@
+"""Lion with configurable storage precision."""
+
+from __future__ import annotations
+
+from .backends import Bucket, LionScalars, f32
+from .optimizer import MixedPrecisionOptimizer, check_betas, check_flag, check_number
+
+__all__ = ["Lion", "lion_scalars"]
+
+
+def lion_scalars(group: dict) -> LionScalars:
+    """The float32 scalars of one Lion step (host float64 math, one rounding each)."""
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return LionScalars(
+        beta1=f32(beta1),
+        beta2=f32(beta2),
+        one_minus_beta1=f32(1.0 - beta1),
+        one_minus_beta2=f32(1.0 - beta2),
+        lr=f32(lr),
+        decay=f32(1.0 - lr * float(group["weight_decay"])),
+    )
+
+
+class Lion(MixedPrecisionOptimizer):
+    r"""Lion, EvoLved Sign Momentum (Chen et al., 2023), with configurable storage precision.
+
+    .. math::
+        c_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t\\
+        \theta_t &= \theta_{t-1}(1 - \gamma\lambda) - \gamma\,\mathrm{sign}(c_t)\\
+        m_t &= \beta_2 m_{t-1} + (1-\beta_2) g_t
+
+    Args: ``params``, ``lr`` (1e-4), ``betas`` ((0.9, 0.99)), ``weight_decay`` (0.0,
+    decoupled), ``maximize``, plus ``precision`` and ``backend`` as in :class:`bf16opt.Adam`.
+    Lion keeps one moment, so ``Precision.exp_avg_sq`` is unused.  The exact float32
+    operation order is specified in ``bf16opt/backends/reference.py``.
+    """
+
+    family = "lion"
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
+                 precision="fp32", backend="auto"):
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
+                        precision=precision, backend=backend)
+        self._check_hyperparameters(dict(defaults))
+        super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_number(group["lr"], "learning rate (lr)")
+        check_number(group["weight_decay"], "weight_decay value (weight_decay)")
+        check_betas(group["betas"])
+        check_flag(group["maximize"], "maximize")
+
+    def _moment_keys(self, group: dict) -> tuple:
+        return ("exp_avg",)
+
+    def _all_moment_keys(self) -> tuple:
+        return ("exp_avg",)
+
+    def _update(self, backend, bucket: Bucket, group: dict, step: int) -> None:
+        backend.lion(bucket, lion_scalars(group))

@@ -1,0 +1,93 @@
+"""memory_report: bytes held by an optimizer, counted from its live tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .precision import SHORT_NAME
+
+__all__ = ["MemoryReport", "memory_report"]
+
+# Always listed, in this order; any other state buffer is appended under its own name.
+COMPONENTS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation")
+# Components that are the optimizer's own (not the model's params and grads).
+MODEL_COMPONENTS = ("params", "grads")
+
+
+@dataclass
+class MemoryReport:
+    """Bytes per component; ``bytes_per_param`` divides by the number of parameters."""
+
+    bytes: dict = field(default_factory=dict)
+    dtypes: dict = field(default_factory=dict)
+    num_params: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes the optimizer adds on top of the model's params and grads."""
+        return sum(b for name, b in self.bytes.items() if name not in MODEL_COMPONENTS)
+
+    @property
+    def bytes_per_param(self) -> dict:
+        n = max(self.num_params, 1)
+        return {name: b / n for name, b in self.bytes.items()}
+
+    @property
+    def total_per_param(self) -> float:
+        return self.total / max(self.num_params, 1)
+
+    @property
+    def optimizer_bytes_per_param(self) -> float:
+        return self.optimizer_bytes / max(self.num_params, 1)
+
+    def __str__(self) -> str:
+        rows = [("Component", "Dtype", "Bytes", "Bytes/param")]
+        per_param = self.bytes_per_param
+        for name, nbytes in self.bytes.items():
+            dtypes = "+".join(sorted(self.dtypes.get(name, ()))) or "-"
+            rows.append((name, dtypes, f"{nbytes:,}", f"{per_param[name]:.2f}"))
+        rows.append(("optimizer (not params/grads)", "", f"{self.optimizer_bytes:,}",
+                     f"{self.optimizer_bytes_per_param:.2f}"))
+        rows.append(("Total", "", f"{self.total:,}", f"{self.total_per_param:.2f}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        lines = [f"Memory breakdown for N = {self.num_params:,} parameters"]
+        for i, row in enumerate(rows):
+            lines.append("| " + " | ".join(cell.ljust(w) if j < 2 else cell.rjust(w)
+                                           for j, (cell, w) in enumerate(zip(row, widths))) + " |")
+            if i == 0:
+                lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        return "\n".join(lines)
+
+
+def memory_report(optimizer: torch.optim.Optimizer) -> MemoryReport:
+    """Bytes of params, grads, master copies, moments and any other state buffer.
+
+    Counted from the tensors that exist now: optimizer state is created at the first
+    ``step()``, so call this after one step to see the steady-state footprint.
+    """
+    report = MemoryReport(bytes={name: 0 for name in COMPONENTS})
+    seen = set()
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        report.bytes[name] = report.bytes.get(name, 0) + tensor.numel() * tensor.element_size()
+        report.dtypes.setdefault(name, set()).add(SHORT_NAME.get(tensor.dtype, str(tensor.dtype)))
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            report.num_params += param.numel()
+            add("params", param)
+            if param.grad is not None:
+                add("grads", param.grad)
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    add(key, value)
+    return report

@@ -1,0 +1,189 @@
+"""Precision policies: which dtype each optimizer buffer is stored in.
+
+A :class:`Precision` is what the user asks for; a :class:`StoragePlan` is what one
+parameter actually gets once the request meets that parameter's dtype.
+
+Rules that turn a request into a plan (documented in the README too):
+
+* **The master may not be less precise than the param.**  Precision order is
+  float32 > float16 > bfloat16 (24, 11 and 8 significand bits).  When the requested
+  master is not more precise than the param, the param itself is the master and no
+  copy exists: ``"bf16"`` on float32 params keeps float32 weights, on float16 params
+  keeps float16 weights.  When it is more precise (float32 master for bf16/fp16
+  params) the optimizer owns a float32 copy and writes the rounded result into the
+  param after every step.
+* A float16 master for bfloat16 params is rejected: float16 cannot hold bfloat16's
+  range (max 65504 vs 3.4e38).
+* Moments (``exp_avg``, ``exp_avg_sq`` and amsgrad's ``max_exp_avg_sq``) are float32 or
+  bfloat16 whatever the param dtype; float16 moments are rejected (``exp_avg_sq``
+  holds squared gradients, which leave float16's range).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Precision", "PRESETS", "RESERVED_PRESETS", "StoragePlan", "as_precision", "plan_for"]
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+ROUNDINGS = ("nearest", "stochastic")
+COMPENSATIONS = (None, "kahan")
+
+# significand bits, the order in which a master may replace a param
+_SIGNIFICAND_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+_DTYPE_NAMES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+SHORT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _as_dtype(value, argument: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        dtype = _DTYPE_NAMES[value.lower()]
+    else:
+        raise TypeError(
+            f"Precision({argument}=...) must be one of 'fp32', 'bf16', 'fp16' "
+            f"or the matching torch dtype, got {value!r}")
+    if dtype not in PARAM_DTYPES:
+        raise TypeError(f"Precision({argument}=...) must be float32, bfloat16 or float16, got {dtype}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Storage dtypes of the optimizer's buffers.
+
+    Args:
+        master: dtype of the master weights the update is applied to (see module doc
+            for how it combines with the param dtype).
+        exp_avg: dtype of the first moment (Adam and Lion).
+        exp_avg_sq: dtype of the second moment (Adam only; also amsgrad's maximum).
+        rounding: how float32 results are encoded into 16-bit storage:
+            ``"nearest"`` (round to nearest, ties to even) or ``"stochastic"``.
+        compensation: ``None`` or ``"kahan"`` (a buffer carrying each update's
+            rounding error into the next step).
+    """
+
+    master: torch.dtype = torch.float32
+    exp_avg: torch.dtype = torch.float32
+    exp_avg_sq: torch.dtype = torch.float32
+    rounding: str = "nearest"
+    compensation: str | None = None
+    name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        for argument in ("master", "exp_avg", "exp_avg_sq"):
+            object.__setattr__(self, argument, _as_dtype(getattr(self, argument), argument))
+        for argument in ("exp_avg", "exp_avg_sq"):
+            if getattr(self, argument) not in MOMENT_DTYPES:
+                raise ValueError(
+                    f"Precision({argument}=float16) is not supported: moments are stored in "
+                    f"float32 or bfloat16 (float16 cannot hold squared gradients' range)")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"Precision(rounding=...) must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.compensation not in COMPENSATIONS:
+            raise ValueError(
+                f"Precision(compensation=...) must be None or 'kahan', got {self.compensation!r}")
+
+    def to_dict(self) -> dict:
+        """Plain-type form for state dicts (loadable with ``torch.load(weights_only=True)``)."""
+        return {"master": SHORT_NAME[self.master], "exp_avg": SHORT_NAME[self.exp_avg],
+                "exp_avg_sq": SHORT_NAME[self.exp_avg_sq], "rounding": self.rounding,
+                "compensation": self.compensation, "name": self.name}
+
+    def __str__(self) -> str:
+        if self.name:
+            return self.name
+        return (f"Precision(master={SHORT_NAME[self.master]}, exp_avg={SHORT_NAME[self.exp_avg]}, "
+                f"exp_avg_sq={SHORT_NAME[self.exp_avg_sq]}, rounding={self.rounding}, "
+                f"compensation={self.compensation})")
+
+
+PRESETS: dict[str, Precision] = {
+    # classic mixed precision: fp32 master (a copy for 16-bit params), fp32 moments
+    "fp32": Precision(torch.float32, torch.float32, torch.float32, name="fp32"),
+    # DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states
+    "bf16": Precision(torch.bfloat16, torch.bfloat16, torch.bfloat16, name="bf16"),
+    # DeepSpeed bf16_master_weights_and_grads alone (its CPU-offload cell)
+    "bf16-master": Precision(torch.bfloat16, torch.float32, torch.float32, name="bf16-master"),
+    # fp32 master copy, bf16 moments
+    "bf16-states": Precision(torch.float32, torch.bfloat16, torch.bfloat16, name="bf16-states"),
+}
+
+# Names taken by the low-precision quality work (stochastic rounding, Kahan compensation,
+# exact fp32 master as bf16 param + int16 remainder); not implemented in this release.
+RESERVED_PRESETS = ("bf16-sr", "bf16-kahan", "fp32-remainder", "fp32-remainder-bf16-states")
+
+
+def as_precision(value) -> Precision:
+    """Turn a preset name, a :class:`Precision` or its ``to_dict()`` form into a Precision."""
+    if isinstance(value, Precision):
+        return value
+    if isinstance(value, str):
+        if value in PRESETS:
+            return PRESETS[value]
+        if value in RESERVED_PRESETS:
+            raise NotImplementedError(
+                f"precision={value!r} is a reserved preset name that this release does not "
+                f"implement yet; available presets: {sorted(PRESETS)}")
+        raise ValueError(f"Unknown precision preset {value!r}; choose one of {sorted(PRESETS)} "
+                         f"or pass a bf16opt.Precision(...)")
+    if isinstance(value, dict):
+        try:
+            return Precision(**value)
+        except TypeError as exc:
+            raise TypeError(f"precision dict {value!r} does not describe a Precision: {exc}") from None
+    raise TypeError(f"precision must be a preset name or a bf16opt.Precision, got {type(value).__name__}")
+
+
+def check_implemented(precision: Precision) -> None:
+    """Raise for features this release declares but does not implement yet."""
+    if precision.rounding != "nearest":
+        raise NotImplementedError(
+            f"Precision(rounding={precision.rounding!r}) is not implemented in this release")
+    if precision.compensation is not None:
+        raise NotImplementedError(
+            f"Precision(compensation={precision.compensation!r}) is not implemented in this release")
+
+
+@dataclass(frozen=True)
+class StoragePlan:
+    """What is stored for one parameter.  ``master is None`` means the param is the master."""
+
+    param: torch.dtype
+    master: torch.dtype | None
+    exp_avg: torch.dtype
+    exp_avg_sq: torch.dtype
+    rounding: str = "nearest"
+    compensation: str | None = None
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """dtype the update is applied to (the copy's, or the param's own)."""
+        return self.master if self.master is not None else self.param
+
+
+def plan_for(precision: Precision, param_dtype: torch.dtype) -> StoragePlan:
+    if param_dtype not in PARAM_DTYPES:
+        raise TypeError(f"params must be float32, bfloat16 or float16, got {param_dtype}")
+    if precision.master == torch.float16 and param_dtype == torch.bfloat16:
+        raise ValueError(
+            "Precision(master=float16) is invalid for bfloat16 params: float16 cannot hold "
+            "bfloat16's range; use master='fp32' or 'bf16'")
+    more_precise = _SIGNIFICAND_BITS[precision.master] > _SIGNIFICAND_BITS[param_dtype]
+    return StoragePlan(
+        param=param_dtype,
+        master=precision.master if more_precise else None,
+        exp_avg=precision.exp_avg,
+        exp_avg_sq=precision.exp_avg_sq,
+        rounding=precision.rounding,
+        compensation=precision.compensation,
+    )
