@@ -187,3 +187,17 @@ def plan_for(precision: Precision, param_dtype: torch.dtype) -> StoragePlan:
         rounding=precision.rounding,
         compensation=precision.compensation,
     )
+
+
+def all_plans() -> list:
+    """Every StoragePlan the policy allows (what a kernel backend must be able to run)."""
+    plans = []
+    for param in PARAM_DTYPES:
+        masters = [None] + [d for d in PARAM_DTYPES
+                            if _SIGNIFICAND_BITS[d] > _SIGNIFICAND_BITS[param]
+                            and not (d == torch.float16 and param == torch.bfloat16)]
+        for master in masters:
+            for exp_avg in MOMENT_DTYPES:
+                for exp_avg_sq in MOMENT_DTYPES:
+                    plans.append(StoragePlan(param, master, exp_avg, exp_avg_sq))
+    return plans
