@@ -1,0 +1,210 @@
+"""Property tests of the reference backend (the specification) against independent oracles.
+
+For random shapes (0-d, 1, odd sizes, non-contiguous), hyper-parameters and every
+allowed dtype combination:
+* state tensors have exactly the configured dtypes;
+* every stored value is the round-to-nearest-even encoding of the float32 result computed
+  in the spec's operation order by a numpy oracle (bit for bit);
+* the stored values agree with a float64 computation within the float32 rounding bound
+  (plus half an ulp of the storage format).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bf16opt
+from bf16opt.adam import adam_scalars
+from bf16opt.lion import lion_scalars
+from bf16opt.precision import MOMENT_DTYPES, PARAM_DTYPES, plan_for
+from oracles import (adam_f32, adam_f64, bits, encode_bits, half_ulp, lion_f32, lion_f64,
+                     to_numpy_f32)
+
+SHAPES = [(), (1,), (7,), (22,), (3, 5), (2, 3, 4), (64,), (5, 13)]
+
+
+@st.composite
+def precisions(draw, param_dtype):
+    """A valid Precision for params of ``param_dtype``."""
+    masters = [d for d in PARAM_DTYPES if not (d == torch.float16 and param_dtype == torch.bfloat16)]
+    return bf16opt.Precision(master=draw(st.sampled_from(masters)),
+                             exp_avg=draw(st.sampled_from(MOMENT_DTYPES)),
+                             exp_avg_sq=draw(st.sampled_from(MOMENT_DTYPES)))
+
+
+@st.composite
+def cases(draw):
+    param_dtype = draw(st.sampled_from(PARAM_DTYPES))
+    shape = draw(st.sampled_from(SHAPES))
+    return dict(
+        param_dtype=param_dtype,
+        precision=draw(precisions(param_dtype)),
+        shape=shape,
+        non_contiguous=len(shape) == 2 and draw(st.booleans()),
+        seed=draw(st.integers(0, 2 ** 31 - 1)),
+        weight_scale=draw(st.sampled_from([1e-3, 1.0, 30.0])),
+        grad_scale=draw(st.sampled_from([1e-6, 1e-2, 1.0, 1e3])),
+        steps=draw(st.integers(1, 3)),
+    )
+
+
+def make_param(case, generator):
+    shape, dtype = case["shape"], case["param_dtype"]
+    if case["non_contiguous"]:
+        rows, cols = shape
+        base = torch.randn(rows, 2 * cols, generator=generator) * case["weight_scale"]
+        param = base.to(dtype)[:, ::2]
+        assert not param.is_contiguous()
+    else:
+        param = (torch.randn(shape, generator=generator) * case["weight_scale"]).to(dtype)
+    return param
+
+
+def make_grad(param, case, generator):
+    grad = torch.randn(param.shape, generator=generator) * case["grad_scale"]
+    grad[torch.rand(param.shape, generator=generator) < 0.1] = 0.0  # some exact zeros
+    return grad.to(param.dtype)
+
+
+def decoded_state(state, key, like):
+    return to_numpy_f32(state[key]) if key in state else np.zeros(like.shape, np.float32)
+
+
+def check_stored(tensor, expected_f32, dtype, what):
+    assert tensor.dtype == dtype, f"{what} stored as {tensor.dtype}, configured {dtype}"
+    np.testing.assert_array_equal(bits(tensor), encode_bits(expected_f32, dtype).reshape(-1),
+                                  err_msg=f"{what}: stored bits are not RNE of the float32 result")
+
+
+def check_close(stored, exact, bound, dtype, what):
+    stored = to_numpy_f32(stored).astype(np.float64)
+    error = np.abs(stored - exact)
+    limit = bound + half_ulp(exact, dtype)
+    assert np.all(error <= limit), (f"{what}: max error {error.max():.3g} exceeds the float32 bound "
+                                    f"(worst excess {(error - limit).max():.3g})")
+
+
+@given(case=cases(), amsgrad=st.booleans(), maximize=st.booleans(),
+       decoupled=st.booleans(), lr=st.sampled_from([1e-4, 1e-3, 3e-2]),
+       betas=st.sampled_from([(0.9, 0.999), (0.0, 0.99), (0.5, 0.0), (0.95, 0.9999)]),
+       eps=st.sampled_from([1e-8, 1e-6, 1e-3]), weight_decay=st.sampled_from([0.0, 1e-2, 0.3]))
+def test_adam_matches_oracles(case, amsgrad, maximize, decoupled, lr, betas, eps, weight_decay):
+    generator = torch.Generator().manual_seed(case["seed"])
+    param = make_param(case, generator)
+    opt = bf16opt.Adam([param], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                       amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled,
+                       precision=case["precision"], backend="reference")
+    plan = plan_for(case["precision"], param.dtype)
+    group = opt.param_groups[0]
+    l2 = not decoupled and weight_decay != 0
+    for step in range(1, case["steps"] + 1):
+        param.grad = make_grad(param, case, generator)
+        state = opt.state[param]
+        w0 = to_numpy_f32(state["master"] if "master" in state else param)
+        g = to_numpy_f32(param.grad)
+        m0, v0, vmax0 = (decoded_state(state, k, w0) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+        scalars = adam_scalars(group, step)
+        opt.step()
+
+        state = opt.state[param]
+        w, m, v, v_hat = adam_f32(w0, g, m0, v0, vmax0, scalars, maximize=maximize, l2=l2, amsgrad=amsgrad)
+        check_stored(state["exp_avg"], m, plan.exp_avg, "exp_avg")
+        check_stored(state["exp_avg_sq"], v, plan.exp_avg_sq, "exp_avg_sq")
+        if amsgrad:
+            check_stored(state["max_exp_avg_sq"], v_hat, plan.exp_avg_sq, "max_exp_avg_sq")
+        else:
+            assert "max_exp_avg_sq" not in state
+        if plan.master is not None:
+            check_stored(state["master"], w, plan.master, "master")
+        else:
+            assert "master" not in state
+        check_stored(param, w, param.dtype, "param")
+
+        (w64, m64, v64, _), bound = adam_f64(w0, g, m0, v0, vmax0, scalars, maximize=maximize,
+                                             l2=l2, amsgrad=amsgrad)
+        check_close(state["exp_avg"], m64, bound["m"], plan.exp_avg, "exp_avg")
+        check_close(state["exp_avg_sq"], v64, bound["v"], plan.exp_avg_sq, "exp_avg_sq")
+        check_close(state.get("master", param), w64, bound["w"], plan.master_dtype, "master weights")
+
+
+@given(case=cases(), maximize=st.booleans(), lr=st.sampled_from([1e-4, 1e-3, 3e-2]),
+       betas=st.sampled_from([(0.9, 0.99), (0.0, 0.5), (0.95, 0.98)]),
+       weight_decay=st.sampled_from([0.0, 1e-2, 1.0]))
+def test_lion_matches_oracles(case, maximize, lr, betas, weight_decay):
+    generator = torch.Generator().manual_seed(case["seed"])
+    param = make_param(case, generator)
+    opt = bf16opt.Lion([param], lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
+                       precision=case["precision"], backend="reference")
+    plan = plan_for(case["precision"], param.dtype)
+    scalars = lion_scalars(opt.param_groups[0])
+    for _ in range(case["steps"]):
+        param.grad = make_grad(param, case, generator)
+        state = opt.state[param]
+        w0 = to_numpy_f32(state["master"] if "master" in state else param)
+        g = to_numpy_f32(param.grad)
+        m0 = decoded_state(state, "exp_avg", w0)
+        opt.step()
+        state = opt.state[param]
+        w, m = lion_f32(w0, g, m0, scalars, maximize=maximize)
+        check_stored(state["exp_avg"], m, plan.exp_avg, "exp_avg")
+        assert set(state) == {"step", "exp_avg"} | ({"master"} if plan.master is not None else set())
+        if plan.master is not None:
+            check_stored(state["master"], w, plan.master, "master")
+        check_stored(param, w, param.dtype, "param")
+
+        w64, m64 = lion_f64(w0, g, m0, lr, *betas, weight_decay, maximize=maximize)
+        # the sign flips only where c is within rounding of 0; elsewhere the bound holds
+        c64 = betas[0] * m0.astype(np.float64) + (1 - betas[0]) * (-g if maximize else g)
+        decided = np.abs(c64) > 1e-5 * (np.abs(m0) + np.abs(g))
+        stored_w = to_numpy_f32(state.get("master", param)).astype(np.float64)
+        limit = 4 * 2.0 ** -24 * (np.abs(w64) + lr) + lr * 2.0 ** -23 + half_ulp(w64, plan.master_dtype)
+        assert np.all(np.abs(stored_w - w64)[decided] <= limit[decided])
+
+
+@given(seed=st.integers(0, 2 ** 31 - 1), shape=st.sampled_from(SHAPES), log2_lr=st.integers(-12, -4),
+       betas=st.sampled_from([(0.9, 0.99), (0.0, 0.0), (0.5, 0.999)]), maximize=st.booleans())
+def test_lion_moves_each_fp32_param_by_exactly_lr(seed, shape, log2_lr, betas, maximize):
+    """Params on a 2^-10 grid and lr = 2^-k make p - lr exact, so the move must be exactly lr."""
+    generator = torch.Generator().manual_seed(seed)
+    param = torch.randint(-1024, 1025, shape, generator=generator).float() / 1024
+    lr = 2.0 ** log2_lr
+    opt = bf16opt.Lion([param], lr=lr, betas=betas, maximize=maximize, backend="reference")
+    for _ in range(2):
+        param.grad = torch.randn(shape, generator=generator) + 0.5  # no zero or tiny grads
+        before = param.clone()
+        c = (opt.state[param]["exp_avg"] * betas[0] if opt.state[param] else 0) + param.grad * (1 - betas[0])
+        opt.step()
+        moved = (param - before).abs()
+        assert torch.all(moved[c != 0] == lr)
+
+
+@given(case=cases(), amsgrad=st.booleans(), maximize=st.booleans(), decoupled=st.booleans())
+def test_zero_grad_adam_without_weight_decay_leaves_params_unchanged(case, amsgrad, maximize, decoupled):
+    generator = torch.Generator().manual_seed(case["seed"])
+    param = make_param(case, generator)
+    before = bits(param)
+    opt = bf16opt.Adam([param], weight_decay=0.0, amsgrad=amsgrad, maximize=maximize,
+                       decoupled_weight_decay=decoupled, precision=case["precision"], backend="reference")
+    for _ in range(case["steps"]):
+        param.grad = torch.zeros_like(param)
+        opt.step()
+    np.testing.assert_array_equal(bits(param), before)
+
+
+@pytest.mark.parametrize("opt_class", [bf16opt.Adam, bf16opt.AdamW, bf16opt.Lion])
+def test_params_without_grad_or_requires_grad_false_are_skipped(opt_class):
+    trained = torch.randn(5)
+    frozen = torch.randn(5)
+    no_grad = torch.randn(5, requires_grad=True)
+    opt = opt_class([trained, frozen, no_grad], lr=0.1)
+    trained.grad = torch.ones(5)
+    frozen_before, no_grad_before = frozen.clone(), no_grad.detach().clone()
+    trained_before = trained.clone()
+    opt.step()
+    assert not torch.equal(trained, trained_before)
+    assert torch.equal(frozen, frozen_before) and torch.equal(no_grad.detach(), no_grad_before)
+    assert frozen not in opt.state and no_grad not in opt.state
