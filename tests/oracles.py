@@ -28,8 +28,8 @@ def bits(t: torch.Tensor) -> np.ndarray:
 
 
 def encode_bits(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """Bits of round-to-nearest-even(x) in ``dtype`` with canonical NaN (numpy only)."""
-    x = np.array(x, dtype=np.float32, ndmin=1)
+    """Bits of round-to-nearest-even(x) in ``dtype`` with canonical NaN (numpy only), flattened."""
+    x = np.array(x, dtype=np.float32, ndmin=1).reshape(-1)
     if dtype == torch.float32:
         out = x.view(np.uint32).copy()
     elif dtype == torch.float16:

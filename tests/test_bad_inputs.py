@@ -1,0 +1,113 @@
+"""Bad input raises ValueError/TypeError naming the argument, and nothing is mutated."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import bf16opt
+from snapshots import assert_unchanged, snapshot
+
+
+def p32(*shape):
+    return torch.randn(*shape or (3,))
+
+
+def bf16_param():
+    return torch.randn(3).to(torch.bfloat16)
+
+
+CONSTRUCTION = [
+    # (id, factory, exception, text the message must contain)
+    ("negative lr", lambda: bf16opt.Adam([p32()], lr=-1e-3), ValueError, "lr"),
+    ("nan lr", lambda: bf16opt.AdamW([p32()], lr=float("nan")), ValueError, "lr"),
+    ("string lr", lambda: bf16opt.Adam([p32()], lr="0.1"), TypeError, "lr"),
+    ("negative eps", lambda: bf16opt.Adam([p32()], eps=-1e-8), ValueError, "eps"),
+    ("negative weight_decay", lambda: bf16opt.AdamW([p32()], weight_decay=-0.1), ValueError, "weight_decay"),
+    ("beta1 = 1", lambda: bf16opt.Adam([p32()], betas=(1.0, 0.999)), ValueError, "betas[0]"),
+    ("beta2 < 0", lambda: bf16opt.Adam([p32()], betas=(0.9, -0.1)), ValueError, "betas[1]"),
+    ("one beta", lambda: bf16opt.Adam([p32()], betas=(0.9,)), TypeError, "betas"),
+    ("amsgrad not bool", lambda: bf16opt.Adam([p32()], amsgrad="yes"), TypeError, "amsgrad"),
+    ("capturable", lambda: bf16opt.Adam([p32()], capturable=True), ValueError, "capturable"),
+    ("differentiable", lambda: bf16opt.AdamW([p32()], differentiable=True), ValueError, "differentiable"),
+    ("fused and foreach", lambda: bf16opt.Adam([p32()], fused=True, foreach=True), ValueError, "fused"),
+    ("lion negative lr", lambda: bf16opt.Lion([p32()], lr=-1.0), ValueError, "lr"),
+    ("lion beta 1.5", lambda: bf16opt.Lion([p32()], betas=(0.9, 1.5)), ValueError, "betas[1]"),
+    ("lion negative wd", lambda: bf16opt.Lion([p32()], weight_decay=-1.0), ValueError, "weight_decay"),
+    ("unknown preset", lambda: bf16opt.AdamW([p32()], precision="bf17"), ValueError, "precision"),
+    ("precision of wrong type", lambda: bf16opt.AdamW([p32()], precision=3), TypeError, "precision"),
+    ("fp16 master for bf16 params",
+     lambda: bf16opt.AdamW([bf16_param()], precision=bf16opt.Precision(master="fp16")), ValueError, "master"),
+    ("fp16 moments", lambda: bf16opt.Precision(exp_avg_sq="fp16"), ValueError, "exp_avg_sq"),
+    ("unknown dtype name", lambda: bf16opt.Precision(master="fp8"), TypeError, "master"),
+    ("unknown rounding", lambda: bf16opt.Precision(rounding="up"), ValueError, "rounding"),
+    ("unknown backend", lambda: bf16opt.AdamW([p32()], backend="tpu"), ValueError, "backend"),
+    ("integer params", lambda: bf16opt.AdamW([torch.zeros(3, dtype=torch.int32)]), TypeError, "params[0]"),
+    ("complex params", lambda: bf16opt.AdamW([torch.zeros(3, dtype=torch.complex64)]), TypeError, "params[0]"),
+    ("float64 params", lambda: bf16opt.AdamW([torch.zeros(3, dtype=torch.float64)]), TypeError, "params[0]"),
+    ("sparse params", lambda: bf16opt.AdamW([torch.zeros(3).to_sparse()]), TypeError, "params[0]"),
+    ("param in two groups",
+     lambda: (lambda p: bf16opt.AdamW([{"params": [p]}, {"params": [p]}]))(p32()), ValueError, "more than one"),
+    ("two devices in one group",
+     lambda: bf16opt.AdamW([p32(), torch.empty(3, device="meta")]), ValueError, "device"),
+    ("bad group lr", lambda: bf16opt.AdamW([{"params": [p32()], "lr": -1}]), ValueError, "lr"),
+    ("bad group precision", lambda: bf16opt.AdamW([{"params": [p32()], "precision": "x"}]), ValueError,
+     "precision"),
+]
+
+
+@pytest.mark.parametrize("factory,exception,text", [c[1:] for c in CONSTRUCTION],
+                         ids=[c[0] for c in CONSTRUCTION])
+def test_bad_construction_arguments(factory, exception, text):
+    with pytest.raises(exception) as info:
+        factory()
+    assert text in str(info.value)
+
+
+def test_reserved_presets_raise_a_clear_error():
+    for name in ("bf16-sr", "bf16-kahan", "fp32-remainder"):
+        with pytest.raises(NotImplementedError, match=name):
+            bf16opt.AdamW([p32()], precision=name)
+
+
+def test_bad_add_param_group_leaves_groups_unchanged():
+    opt = bf16opt.AdamW([p32()])
+    groups = copy.deepcopy(opt.param_groups)
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": [p32()], "lr": -5.0})
+    with pytest.raises(TypeError, match="params"):
+        opt.add_param_group({"params": [torch.zeros(2, dtype=torch.int64)]})
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["lr"] == groups[0]["lr"]
+
+
+# ------------------------------------------------------------- failed steps mutate nothing
+def two_group_optimizer(opt_class=bf16opt.AdamW, preset="bf16"):
+    a, b = bf16_param(), bf16_param()
+    opt = opt_class([{"params": [a]}, {"params": [b], "precision": "fp32"}], lr=0.1, precision=preset)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()  # state exists, so "nothing mutated" covers state too
+    return opt, a, b
+
+
+@pytest.mark.parametrize("opt_class", [bf16opt.AdamW, bf16opt.Lion])
+def test_sparse_grad_fails_before_any_update(opt_class):
+    opt, a, b = two_group_optimizer(opt_class)
+    b.grad = torch.ones(3).to_sparse().to(torch.bfloat16)
+    before = snapshot(opt)
+    with pytest.raises(TypeError, match="sparse"):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("key,value,exception", [("lr", -1.0, ValueError), ("betas", (0.9, 2.0), ValueError),
+                                                 ("weight_decay", "big", TypeError)])
+def test_hyperparameter_broken_after_construction_fails_step_without_mutation(key, value, exception):
+    opt, a, b = two_group_optimizer()
+    opt.param_groups[1][key] = value  # the second group: the first must not be updated either
+    before = snapshot(opt)
+    with pytest.raises(exception, match=key if key != "betas" else "betas"):
+        opt.step()
+    assert_unchanged(opt, before)

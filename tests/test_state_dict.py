@@ -1,0 +1,218 @@
+"""state_dict / load_state_dict: bit-exact round trips, conversions, clear errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import bf16opt
+from bf16opt.precision import PRESETS, plan_for
+from oracles import bits, encode_bits, to_numpy_f32
+from snapshots import assert_unchanged, same_bits, snapshot
+
+PRESET_NAMES = sorted(PRESETS)
+
+
+def model_and_batches(dtype=torch.bfloat16, seed=0, steps=4):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 6), torch.nn.GELU(), torch.nn.Linear(6, 2)).to(dtype)
+    generator = torch.Generator().manual_seed(seed + 1)
+    batches = [torch.randn(4, 9, generator=generator).to(dtype) for _ in range(steps)]
+    return model, batches
+
+
+def train(model, opt, batches):
+    for x in batches:
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+
+
+def save_and_load(state_dict):
+    """Through torch.save / torch.load(weights_only=True), as a checkpoint would go."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+OPTIMIZERS = [(bf16opt.AdamW, {}), (bf16opt.Adam, {"amsgrad": True, "weight_decay": 0.1}), (bf16opt.Lion, {})]
+
+
+@pytest.mark.parametrize("opt_class,kwargs", OPTIMIZERS, ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_round_trip_is_bit_exact_and_resumes_identically(opt_class, kwargs, preset, dtype):
+    model, batches = model_and_batches(dtype)
+    opt = opt_class(model.parameters(), lr=1e-2, precision=preset, **kwargs)
+    train(model, opt, batches[:2])
+
+    resumed_model = copy.deepcopy(model)
+    resumed = opt_class(resumed_model.parameters(), lr=1e-2, precision=preset, **kwargs)
+    resumed.load_state_dict(save_and_load(opt.state_dict()))
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        original, loaded = opt.state[p], resumed.state[q]
+        assert set(original) == set(loaded)
+        for key in original:
+            assert same_bits(original[key], loaded[key]), key
+            assert loaded[key] is not original[key]
+    train(model, opt, batches[2:])
+    train(resumed_model, resumed, batches[2:])
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert same_bits(p.detach(), q.detach())
+
+
+def test_state_dict_keeps_configured_dtypes_and_plain_precision():
+    model, batches = model_and_batches(torch.bfloat16)
+    opt = bf16opt.AdamW(model.parameters(), precision="bf16-states")
+    train(model, opt, batches[:1])
+    state_dict = opt.state_dict()
+    for state in state_dict["state"].values():
+        assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16
+        assert state["master"].dtype == torch.float32
+    assert state_dict["param_groups"][0]["precision"]["exp_avg"] == "bf16"
+    assert state_dict["bf16opt"]["family"] == "adam"
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_torch_state_dict_converts_with_round_to_nearest_even(name, preset):
+    model, batches = model_and_batches(torch.float32)
+    theirs = getattr(torch.optim, name)(model.parameters(), lr=1e-2, amsgrad=True)
+    train(model, theirs, batches)
+    saved = save_and_load(theirs.state_dict())
+
+    ours_model = copy.deepcopy(model).to(torch.bfloat16)
+    ours = getattr(bf16opt, name)(ours_model.parameters(), lr=0.5, precision=preset)
+    ours.load_state_dict(saved)
+    assert ours.param_groups[0]["lr"] == 1e-2 and ours.param_groups[0]["amsgrad"]
+    assert ours.param_groups[0]["precision"] == PRESETS[preset]  # precision stays ours
+    for p, q in zip(model.parameters(), ours_model.parameters()):
+        plan = plan_for(PRESETS[preset], q.dtype)
+        torch_state, state = theirs.state[p], ours.state[q]
+        assert float(state["step"]) == float(torch_state["step"])
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            dtype = plan.exp_avg if key == "exp_avg" else plan.exp_avg_sq
+            assert state[key].dtype == dtype
+            np.testing.assert_array_equal(bits(state[key]), encode_bits(to_numpy_f32(torch_state[key]), dtype))
+        if plan.master is not None:  # torch has no master: it is taken from the param
+            assert torch.equal(state["master"], q.detach().float())
+    train(ours_model, ours, [x.to(torch.bfloat16) for x in batches])  # and training goes on
+
+
+@pytest.mark.parametrize("source", PRESET_NAMES)
+@pytest.mark.parametrize("target", PRESET_NAMES)
+def test_state_dict_of_one_preset_loads_into_another(source, target):
+    model, batches = model_and_batches(torch.bfloat16)
+    opt = bf16opt.AdamW(model.parameters(), precision=source)
+    train(model, opt, batches[:2])
+    other = bf16opt.AdamW(model.parameters(), precision=target)
+    other.load_state_dict(opt.state_dict())
+    for p in model.parameters():
+        plan = plan_for(PRESETS[target], p.dtype)
+        for key, dtype in (("exp_avg", plan.exp_avg), ("exp_avg_sq", plan.exp_avg_sq)):
+            np.testing.assert_array_equal(bits(other.state[p][key]),
+                                          encode_bits(to_numpy_f32(opt.state[p][key]), dtype))
+        if plan.master is None:
+            assert "master" not in other.state[p]
+        else:  # the saved master when there is one, else the param
+            expected = opt.state[p].get("master", p.detach().float())
+            assert same_bits(other.state[p]["master"], expected.float())
+    train(model, other, batches[2:])
+
+
+def test_scheduler_entries_survive_a_load():
+    model, batches = model_and_batches()
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, batches[:2])
+    scheduler.step()
+    other = bf16opt.AdamW(model.parameters(), lr=1e-2)
+    other.load_state_dict(opt.state_dict())
+    assert other.param_groups[0]["initial_lr"] == 1e-2
+    assert other.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 5e-3
+
+
+# ------------------------------------------------------------------- mismatches
+def trained(opt_class=bf16opt.AdamW, **kwargs):
+    model, batches = model_and_batches()
+    opt = opt_class(model.parameters(), **kwargs)
+    train(model, opt, batches[:1])
+    return model, opt
+
+
+def lion_state_dict():
+    return trained(bf16opt.Lion)[1].state_dict()
+
+
+def sgd_state_dict():
+    model, batches = model_and_batches(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, opt, batches[:1])
+    return opt.state_dict()
+
+
+def with_extra_group(state_dict):
+    state_dict = copy.deepcopy(state_dict)
+    state_dict["param_groups"].append(dict(state_dict["param_groups"][0], params=[]))
+    return state_dict
+
+
+def with_param_dropped(state_dict):
+    state_dict = copy.deepcopy(state_dict)
+    state_dict["param_groups"][0]["params"] = state_dict["param_groups"][0]["params"][:-1]
+    return state_dict
+
+
+def with_wrong_shape(state_dict):
+    state_dict = copy.deepcopy(state_dict)
+    state_dict["state"][1]["exp_avg"] = torch.zeros(7)
+    return state_dict
+
+
+def with_unknown_index(state_dict):
+    state_dict = copy.deepcopy(state_dict)
+    state_dict["state"][99] = state_dict["state"][0]
+    return state_dict
+
+
+def with_negative_lr(state_dict):
+    state_dict = copy.deepcopy(state_dict)
+    state_dict["param_groups"][0]["lr"] = -1.0
+    return state_dict
+
+
+MISMATCHES = [
+    ("lion into adamw", lambda sd: lion_state_dict(), ValueError, "Lion"),
+    ("torch SGD", lambda sd: sgd_state_dict(), ValueError, "momentum_buffer"),
+    ("extra param group", with_extra_group, ValueError, "parameter groups"),
+    ("fewer params", with_param_dropped, ValueError, "params"),
+    ("wrong state shape", with_wrong_shape, ValueError, "shape"),
+    ("state of unknown param", with_unknown_index, ValueError, "99"),
+    ("invalid hyper-parameter", with_negative_lr, ValueError, "lr"),
+    ("not a state dict", lambda sd: {"state": {}}, ValueError, "param_groups"),
+]
+
+
+@pytest.mark.parametrize("corrupt,exception,text", [m[1:] for m in MISMATCHES], ids=[m[0] for m in MISMATCHES])
+def test_mismatched_state_dict_raises_and_changes_nothing(corrupt, exception, text):
+    model, opt = trained(precision="bf16-states")
+    bad = corrupt(opt.state_dict())
+    before = snapshot(opt)
+    with pytest.raises(exception) as info:
+        opt.load_state_dict(bad)
+    assert text in str(info.value)
+    assert_unchanged(opt, before)
+
+
+def test_adam_state_dict_does_not_load_into_lion():
+    _, adam = trained(bf16opt.Adam)
+    _, lion = trained(bf16opt.Lion)
+    before = snapshot(lion)
+    with pytest.raises(ValueError, match="Adam"):
+        lion.load_state_dict(adam.state_dict())
+    assert_unchanged(lion, before)
