@@ -33,7 +33,8 @@ def encode_bits(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     if dtype == torch.float32:
         out = x.view(np.uint32).copy()
     elif dtype == torch.float16:
-        out = x.astype(np.float16).view(np.uint16).copy()
+        with np.errstate(over="ignore"):  # overflow to inf is the IEEE result we want
+            out = x.astype(np.float16).view(np.uint16).copy()
     elif dtype == torch.bfloat16:
         b = x.view(np.uint32).astype(np.uint64)
         out = (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint16)
