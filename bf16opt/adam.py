@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .backends import AdamScalars, Bucket, f32
-from .optimizer import (MixedPrecisionOptimizer, check_betas, check_flag, check_number)
+from .optimizer import MixedPrecisionOptimizer, check_betas, check_flag, check_number, default_seed
 
 __all__ = ["Adam", "AdamW", "adam_scalars"]
 
@@ -37,6 +37,10 @@ class Adam(MixedPrecisionOptimizer):
     * ``precision``: a preset name (``"fp32"``, ``"bf16"``, ``"bf16-master"``,
       ``"bf16-states"``) or a :class:`bf16opt.Precision`; also per param group.
     * ``backend``: ``"auto"``, ``"reference"``, ``"numba"`` or ``"cupy"``.
+    * ``seed``: stochastic rounding's seed (default: from ``torch.initial_seed()``); it is
+      saved in the state dict, so a resumed run draws the same random bits.
+    * ``track_precision``: count swallowed updates and underflowed moments every step,
+      read with :meth:`precision_stats`.
 
     The math, with :math:`\theta` the master weights, per step :math:`t`:
 
@@ -61,12 +65,13 @@ class Adam(MixedPrecisionOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 precision="fp32", backend="auto"):
+                 precision="fp32", backend="auto", seed=None, track_precision=False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         foreach=foreach, maximize=maximize, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
-                        precision=precision, backend=backend)
+                        precision=precision, backend=backend,
+                        seed=default_seed() if seed is None else seed, track_precision=track_precision)
         self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 
@@ -86,8 +91,8 @@ class Adam(MixedPrecisionOptimizer):
     def _all_moment_keys(self) -> tuple:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-    def _new_bucket(self, group: dict, plan) -> Bucket:
-        bucket = super()._new_bucket(group, plan)
+    def _new_bucket(self, group: dict, plan, step: int) -> Bucket:
+        bucket = super()._new_bucket(group, plan, step)
         bucket.l2 = (not group["decoupled_weight_decay"]) and float(group["weight_decay"]) != 0.0
         return bucket
 
@@ -104,11 +109,12 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, precision="fp32", backend="auto"):
+                 differentiable=False, fused=None, precision="fp32", backend="auto", seed=None,
+                 track_precision=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, precision=precision,
-                         backend=backend)
+                         backend=backend, seed=seed, track_precision=track_precision)
 
     def _force_group_entries(self, group: dict) -> None:
         group["decoupled_weight_decay"] = True

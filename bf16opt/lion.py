@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .backends import Bucket, LionScalars, f32
-from .optimizer import MixedPrecisionOptimizer, check_betas, check_flag, check_number
+from .optimizer import MixedPrecisionOptimizer, check_betas, check_flag, check_number, default_seed
 
 __all__ = ["Lion", "lion_scalars"]
 
@@ -31,7 +31,8 @@ class Lion(MixedPrecisionOptimizer):
         m_t &= \beta_2 m_{t-1} + (1-\beta_2) g_t
 
     Args: ``params``, ``lr`` (1e-4), ``betas`` ((0.9, 0.99)), ``weight_decay`` (0.0,
-    decoupled), ``maximize``, plus ``precision`` and ``backend`` as in :class:`bf16opt.Adam`.
+    decoupled), ``maximize``, plus ``precision``, ``backend``, ``seed`` and
+    ``track_precision`` as in :class:`bf16opt.Adam`.
     Lion keeps one moment, so ``Precision.exp_avg_sq`` is unused.  The exact float32
     operation order is specified in ``bf16opt/backends/reference.py``.
     """
@@ -39,9 +40,10 @@ class Lion(MixedPrecisionOptimizer):
     family = "lion"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
-                 precision="fp32", backend="auto"):
+                 precision="fp32", backend="auto", seed=None, track_precision=False):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
-                        precision=precision, backend=backend)
+                        precision=precision, backend=backend,
+                        seed=default_seed() if seed is None else seed, track_precision=track_precision)
         self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 

@@ -11,7 +11,8 @@ from .precision import SHORT_NAME
 __all__ = ["MemoryReport", "memory_report"]
 
 # Always listed, in this order; any other state buffer is appended under its own name.
-COMPONENTS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation")
+COMPONENTS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation",
+              "remainder")
 # Components that are the optimizer's own (not the model's params and grads).
 MODEL_COMPONENTS = ("params", "grads")
 

@@ -21,14 +21,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from .backends import Bucket, check_backend_name, resolve_backend
-from .precision import (PARAM_DTYPES, Precision, StoragePlan, as_precision, check_implemented,
-                        plan_for)
-from .storage import decode, encode
+from .precision import PARAM_DTYPES, Precision, StoragePlan, as_precision, plan_for
+from .storage import decode, encode, join_remainder, split_remainder
 
 STATE_DICT_FORMAT = 1
 # Group entries that describe this optimizer object, not the training run: when a
 # state dict is loaded, the live optimizer keeps its own values for these.
-IMPLEMENTATION_KEYS = ("precision", "backend", "foreach", "fused", "capturable", "differentiable")
+IMPLEMENTATION_KEYS = ("precision", "backend", "foreach", "fused", "capturable", "differentiable",
+                       "track_precision")
+TELEMETRY = ("swallowed", "exp_avg_underflow", "exp_avg_sq_underflow")
 
 
 # ---------------------------------------------------------------- argument checks
@@ -80,6 +81,18 @@ def check_implementation_flags(group: dict) -> None:
                          "differentiable (it writes rounded results in place)")
 
 
+def check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+
+
+def default_seed() -> int:
+    """Stochastic-rounding seed derived from torch's, so ``torch.manual_seed`` fixes it."""
+    return torch.initial_seed() % 2 ** 64
+
+
 def check_param(param, index: int) -> None:
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"params[{index}] must be a torch.Tensor, got {type(param).__name__}")
@@ -92,6 +105,10 @@ def check_param(param, index: int) -> None:
                         f"not supported)")
     if not param.is_leaf:
         raise ValueError(f"params[{index}] is not a leaf tensor; can't optimize a non-leaf Tensor")
+
+
+def _plain_plans_only(plan: StoragePlan) -> bool:
+    return plan.rounding == "nearest" and plan.compensation is None
 
 
 # ---------------------------------------------------------------- the base class
@@ -150,13 +167,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict, params: list) -> None:
         """Validate and normalise a group in place (precision, backend, hyper-parameters)."""
         group["precision"] = as_precision(group["precision"])
-        check_implemented(group["precision"])
         for param in params:
             plan_for(group["precision"], param.dtype)  # rejects invalid dtype combinations
         check_backend_name(group["backend"])
         for device in {p.device for p in params}:
             resolve_backend(group["backend"], device)
         check_implementation_flags(group)
+        check_flag(group.get("track_precision", False), "track_precision")
+        if "seed" in group:
+            check_seed(group["seed"])
         self._check_hyperparameters(group)
 
     # ---- state
@@ -175,6 +194,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if plan.master is not None and "master" not in state:
             state["master"] = param.detach().to(plan.master, memory_format=torch.preserve_format,
                                                 copy=True)
+        if plan.compensation == "kahan" and "compensation" not in state:
+            state["compensation"] = torch.zeros_like(param, dtype=plan.compensation_dtype,
+                                                     memory_format=torch.preserve_format)
+        if plan.compensation == "remainder" and "remainder" not in state:
+            # a bf16 value is an exact float32 master with remainder 0
+            state["remainder"] = torch.zeros_like(param, dtype=torch.int16,
+                                                  memory_format=torch.preserve_format)
         return state
 
     # ---- step
@@ -206,9 +232,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index_of = None
         for group, params in self._params_with_grad():
             if not params:
                 continue
+            if index_of is None:  # a param's index names its random streams
+                index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
             buckets: dict = {}
             for param in params:
                 plan = self._plan(group, param)
@@ -217,16 +246,66 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 key = (param.device, plan, int(state["step"].item()))
                 bucket = buckets.get(key)
                 if bucket is None:
-                    bucket = buckets[key] = self._new_bucket(group, plan)
+                    bucket = buckets[key] = self._new_bucket(group, plan, key[2])
                 self._add_to_bucket(bucket, group, param, state)
+                bucket.indices.append(index_of[id(param)])
             for (device, _plan, step), bucket in buckets.items():
-                self._update(resolve_backend(group["backend"], device), bucket, group, step)
+                if group.get("track_precision"):
+                    bucket.counts = torch.zeros(len(bucket.params), len(TELEMETRY), dtype=torch.int64)
+                self._update(self._backend_for(group, device, bucket.plan), bucket, group, step)
+                if bucket.counts is not None:
+                    for param, counts in zip(bucket.params, bucket.counts.tolist()):
+                        self._precision_counts[param] = (param.numel(), counts)
         return loss
 
-    def _new_bucket(self, group: dict, plan: StoragePlan) -> Bucket:
-        return Bucket(plan=plan, maximize=group["maximize"], amsgrad=group.get("amsgrad", False))
+    @staticmethod
+    def _backend_for(group: dict, device, plan: StoragePlan):
+        backend = resolve_backend(group["backend"], device)
+        if not getattr(backend, "supports", _plain_plans_only)(plan):
+            if group["backend"] != "auto":
+                raise NotImplementedError(f"backend={group['backend']!r} does not implement {plan}; "
+                                          f"use backend='auto' or 'reference'")
+            backend = resolve_backend("reference", device)
+        return backend
+
+    @property
+    def _precision_counts(self) -> dict:
+        counts = self.__dict__.get("_telemetry")
+        if counts is None:
+            counts = self.__dict__["_telemetry"] = {}
+        return counts
+
+    def precision_stats(self) -> dict:
+        """Precision telemetry of the last step (needs ``track_precision=True``).
+
+        Returns ``{param index: {"swallowed": f, "exp_avg_underflow": f,
+        "exp_avg_sq_underflow": f}}`` as fractions of each param's elements, plus
+        ``"total"`` over all tracked params.  ``swallowed``: non-zero updates that left
+        the stored master weights unchanged; ``*_underflow``: non-zero moments stored
+        as zero.
+        """
+        if not any(group.get("track_precision") for group in self.param_groups):
+            raise RuntimeError("precision_stats() needs the optimizer built with track_precision=True")
+        stats, totals, elements = {}, [0] * len(TELEMETRY), 0
+        index = 0
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param in self._precision_counts:
+                    numel, counts = self._precision_counts[param]
+                    stats[index] = {name: c / max(numel, 1) for name, c in zip(TELEMETRY, counts)}
+                    totals = [t + c for t, c in zip(totals, counts)]
+                    elements += numel
+                index += 1
+        stats["total"] = {name: t / max(elements, 1) for name, t in zip(TELEMETRY, totals)}
+        return stats
+
+    def _new_bucket(self, group: dict, plan: StoragePlan, step: int) -> Bucket:
+        return Bucket(plan=plan, maximize=group["maximize"], amsgrad=group.get("amsgrad", False),
+                      seed=group["seed"], step=step)
 
     def _add_to_bucket(self, bucket: Bucket, group: dict, param: torch.Tensor, state: dict) -> None:
+        bucket.compensations.append(state.get("compensation"))
+        bucket.remainders.append(state.get("remainder"))
         bucket.params.append(param)
         bucket.grads.append(param.grad)
         bucket.masters.append(state.get("master"))
@@ -290,28 +369,39 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for index, param in zip(saved["params"], live["params"]):
                 param_of_index[index] = (param, group)
 
-        new_state = defaultdict(dict)
+        new_state, param_writes = defaultdict(dict), []
         for index, saved_state in state_dict["state"].items():
             if index not in param_of_index:
                 raise ValueError(f"loaded state dict holds state for param index {index!r}, "
                                  f"which none of its param groups lists")
             param, group = param_of_index[index]
-            new_state[param] = self._convert_state(saved_state, param, group, index)
+            new_state[param], new_param = self._convert_state(saved_state, param, group, index)
+            if new_param is not None:
+                param_writes.append((param, new_param))
 
         self.param_groups[:] = new_groups
         self.state = new_state
+        with torch.no_grad():
+            for param, new_param in param_writes:
+                param.copy_(new_param)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def _force_group_entries(self, group: dict) -> None:
         """Entries a subclass pins whatever the state dict says (AdamW: decoupled decay)."""
 
-    def _convert_state(self, saved: dict, param: torch.Tensor, group: dict, index) -> dict:
+    def _convert_state(self, saved: dict, param: torch.Tensor, group: dict, index) -> tuple:
+        """(new state, new param bits or None) for one param; raises before changing anything.
+
+        A remainder plan holds part of the master in the param, so loading a master into
+        it rewrites the param as the master's ties-away rounding (it differs from the
+        round-to-nearest-even param only on exact ties).
+        """
         if not isinstance(saved, dict):
             raise ValueError(f"state of param {index} must be a dict, got {type(saved).__name__}")
         plan = self._plan(group, param)
         moment_keys = self._moment_keys(group)
-        known = {"step", "master"} | set(self._all_moment_keys())
+        known = {"step", "master", "compensation", "remainder"} | set(self._all_moment_keys())
         unknown = set(saved) - known
         if unknown:
             raise ValueError(f"state of param {index} holds {sorted(unknown)}, which "
@@ -331,10 +421,32 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if key in saved:
                 dtype = getattr(plan, self._MOMENT_DTYPE_FIELD[key])
                 state[key] = self._converted(saved[key], param, dtype, f"{key} of param {index}")
-        if plan.master is not None:
-            source = saved.get("master", param.detach())
-            state["master"] = self._converted(source, param, plan.master, f"master of param {index}")
-        return state
+        new_param = None
+        if plan.master is not None or plan.compensation == "remainder":
+            master = self._saved_master(saved, param, index)
+            if plan.master is not None:
+                state["master"] = self._converted(master, param, plan.master, f"master of param {index}")
+            else:
+                new_param, remainder = split_remainder(master)
+                state["remainder"] = torch.empty_like(param, dtype=torch.int16).copy_(remainder)
+                new_param = torch.empty_like(param).copy_(new_param)
+        if plan.compensation == "kahan" and "compensation" in saved:
+            state["compensation"] = self._converted(saved["compensation"], param, plan.compensation_dtype,
+                                                    f"compensation of param {index}")
+        return state, new_param
+
+    def _saved_master(self, saved: dict, param: torch.Tensor, index) -> torch.Tensor:
+        """The float32 master a saved state holds: its copy, param + remainder, or the param."""
+        if "master" in saved:
+            return self._converted(saved["master"], param, torch.float32, f"master of param {index}")
+        if "remainder" in saved and param.dtype == torch.bfloat16:
+            remainder = saved["remainder"]
+            if not isinstance(remainder, torch.Tensor) or remainder.dtype != torch.int16 \
+                    or remainder.shape != param.shape:
+                raise ValueError(f"remainder of param {index} must be an int16 tensor of shape "
+                                 f"{tuple(param.shape)}")
+            return join_remainder(param.detach(), remainder.to(param.device))
+        return decode(param.detach()).clone()
 
     def _all_moment_keys(self) -> tuple:
         """Every moment key this optimizer kind may hold, whatever its settings."""

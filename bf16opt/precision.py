@@ -17,6 +17,17 @@ Rules that turn a request into a plan (documented in the README too):
 * Moments (``exp_avg``, ``exp_avg_sq`` and amsgrad's ``max_exp_avg_sq``) are float32 or
   bfloat16 whatever the param dtype; float16 moments are rejected (``exp_avg_sq``
   holds squared gradients, which leave float16's range).
+* ``rounding="stochastic"`` applies to the buffers that accumulate across steps and are
+  16-bit: the master weights (when the 16-bit param is the master) and 16-bit moments.
+  A param written from a float32 master copy is a view of it and stays round-to-nearest.
+* ``compensation="kahan"`` adds a buffer (``compensation_dtype``, bfloat16 by default)
+  that carries each step's rounding error of 16-bit master weights into the next step;
+  with a float32 master there is nothing to compensate and no buffer is made.
+* ``compensation="remainder"`` (requires ``master="fp32"``) stores the float32 master of
+  bfloat16 params exactly as the param plus a 16-bit remainder.  The param is then the
+  master rounded to nearest with ties away from zero (not to even): an even bfloat16
+  value owns 65537 float32 patterns once both ties are counted, one more than 16 bits
+  can name.  float32 params are their own master; float16 params get a float32 copy.
 """
 
 from __future__ import annotations
@@ -25,12 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Precision", "PRESETS", "RESERVED_PRESETS", "StoragePlan", "as_precision", "plan_for"]
+__all__ = ["Precision", "PRESETS", "StoragePlan", "all_plans", "as_precision", "plan_for"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 ROUNDINGS = ("nearest", "stochastic")
-COMPENSATIONS = (None, "kahan")
+COMPENSATIONS = (None, "kahan", "remainder")
 
 # significand bits, the order in which a master may replace a param
 _SIGNIFICAND_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
@@ -40,7 +51,7 @@ _DTYPE_NAMES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
-SHORT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+SHORT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int16: "int16"}
 
 
 def _as_dtype(value, argument: str) -> torch.dtype:
@@ -68,8 +79,10 @@ class Precision:
         exp_avg_sq: dtype of the second moment (Adam only; also amsgrad's maximum).
         rounding: how float32 results are encoded into 16-bit storage:
             ``"nearest"`` (round to nearest, ties to even) or ``"stochastic"``.
-        compensation: ``None`` or ``"kahan"`` (a buffer carrying each update's
-            rounding error into the next step).
+        compensation: ``None``, ``"kahan"`` (a buffer carrying each update's rounding
+            error into the next step) or ``"remainder"`` (exact float32 master as
+            bfloat16 param + 16-bit remainder; needs ``master="fp32"``).
+        compensation_dtype: dtype of the Kahan buffer (``"bf16"`` or ``"fp32"``).
     """
 
     master: torch.dtype = torch.float32
@@ -77,10 +90,11 @@ class Precision:
     exp_avg_sq: torch.dtype = torch.float32
     rounding: str = "nearest"
     compensation: str | None = None
+    compensation_dtype: torch.dtype = torch.bfloat16
     name: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
-        for argument in ("master", "exp_avg", "exp_avg_sq"):
+        for argument in ("master", "exp_avg", "exp_avg_sq", "compensation_dtype"):
             object.__setattr__(self, argument, _as_dtype(getattr(self, argument), argument))
         for argument in ("exp_avg", "exp_avg_sq"):
             if getattr(self, argument) not in MOMENT_DTYPES:
@@ -90,14 +104,23 @@ class Precision:
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"Precision(rounding=...) must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.compensation not in COMPENSATIONS:
-            raise ValueError(
-                f"Precision(compensation=...) must be None or 'kahan', got {self.compensation!r}")
+            raise ValueError(f"Precision(compensation=...) must be None, 'kahan' or 'remainder', "
+                             f"got {self.compensation!r}")
+        if self.compensation_dtype not in MOMENT_DTYPES:
+            raise ValueError("Precision(compensation_dtype=...) must be bfloat16 or float32")
+        if self.compensation == "remainder" and self.master != torch.float32:
+            raise ValueError("Precision(compensation='remainder') stores a float32 master; it needs "
+                             "master='fp32'")
+        if self.compensation is not None and self.rounding == "stochastic":
+            raise ValueError("Precision(rounding='stochastic') and compensation=... are alternatives; "
+                             "choose one")
 
     def to_dict(self) -> dict:
         """Plain-type form for state dicts (loadable with ``torch.load(weights_only=True)``)."""
         return {"master": SHORT_NAME[self.master], "exp_avg": SHORT_NAME[self.exp_avg],
                 "exp_avg_sq": SHORT_NAME[self.exp_avg_sq], "rounding": self.rounding,
-                "compensation": self.compensation, "name": self.name}
+                "compensation": self.compensation,
+                "compensation_dtype": SHORT_NAME[self.compensation_dtype], "name": self.name}
 
     def __str__(self) -> str:
         if self.name:
@@ -105,6 +128,10 @@ class Precision:
         return (f"Precision(master={SHORT_NAME[self.master]}, exp_avg={SHORT_NAME[self.exp_avg]}, "
                 f"exp_avg_sq={SHORT_NAME[self.exp_avg_sq]}, rounding={self.rounding}, "
                 f"compensation={self.compensation})")
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self)
 
 
 PRESETS: dict[str, Precision] = {
@@ -116,11 +143,18 @@ PRESETS: dict[str, Precision] = {
     "bf16-master": Precision(torch.bfloat16, torch.float32, torch.float32, name="bf16-master"),
     # fp32 master copy, bf16 moments
     "bf16-states": Precision(torch.float32, torch.bfloat16, torch.bfloat16, name="bf16-states"),
+    # bf16 master and moments, stochastic rounding: no update is lost on average
+    "bf16-sr": Precision(torch.bfloat16, torch.bfloat16, torch.bfloat16, rounding="stochastic",
+                         name="bf16-sr"),
+    # bf16 master and moments plus a bf16 Kahan buffer for the weights' rounding error
+    "bf16-kahan": Precision(torch.bfloat16, torch.bfloat16, torch.bfloat16, compensation="kahan",
+                            name="bf16-kahan"),
+    # exact fp32 master as bf16 param + 16-bit remainder, fp32 or bf16 moments
+    "fp32-remainder": Precision(torch.float32, torch.float32, torch.float32, compensation="remainder",
+                                name="fp32-remainder"),
+    "fp32-remainder-bf16-states": Precision(torch.float32, torch.bfloat16, torch.bfloat16,
+                                            compensation="remainder", name="fp32-remainder-bf16-states"),
 }
-
-# Names taken by the low-precision quality work (stochastic rounding, Kahan compensation,
-# exact fp32 master as bf16 param + int16 remainder); not implemented in this release.
-RESERVED_PRESETS = ("bf16-sr", "bf16-kahan", "fp32-remainder", "fp32-remainder-bf16-states")
 
 
 def as_precision(value) -> Precision:
@@ -130,10 +164,6 @@ def as_precision(value) -> Precision:
     if isinstance(value, str):
         if value in PRESETS:
             return PRESETS[value]
-        if value in RESERVED_PRESETS:
-            raise NotImplementedError(
-                f"precision={value!r} is a reserved preset name that this release does not "
-                f"implement yet; available presets: {sorted(PRESETS)}")
         raise ValueError(f"Unknown precision preset {value!r}; choose one of {sorted(PRESETS)} "
                          f"or pass a bf16opt.Precision(...)")
     if isinstance(value, dict):
@@ -144,19 +174,15 @@ def as_precision(value) -> Precision:
     raise TypeError(f"precision must be a preset name or a bf16opt.Precision, got {type(value).__name__}")
 
 
-def check_implemented(precision: Precision) -> None:
-    """Raise for features this release declares but does not implement yet."""
-    if precision.rounding != "nearest":
-        raise NotImplementedError(
-            f"Precision(rounding={precision.rounding!r}) is not implemented in this release")
-    if precision.compensation is not None:
-        raise NotImplementedError(
-            f"Precision(compensation={precision.compensation!r}) is not implemented in this release")
-
-
 @dataclass(frozen=True)
 class StoragePlan:
-    """What is stored for one parameter.  ``master is None`` means the param is the master."""
+    """What is stored for one parameter.
+
+    ``master is None``: the param is the master (with ``compensation="remainder"`` the
+    param plus the int16 remainder is an exact float32 master).  ``rounding`` is
+    ``"stochastic"`` only when some accumulating buffer is 16-bit; ``compensation`` is
+    ``"kahan"`` only when the master is 16-bit.
+    """
 
     param: torch.dtype
     master: torch.dtype | None
@@ -164,10 +190,13 @@ class StoragePlan:
     exp_avg_sq: torch.dtype
     rounding: str = "nearest"
     compensation: str | None = None
+    compensation_dtype: torch.dtype | None = None
 
     @property
     def master_dtype(self) -> torch.dtype:
-        """dtype the update is applied to (the copy's, or the param's own)."""
+        """dtype of the value the update is applied to."""
+        if self.compensation == "remainder":
+            return torch.float32
         return self.master if self.master is not None else self.param
 
 
@@ -179,18 +208,30 @@ def plan_for(precision: Precision, param_dtype: torch.dtype) -> StoragePlan:
             "Precision(master=float16) is invalid for bfloat16 params: float16 cannot hold "
             "bfloat16's range; use master='fp32' or 'bf16'")
     more_precise = _SIGNIFICAND_BITS[precision.master] > _SIGNIFICAND_BITS[param_dtype]
+    master = precision.master if more_precise else None
+    compensation = precision.compensation
+    if compensation == "remainder" and param_dtype == torch.bfloat16:
+        master = None  # the param and the remainder are the master
+    elif compensation == "remainder" or (compensation == "kahan" and (master or param_dtype) == torch.float32):
+        compensation = None  # float32 params are their own master; nothing to compensate
+    master_dtype = master or param_dtype
+    sixteen_bit = {master_dtype, precision.exp_avg, precision.exp_avg_sq} - {torch.float32}
     return StoragePlan(
         param=param_dtype,
-        master=precision.master if more_precise else None,
+        master=master,
         exp_avg=precision.exp_avg,
         exp_avg_sq=precision.exp_avg_sq,
-        rounding=precision.rounding,
-        compensation=precision.compensation,
+        rounding=precision.rounding if sixteen_bit else "nearest",
+        compensation=compensation,
+        compensation_dtype=precision.compensation_dtype if compensation == "kahan" else None,
     )
 
 
-def all_plans() -> list:
-    """Every StoragePlan the policy allows (what a kernel backend must be able to run)."""
+def all_plans(quality: bool = False) -> list:
+    """Every StoragePlan the policy allows (what a kernel backend must be able to run).
+
+    ``quality=True`` adds the stochastic-rounding, Kahan and remainder plans.
+    """
     plans = []
     for param in PARAM_DTYPES:
         masters = [None] + [d for d in PARAM_DTYPES
@@ -200,4 +241,26 @@ def all_plans() -> list:
             for exp_avg in MOMENT_DTYPES:
                 for exp_avg_sq in MOMENT_DTYPES:
                     plans.append(StoragePlan(param, master, exp_avg, exp_avg_sq))
+    if quality:
+        extra = set()
+        for precision in _quality_precisions():
+            for param in PARAM_DTYPES:
+                try:
+                    plan = plan_for(precision, param)
+                except ValueError:
+                    continue
+                if plan.rounding != "nearest" or plan.compensation is not None:
+                    extra.add(plan)
+        plans += sorted(extra, key=str)
     return plans
+
+
+def _quality_precisions():
+    for master in PARAM_DTYPES:
+        for exp_avg in MOMENT_DTYPES:
+            for exp_avg_sq in MOMENT_DTYPES:
+                yield Precision(master, exp_avg, exp_avg_sq, rounding="stochastic")
+                for dtype in MOMENT_DTYPES:
+                    yield Precision(master, exp_avg, exp_avg_sq, compensation="kahan", compensation_dtype=dtype)
+                if master == torch.float32:
+                    yield Precision(master, exp_avg, exp_avg_sq, compensation="remainder")

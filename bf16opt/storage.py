@@ -13,9 +13,36 @@ same functions and must produce the same bits.
 * NaN is stored as the canonical quiet NaN of each format (float32 0x7FC00000,
   bfloat16 0x7FC0, float16 0x7E00) whatever its sign or payload, so NaN propagation
   differences between CPUs and GPUs never show in stored bits.
+
+Stochastic rounding (``encode_stochastic``) takes 32 random bits per element from a
+counter-based hash, never from a stateful generator, so every backend, thread count
+and launch shape draws the same bits:
+
+* ``fmix32`` is MurmurHash3's 32-bit finaliser; all arithmetic is modulo 2**32.
+* ``stream_key(seed, step, tensor_index, buffer)`` (host, once per tensor and step)::
+
+      k = 0
+      for word in (seed & M, seed >> 32 & M, step & M, tensor_index & M, buffer):
+          k = fmix32((k ^ word) + 0x9E3779B9)
+
+* per element ``i`` (the row-major index in the tensor):
+  ``r = fmix32(k ^ (i * 0x9E3779B9 mod 2**32))``.
+* bfloat16: ``bits(x) + (r >> 16)``, then keep the upper 16 bits (rounds the magnitude
+  up with probability equal to the dropped fraction).
+* float16, ``|x| >= 2**-14``: ``(bits(|x|) + (r >> 19))`` with the low 13 bits cleared,
+  then converted exactly; ``|x| < 2**-14`` (float16's subnormal grid of step 2**-24):
+  ``y = |x| * 2**24, n = floor(y)``, round up when ``float(r >> 8) < (y - n) * 2**24``.
+* inf stays inf and NaN becomes the canonical NaN, as with round to nearest.
+
+Exact float32 master in 16 extra bits (``split_remainder`` / ``join_remainder``): with
+M the float32 bits, ``param = (M + 0x8000) >> 16`` (nearest, ties away from zero) and
+``remainder = M & 0xFFFF`` read as int16; ``M = ((param - (remainder < 0)) << 16) |
+(remainder & 0xFFFF)``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -62,3 +89,104 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def store(target: torch.Tensor, value_f32: torch.Tensor) -> None:
     """Write ``encode(value_f32, target.dtype)`` into ``target`` in place."""
     target.copy_(encode(value_f32, target.dtype))
+
+
+# ---------------------------------------------------------------- stochastic rounding
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+# Buffer numbers in the hash, so each buffer of a tensor draws its own stream.
+WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
+
+
+def fmix32_int(h: int) -> int:
+    """MurmurHash3 fmix32 on a Python int (host side)."""
+    h &= MASK32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def stream_key(seed: int, step: int, tensor_index: int, buffer: int) -> int:
+    """32-bit key of one (seed, step, tensor, buffer) random stream."""
+    key = 0
+    for word in (seed & MASK32, (seed >> 32) & MASK32, step & MASK32, tensor_index & MASK32, buffer):
+        key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
+    return key
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """(a * c) mod 2**32 for int64 tensors holding uint32 values, without int64 overflow."""
+    return ((a & 0xFFFF) * c + ((((a >> 16) * c) & 0xFFFF) << 16)) & MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def random_bits(key: int, shape, device=None) -> torch.Tensor:
+    """uint32 values (in int64) of the stream ``key`` for a tensor of ``shape``, row-major."""
+    index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).reshape(shape)
+    return _fmix32(_mul32(index, GOLDEN) ^ key)
+
+
+def _as_uint32(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32).to(torch.int64) & MASK32
+
+
+def _from_uint32(bits: torch.Tensor) -> torch.Tensor:
+    signed = torch.where(bits >= 0x80000000, bits - 0x100000000, bits)
+    return signed.to(torch.int32).view(torch.float32)
+
+
+def encode_stochastic(x: torch.Tensor, dtype: torch.dtype, random: torch.Tensor) -> torch.Tensor:
+    """Stochastically rounded encoding of float32 ``x`` (see module doc); float32 is exact."""
+    if dtype == torch.float32:
+        return encode(x, dtype)
+    bits = _as_uint32(x)
+    if dtype == torch.bfloat16:
+        upper = ((bits + (random >> 16)) >> 16) & 0xFFFF
+        upper = torch.where(upper >= 0x8000, upper - 0x10000, upper)
+        encoded = _bits_as(upper, torch.bfloat16)
+        finite = ~torch.isinf(x)  # inf + random bits would turn into NaN patterns
+        encoded = torch.where(finite, encoded, x.to(torch.bfloat16))
+    elif dtype == torch.float16:
+        magnitude = bits & 0x7FFFFFFF
+        normal = _from_uint32((magnitude + (random >> 19)) & ~0x1FFF & MASK32)
+        scaled = torch.abs(x) * 2.0 ** 24
+        floor = torch.floor(scaled)
+        up = (random >> 8).to(torch.float32) < (scaled - floor) * 2.0 ** 24
+        subnormal = (floor + up.to(torch.float32)) * 2.0 ** -24
+        value = torch.where(magnitude >= 0x38800000, normal, subnormal)
+        value = torch.where(torch.isinf(x), torch.abs(x), value)
+        encoded = torch.where(bits >= 0x80000000, -value, value).to(torch.float16)
+    else:
+        raise TypeError(f"cannot encode into {dtype}")
+    nan = torch.isnan(x)
+    if bool(nan.any()):
+        canonical = torch.tensor(CANONICAL_NAN_BITS[dtype], dtype=torch.int64)
+        encoded = torch.where(nan, _bits_as(canonical, dtype), encoded)
+    return encoded
+
+
+# ---------------------------------------------------------------- exact fp32 master in bf16 + int16
+def split_remainder(master: torch.Tensor) -> tuple:
+    """(bfloat16 param, int16 remainder) holding the float32 ``master`` exactly (NaN canonical)."""
+    bits = _as_uint32(encode(master, torch.float32))
+    upper = ((bits + 0x8000) >> 16) & 0xFFFF
+    lower = bits & 0xFFFF
+    param = _bits_as(torch.where(upper >= 0x8000, upper - 0x10000, upper), torch.bfloat16)
+    remainder = torch.where(lower >= 0x8000, lower - 0x10000, lower).to(torch.int16)
+    return param, remainder
+
+
+def join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The float32 master held by a bfloat16 param and its int16 remainder."""
+    upper = (param.view(torch.int16).to(torch.int64) & 0xFFFF) - (remainder < 0).to(torch.int64)
+    bits = ((upper & 0xFFFF) << 16) | (remainder.to(torch.int64) & 0xFFFF)
+    return _from_uint32(bits)

@@ -11,6 +11,7 @@ import torch
 
 import bf16opt
 from bf16opt.precision import PRESETS, plan_for
+from bf16opt.storage import encode, join_remainder
 from oracles import bits, encode_bits, to_numpy_f32
 from snapshots import assert_unchanged, same_bits, snapshot
 
@@ -104,12 +105,23 @@ def test_torch_state_dict_converts_with_round_to_nearest_even(name, preset):
     train(ours_model, ours, [x.to(torch.bfloat16) for x in batches])  # and training goes on
 
 
+def master_value(opt, param):
+    """The float32 master an optimizer holds for ``param``: its copy, param + remainder, or the param."""
+    state = opt.state[param]
+    if "master" in state:
+        return state["master"].clone()
+    if "remainder" in state:
+        return join_remainder(param.detach(), state["remainder"])
+    return param.detach().float().clone()
+
+
 @pytest.mark.parametrize("source", PRESET_NAMES)
 @pytest.mark.parametrize("target", PRESET_NAMES)
 def test_state_dict_of_one_preset_loads_into_another(source, target):
     model, batches = model_and_batches(torch.bfloat16)
     opt = bf16opt.AdamW(model.parameters(), precision=source)
     train(model, opt, batches[:2])
+    saved_masters = {p: master_value(opt, p) for p in model.parameters()}
     other = bf16opt.AdamW(model.parameters(), precision=target)
     other.load_state_dict(opt.state_dict())
     for p in model.parameters():
@@ -117,11 +129,12 @@ def test_state_dict_of_one_preset_loads_into_another(source, target):
         for key, dtype in (("exp_avg", plan.exp_avg), ("exp_avg_sq", plan.exp_avg_sq)):
             np.testing.assert_array_equal(bits(other.state[p][key]),
                                           encode_bits(to_numpy_f32(opt.state[p][key]), dtype))
-        if plan.master is None:
-            assert "master" not in other.state[p]
-        else:  # the saved master when there is one, else the param
-            expected = opt.state[p].get("master", p.detach().float())
-            assert same_bits(other.state[p]["master"], expected.float())
+        assert ("master" in other.state[p]) == (plan.master is not None)
+        assert ("remainder" in other.state[p]) == (plan.compensation == "remainder")
+        if plan.master_dtype == torch.float32:  # the saved master carries over exactly
+            assert same_bits(master_value(other, p), saved_masters[p])
+        else:  # a bf16 master: the param itself, untouched
+            assert same_bits(p.detach(), encode(saved_masters[p], torch.bfloat16)) or "remainder" in opt.state[p]
     train(model, other, batches[2:])
 
 

@@ -54,13 +54,23 @@ class Bucket:
     exp_avgs: list[torch.Tensor] = field(default_factory=list)
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)       # Adam only
     max_exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)   # amsgrad only
+    compensations: list[Optional[torch.Tensor]] = field(default_factory=list)  # Kahan buffers
+    remainders: list[Optional[torch.Tensor]] = field(default_factory=list)     # int16 remainders
+    indices: list[int] = field(default_factory=list)  # each param's index in the optimizer
     maximize: bool = False
     amsgrad: bool = False
     l2: bool = False  # Adam: add weight_decay * param to the gradient
+    seed: int = 0     # stochastic rounding: stream_key(seed, step, index, buffer)
+    step: int = 0
+    # Telemetry: when set, the backend writes per param [swallowed updates,
+    # exp_avg underflows, exp_avg_sq underflows] into this int64 (len(params), 3) tensor.
+    counts: Optional[torch.Tensor] = None
 
 
 class Backend(Protocol):
     name: str
+
+    def supports(self, plan: StoragePlan) -> bool: ...
 
     def adam(self, bucket: Bucket, scalars: AdamScalars) -> None: ...
 

@@ -22,8 +22,7 @@ Adam / AdamW, per element (``w`` is the master value, ``g`` the gradient)::
     d  = sqrt(v_hat);  d = d * inv_sqrt_bias_correction2;  d = d + eps
     u  = m / d;  u = u * step_size
     w  = w - u
-    store m, v (and v_hat into max_exp_avg_sq); store w into the master copy if
-    there is one, and encode(w) into the param.
+    store m, v (and v_hat into max_exp_avg_sq); store_weights(w0, w) (below).
 
 Lion (Chen et al. 2023), per element::
 
@@ -33,30 +32,111 @@ Lion (Chen et al. 2023), per element::
     s  = sign(c), with +0 for c == +-0 and NaN for NaN
     u  = s * lr;  w = w - u
     m  = decode(exp_avg) * beta2;  t = g * one_minus_beta2;  m = m + t
-    store m; store w as above.
+    store m; store_weights(w0, w).
 
-The moments used in an update are the float32 results before encoding; what is
-stored is their encoding.
+``w0`` is the master value before the step: decode(master copy), decode(param), or
+join_remainder(param, remainder).  The moments used in an update are the float32
+results before encoding; what is stored is their encoding: round to nearest even, or
+stochastic rounding (plan.rounding) for 16-bit moments with streams EXP_AVG,
+EXP_AVG_SQ, MAX_EXP_AVG_SQ.
+
+store_weights(w0, w), by plan:
+
+* float32 master copy: master = encode(w); param = encode(w) (round to nearest even);
+* the param is the master: param = encode(w), stochastic (stream WEIGHTS) when
+  plan.rounding says so;
+* Kahan (16-bit master, buffer c)::
+
+      y = w - w0;  y = y + decode(c);  s = w0 + y;  param = encode(s)
+      t = decode(param) - w0;  c = encode(y - t)          # round to nearest even
+
+* remainder: (param, remainder) = split_remainder(w).
+
+Telemetry (``bucket.counts``), per param: elements whose update ``u`` is non-zero but
+whose stored master (param, copy, or param + remainder) kept its bits — swallowed
+updates; and elements of exp_avg / exp_avg_sq whose float32 value is non-zero but
+whose stored value is zero — underflows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..storage import decode, store
+from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, decode, encode,
+                       encode_stochastic, join_remainder, random_bits, split_remainder,
+                       stream_key)
 from .base import AdamScalars, Bucket, LionScalars
 
 name = "reference"
 
 
-def _master_value(param: torch.Tensor, master) -> torch.Tensor:
-    return decode(master if master is not None else param)
+def supports(plan) -> bool:
+    return True
 
 
-def _store_weights(param: torch.Tensor, master, w: torch.Tensor) -> None:
-    if master is not None:
-        store(master, w)
-    store(param, w)
+def _master_value(bucket: Bucket, i: int) -> torch.Tensor:
+    if bucket.plan.compensation == "remainder":
+        return join_remainder(bucket.params[i], bucket.remainders[i])
+    master = bucket.masters[i]
+    return decode(master if master is not None else bucket.params[i])
+
+
+def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer: int) -> torch.Tensor:
+    """Encode with the plan's rounding; ``buffer`` names the random stream."""
+    if bucket.plan.rounding == "stochastic" and dtype != torch.float32:
+        key = stream_key(bucket.seed, bucket.step, bucket.indices[i], buffer)
+        return encode_stochastic(x, dtype, random_bits(key, x.shape, x.device))
+    return encode(x, dtype)
+
+
+def _store_moment(bucket: Bucket, i: int, target: torch.Tensor, value: torch.Tensor, buffer: int):
+    encoded = _encode(bucket, i, value, target.dtype, buffer)
+    target.copy_(encoded)
+    return encoded
+
+
+def _stored_master_bits(bucket: Bucket, i: int) -> list:
+    """Copies of what holds the master, for telemetry's "unchanged" test."""
+    plan = bucket.plan
+    held = [bucket.masters[i] if plan.master is not None else bucket.params[i]]
+    if plan.compensation == "remainder":
+        held.append(bucket.remainders[i])
+    return [t.detach().clone() for t in held]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    view = torch.int32 if a.element_size() == 4 else torch.int16
+    return a.view(view) == b.view(view)
+
+
+def _store_weights(bucket: Bucket, i: int, w0: torch.Tensor, w: torch.Tensor) -> None:
+    plan, param = bucket.plan, bucket.params[i]
+    if plan.compensation == "remainder":
+        new_param, remainder = split_remainder(w)
+        param.copy_(new_param)
+        bucket.remainders[i].copy_(remainder)
+    elif plan.compensation == "kahan":
+        compensation = bucket.compensations[i]
+        y = torch.add(torch.sub(w, w0), decode(compensation))
+        new_param = encode(torch.add(w0, y), param.dtype)
+        c = torch.sub(y, torch.sub(decode(new_param), w0))
+        param.copy_(new_param)
+        compensation.copy_(encode(c, compensation.dtype))
+    elif plan.master is not None:
+        bucket.masters[i].copy_(encode(w, plan.master))
+        param.copy_(encode(w, param.dtype))
+    else:
+        param.copy_(_encode(bucket, i, w, param.dtype, WEIGHTS))
+
+
+def _count(bucket: Bucket, i: int, before: list, u: torch.Tensor, moments: list) -> None:
+    after = _stored_master_bits(bucket, i)
+    unchanged = _same_bits(before[0], after[0])
+    for old, new in zip(before[1:], after[1:]):
+        unchanged &= _same_bits(old, new)
+    bucket.counts[i, 0] = int(((u != 0) & unchanged).sum())
+    for column, (value, encoded) in enumerate(moments, start=1):
+        bucket.counts[i, column] = int(((value != 0) & (decode(encoded) == 0)).sum())
 
 
 def _gradient(grad: torch.Tensor, maximize: bool) -> torch.Tensor:
@@ -65,10 +145,10 @@ def _gradient(grad: torch.Tensor, maximize: bool) -> torch.Tensor:
 
 
 def adam(bucket: Bucket, s: AdamScalars) -> None:
-    for i, param in enumerate(bucket.params):
-        master = bucket.masters[i]
+    for i in range(len(bucket.params)):
+        before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
         g = _gradient(bucket.grads[i], bucket.maximize)
-        w = _master_value(param, master)
+        w0 = w = _master_value(bucket, i)
         if bucket.l2:
             g = torch.add(g, torch.mul(w, s.weight_decay))
         w = torch.mul(w, s.decay)
@@ -79,22 +159,28 @@ def adam(bucket: Bucket, s: AdamScalars) -> None:
         d = torch.add(torch.mul(torch.sqrt(v_hat), s.inv_sqrt_bias_correction2), s.eps)
         u = torch.mul(torch.div(m, d), s.step_size)
         w = torch.sub(w, u)
-        store(bucket.exp_avgs[i], m)
-        store(bucket.exp_avg_sqs[i], v)
+        stored_m = _store_moment(bucket, i, bucket.exp_avgs[i], m, EXP_AVG)
+        stored_v = _store_moment(bucket, i, bucket.exp_avg_sqs[i], v, EXP_AVG_SQ)
         if bucket.amsgrad:
-            store(bucket.max_exp_avg_sqs[i], v_hat)
-        _store_weights(param, master, w)
+            _store_moment(bucket, i, bucket.max_exp_avg_sqs[i], v_hat, MAX_EXP_AVG_SQ)
+        _store_weights(bucket, i, w0, w)
+        if before is not None:
+            _count(bucket, i, before, u, [(m, stored_m), (v, stored_v)])
 
 
 def lion(bucket: Bucket, s: LionScalars) -> None:
-    for i, param in enumerate(bucket.params):
-        master = bucket.masters[i]
+    for i in range(len(bucket.params)):
+        before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
         g = _gradient(bucket.grads[i], bucket.maximize)
-        w = torch.mul(_master_value(param, master), s.decay)
+        w0 = _master_value(bucket, i)
+        w = torch.mul(w0, s.decay)
         m_old = decode(bucket.exp_avgs[i])
         c = torch.add(torch.mul(m_old, s.beta1), torch.mul(g, s.one_minus_beta1))
         sign = torch.add(torch.sign(c), 0.0)  # + 0.0 turns -0 into +0, keeps NaN
-        w = torch.sub(w, torch.mul(sign, s.lr))
+        u = torch.mul(sign, s.lr)
+        w = torch.sub(w, u)
         m = torch.add(torch.mul(m_old, s.beta2), torch.mul(g, s.one_minus_beta2))
-        store(bucket.exp_avgs[i], m)
-        _store_weights(param, master, w)
+        stored_m = _store_moment(bucket, i, bucket.exp_avgs[i], m, EXP_AVG)
+        _store_weights(bucket, i, w0, w)
+        if before is not None:
+            _count(bucket, i, before, u, [(m, stored_m)])
