@@ -1,0 +1,225 @@
+"""Low-precision quality features: stochastic rounding, Kahan, exact fp32 master, telemetry."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bf16opt
+from bf16opt.storage import (WEIGHTS, encode, encode_stochastic, join_remainder, random_bits,
+                             stream_key)
+from oracles import bits
+from snapshots import same_bits
+
+SIXTEEN_BIT = [torch.bfloat16, torch.float16]
+
+
+# ------------------------------------------------------------------ stochastic rounding
+def neighbours(value: float, dtype: torch.dtype) -> tuple:
+    """The two values of ``dtype`` around ``value`` (lower, upper), from the bit patterns."""
+    nearest = torch.tensor([value], dtype=torch.float32).to(dtype)
+    step = torch.tensor([1], dtype=torch.int16)
+    below = (nearest.view(torch.int16) - step).view(dtype) if value > 0 else (nearest.view(torch.int16) + step).view(dtype)
+    above = (nearest.view(torch.int16) + step).view(dtype) if value > 0 else (nearest.view(torch.int16) - step).view(dtype)
+    pair = (below, nearest) if nearest.item() > value else (nearest, above)
+    return tuple(float(t.item()) for t in pair)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT)
+@pytest.mark.parametrize("value", [1.0 + 2.0 ** -10, -3.14159, 1e-3, 7e-6, 3e-7, 1e-30, 60000.0])
+def test_stochastic_rounding_is_unbiased(dtype, value):
+    n = 200_000
+    x = torch.full((n,), value, dtype=torch.float32)
+    exact = x[0].item()
+    rounded = encode_stochastic(x, dtype, random_bits(stream_key(7, 1, 0, WEIGHTS), x.shape)).double()
+    lower, upper = neighbours(exact, dtype)
+    assert set(rounded.unique().tolist()) <= {lower, upper}  # only the two neighbours
+    p = (exact - lower) / (upper - lower)
+    sigma = (upper - lower) * np.sqrt(p * (1 - p) / n)
+    assert abs(rounded.mean().item() - exact) <= 4 * sigma
+
+
+@given(seed=st.integers(0, 2 ** 63), step=st.integers(1, 10 ** 6), index=st.integers(0, 10 ** 4),
+       dtype=st.sampled_from(SIXTEEN_BIT))
+def test_stochastic_rounding_keeps_representable_values(seed, step, index, dtype):
+    generator = torch.Generator().manual_seed(seed % 2 ** 32)
+    exact = (torch.randn(4096, generator=generator) * 10.0 ** torch.randint(-6, 4, (4096,), generator=generator))
+    exact = torch.cat([exact.to(dtype).float(), torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
+    random = random_bits(stream_key(seed, step, index, WEIGHTS), exact.shape)
+    np.testing.assert_array_equal(bits(encode_stochastic(exact, dtype, random)), bits(encode(exact, dtype)))
+
+
+def test_random_streams_differ_by_seed_step_tensor_and_buffer():
+    keys = {stream_key(s, t, i, b) for s in (0, 1) for t in (1, 2) for i in (0, 1) for b in (0, 1)}
+    assert len(keys) == 16
+    r = random_bits(stream_key(0, 1, 0, 0), (100_000,)).double()
+    assert abs(r.mean().item() / 2 ** 32 - 0.5) < 0.005  # roughly uniform
+
+
+# ------------------------------------------------------------------ Kahan compensation
+def test_kahan_accumulates_updates_far_below_a_bf16_ulp():
+    """lr = 1e-5 is ~1/800 of a bf16 ulp at 1.0: plain bf16 loses every step, Kahan tracks fp32."""
+    start = torch.linspace(1.0, 1.9, 257).to(torch.bfloat16).float()
+    steps, lr = 300, 1e-5
+    final = {}
+    for preset in ("fp32", "bf16", "bf16-kahan"):
+        param = start.clone().to(torch.float32 if preset == "fp32" else torch.bfloat16)
+        opt = bf16opt.Lion([param], lr=lr, precision=preset, backend="reference")
+        for _ in range(steps):
+            param.grad = torch.ones_like(param)
+            opt.step()
+        final[preset] = param.detach().float()
+    ulp = 2.0 ** -7  # bf16 spacing in [1, 2)
+    moved = final["fp32"] - start.to(torch.bfloat16).float()
+    # fp32 itself rounds each step by up to half its ulp (2^-24 in [1, 2))
+    assert torch.all((moved + steps * lr).abs() <= steps * 2.0 ** -24)
+    assert torch.equal(final["bf16"], start.to(torch.bfloat16).float())  # all swallowed
+    assert torch.all((final["bf16-kahan"] - final["fp32"]).abs() <= ulp / 2)
+
+
+# ------------------------------------------------------------------ exact fp32 master
+@pytest.mark.parametrize("opt_name", ["AdamW", "Lion"])
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+def test_remainder_reconstructs_the_fp32_master_bit_for_bit(opt_name, states):
+    torch.manual_seed(0)
+    shape = (64, 33)
+    start = torch.randn(shape).to(torch.bfloat16)
+    a, b = start.clone(), start.clone()
+    kwargs = dict(lr=3e-3, backend="reference")
+    opt_a = getattr(bf16opt, opt_name)([a], precision="fp32" if states == "fp32" else "bf16-states", **kwargs)
+    opt_b = getattr(bf16opt, opt_name)([b], precision="fp32-remainder" if states == "fp32"
+                                       else "fp32-remainder-bf16-states", **kwargs)
+    ties_seen = 0
+    for _ in range(25):
+        grad = torch.randn(shape).to(torch.bfloat16)
+        a.grad, b.grad = grad, grad.clone()
+        opt_a.step()
+        opt_b.step()
+        master = opt_a.state[a]["master"]
+        assert same_bits(join_remainder(b, opt_b.state[b]["remainder"]), master)
+        for key in opt_a.state[a]:
+            if key not in ("master", "step"):
+                assert same_bits(opt_a.state[a][key], opt_b.state[b][key]), key
+        tie = (master.view(torch.int32) & 0xFFFF) == 0x8000
+        ties_seen += int(tie.sum())
+        assert torch.equal(a.view(torch.int16)[~tie], b.view(torch.int16)[~tie])
+        # on ties the remainder param rounds away from zero
+        assert torch.all(b.float()[tie].abs() > master[tie].abs())
+    assert opt_b.state[b].keys() == {"step", "exp_avg", "remainder"} | ({"exp_avg_sq"} if opt_name == "AdamW" else set())
+
+
+def test_remainder_memory_is_two_bytes_per_param():
+    param = torch.randn(1000).to(torch.bfloat16)
+    opt = bf16opt.AdamW([param], precision="fp32-remainder")
+    param.grad = torch.randn_like(param)
+    opt.step()
+    report = bf16opt.memory_report(opt)
+    assert report.bytes_per_param["remainder"] == 2 and report.bytes_per_param["master"] == 0
+
+
+# ------------------------------------------------------------------ checkpoint resume
+@pytest.mark.parametrize("preset", ["bf16-sr", "bf16-kahan", "fp32-remainder"])
+def test_resume_from_checkpoint_is_bit_identical(preset):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(torch.bfloat16)
+    batches = [torch.randn(8, 12).to(torch.bfloat16) for _ in range(6)]
+
+    def train(model, opt, batches):
+        for x in batches:
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+
+    straight = copy.deepcopy(model)
+    opt = bf16opt.AdamW(straight.parameters(), lr=1e-2, precision=preset, seed=1234)
+    train(straight, opt, batches)
+
+    first = copy.deepcopy(model)
+    opt1 = bf16opt.AdamW(first.parameters(), lr=1e-2, precision=preset, seed=1234)
+    train(first, opt1, batches[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed = copy.deepcopy(model)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = bf16opt.AdamW(resumed.parameters(), lr=1e-2, precision=preset, seed=999)  # seed comes from the checkpoint
+    opt2.load_state_dict(checkpoint["opt"])
+    train(resumed, opt2, batches[3:])
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert same_bits(p.detach(), q.detach())
+
+
+def test_stochastic_rounding_depends_on_the_seed():
+    results = []
+    for seed in (1, 2):
+        param = torch.ones(1000).to(torch.bfloat16)
+        opt = bf16opt.Lion([param], lr=1e-3, precision="bf16-sr", seed=seed)
+        param.grad = torch.ones_like(param)
+        opt.step()
+        results.append(param.clone())
+    assert not torch.equal(results[0], results[1])
+    assert 0 < (results[0] != 1).float().mean() < 1  # some moved by an ulp, some stayed
+
+
+# ------------------------------------------------------------------ telemetry
+def bf16_round_f64(x: np.ndarray) -> np.ndarray:
+    """Round float64 values to bfloat16 (nearest, ties to even) exactly, via float64 arithmetic."""
+    out = np.empty_like(x)
+    for i, v in enumerate(x):
+        if v == 0:
+            out[i] = v
+            continue
+        e = np.floor(np.log2(abs(v)))
+        ulp = 2.0 ** (max(e, -126) - 7)
+        q = v / ulp
+        r = np.round(q)  # numpy rounds halves to even
+        out[i] = r * ulp
+    return out
+
+
+def test_swallowed_update_count_equals_a_float64_count():
+    generator = torch.Generator().manual_seed(3)
+    w0 = (torch.rand(4000, generator=generator) * 3 + 0.25).to(torch.bfloat16)
+    param = w0.clone()
+    lr = 3e-3
+    opt = bf16opt.Lion([param], lr=lr, precision="bf16", track_precision=True)
+    param.grad = torch.randn(4000, generator=generator).to(torch.bfloat16)
+    opt.step()
+    stats = opt.precision_stats()
+    w = w0.double().numpy()
+    moved = w - lr * np.sign(param.grad.double().numpy())
+    expected = np.mean(bf16_round_f64(moved) == w)
+    assert 0.1 < expected < 0.9  # the case exercises both outcomes
+    assert stats[0]["swallowed"] == pytest.approx(expected, abs=0.5 / 4000)
+    assert stats["total"]["swallowed"] == stats[0]["swallowed"]
+
+
+def test_underflow_count_equals_a_float64_count():
+    # squares and their 1e-3 multiples stay normal or subnormal float32 (non-zero), some below bf16's range
+    grads = torch.tensor([1e-20, 3e-21, 3e-19, 1.0, 1e-3, 0.0] * 50)
+    param = torch.zeros(grads.numel()).to(torch.bfloat16)
+    opt = bf16opt.Adam([param], betas=(0.9, 0.999), precision="bf16", track_precision=True)
+    param.grad = grads.to(torch.bfloat16)
+    opt.step()
+    g = param.grad.double().numpy()
+    smallest_half = 2.0 ** -134  # half of bf16's smallest subnormal
+    v = 0.001 * g * g
+    m = 0.1 * g
+    stats = opt.precision_stats()[0]
+    assert stats["exp_avg_sq_underflow"] == pytest.approx(np.mean((v != 0) & (np.abs(v) <= smallest_half)))
+    assert stats["exp_avg_underflow"] == pytest.approx(np.mean((m != 0) & (np.abs(m) <= smallest_half)))
+    assert stats["exp_avg_sq_underflow"] > 0
+
+
+def test_precision_stats_requires_tracking():
+    param = torch.randn(3)
+    opt = bf16opt.AdamW([param])
+    with pytest.raises(RuntimeError, match="track_precision"):
+        opt.precision_stats()
