@@ -3,14 +3,17 @@
 A laptop-scale version of DeepSpeed's bf16 master-weights experiment (seed 000): a
 character-level GPT with bfloat16 params is trained on real text, by default the
 Python standard library's own sources, once per preset, with the same seed and data
-order.  Prints the loss table and the optimizer memory breakdown of each preset.
+order.  Writes a loss CSV per preset and ``loss_comparison.png`` (when matplotlib is
+installed) into ``--out``, and prints the memory breakdown and the loss table.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import statistics
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -21,7 +24,7 @@ from torch.nn import functional as F
 
 from . import Adam, AdamW, Lion, memory_report
 
-DEFAULT_PRESETS = ("fp32", "bf16")
+DEFAULT_PRESETS = ("fp32", "bf16", "bf16-kahan", "bf16-sr", "fp32-remainder")
 OPTIMIZERS = {"adamw": AdamW, "adam": Adam, "lion": Lion}
 
 
@@ -85,39 +88,159 @@ class CharGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+# ---------------------------------------------------------------- measuring
+class StepPeakMemory:
+    """Extra resident memory a step needs beyond what the process held before it.
+
+    Linux only (reads and resets the peak RSS in /proc/self); elsewhere reports None.
+    """
+
+    def __init__(self):
+        self.available = Path("/proc/self/clear_refs").exists()
+        self.peak = 0
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def __enter__(self):
+        if self.available:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
+                self.before = self._status("VmRSS")
+            except OSError:
+                self.available = False
+        return self
+
+    def __exit__(self, *exc):
+        if self.available:
+            self.peak = max(self.peak, self._status("VmHWM") - self.before)
+
+    @property
+    def mib(self):
+        return self.peak / 2 ** 20 if self.available else None
+
+
+def progress(label: str, done: int, total: int, loss: float, stream=sys.stderr) -> None:
+    width = 30
+    filled = width * done // total
+    stream.write(f"\r{label:>14s} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} loss {loss:.4f}")
+    if done == total:
+        stream.write("\n")
+    stream.flush()
+
+
 # ---------------------------------------------------------------- one run
 def train(preset: str, data: torch.Tensor, *, optimizer: str, steps: int, lr: float, seed: int,
-          batch: int, block: int, width: int, layers: int) -> dict:
+          batch: int, block: int, width: int, layers: int, backend: str = "auto",
+          show_progress: bool = True) -> dict:
     torch.manual_seed(seed)
     model = CharGPT(width=width, layers=layers, block=block).to(torch.bfloat16)
-    opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr, precision=preset)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr, precision=preset, seed=seed,
+                                backend=backend, track_precision=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)))  # linear warm-up
-    losses, step_times = [], []
-    for inputs, targets in batches(data, steps, batch, block, seed):
+    rows, step_times = [], []
+    peak = StepPeakMemory()
+    for number, (inputs, targets) in enumerate(batches(data, steps, batch, block, seed), start=1):
         logits = model(inputs)
         loss = F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        start = time.perf_counter()
-        opt.step()
-        step_times.append(time.perf_counter() - start)
+        lr_now = opt.param_groups[0]["lr"]
+        with peak:
+            start = time.perf_counter()
+            opt.step()
+            step_times.append(time.perf_counter() - start)
         schedule.step()
-        losses.append(loss.item())
+        rows.append({"step": number, "loss": loss.item(), "lr": lr_now, "step_ms": 1000 * step_times[-1],
+                     "swallowed": opt.precision_stats()["total"]["swallowed"]})
+        if show_progress and (number % max(1, steps // 50) == 0 or number == steps):
+            progress(preset, number, steps, rows[-1]["loss"])
+    losses = [row["loss"] for row in rows]
     tail = losses[-max(1, len(losses) // 10):]
-    return {"preset": preset, "losses": losses, "final": statistics.fmean(tail),
+    return {"preset": preset, "rows": rows, "losses": losses, "final": statistics.fmean(tail),
             "mean": statistics.fmean(losses), "std": statistics.pstdev(losses),
-            "step_ms": 1000 * statistics.median(step_times), "memory": memory_report(opt)}
+            "step_ms": 1000 * statistics.fmean(step_times),
+            "swallowed": statistics.fmean(row["swallowed"] for row in rows),
+            "peak_mib": peak.mib, "memory": memory_report(opt)}
 
 
 # ---------------------------------------------------------------- report
-def loss_table(results: list) -> str:
-    lines = ["| Preset | Final loss | Mean loss | Loss std | Step time (ms) | Optimizer B/param |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['preset']} | {r['final']:.4f} | {r['mean']:.4f} | {r['std']:.4f} | "
-                     f"{r['step_ms']:.2f} | {r['memory'].optimizer_bytes_per_param:.2f} |")
+MEMORY_COMPONENTS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "compensation", "remainder")
+
+
+def memory_table(results: list) -> str:
+    """Bytes per parameter by component, one column per preset (seed 000's Memory Breakdown)."""
+    header = "| Component | " + " | ".join(r["preset"] for r in results) + " |"
+    lines = [header, "|---" * (len(results) + 1) + "|"]
+
+    def cell(report, name):
+        dtypes = "+".join(sorted(report.dtypes.get(name, ())))
+        value = report.bytes_per_param.get(name, 0.0)
+        return f"{value:.2f} ({dtypes})" if dtypes else "-"
+
+    for name in MEMORY_COMPONENTS:
+        lines.append(f"| {name} | " + " | ".join(cell(r["memory"], name) for r in results) + " |")
+    lines.append("| **optimizer total** | " + " | ".join(
+        f"**{r['memory'].optimizer_bytes_per_param:.2f}**" for r in results) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{r['memory'].total_per_param:.2f}**" for r in results) + " |")
+    lines.append("| step peak extra RSS (MiB) | " + " | ".join(
+        "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}" for r in results) + " |")
     return "\n".join(lines)
+
+
+def loss_table(results: list) -> str:
+    base = results[0]["final"]
+    lines = [f"| Preset | Final loss | vs {results[0]['preset']} | Mean loss | Loss std | Mean step (ms) | "
+             f"Swallowed updates |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['preset']} | {r['final']:.4f} | {100 * (r['final'] / base - 1):+.2f}% | "
+                     f"{r['mean']:.4f} | {r['std']:.4f} | {r['step_ms']:.2f} | {100 * r['swallowed']:.2f}% |")
+    return "\n".join(lines)
+
+
+def write_csv(result: dict, out: Path) -> Path:
+    path = out / f"loss_{result['preset']}.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(result["rows"][0]))
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    return path
+
+
+def plot(results: list, out: Path):
+    """loss_comparison.png: loss curves and the gap to the first preset; None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, (curves, gaps) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    window = max(1, len(results[0]["losses"]) // 50)
+
+    def smooth(values):
+        return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+    base = smooth(results[0]["losses"])
+    for r in results:
+        curve = smooth(r["losses"])
+        curves.plot(curve, label=r["preset"])
+        gaps.plot([a - b for a, b in zip(curve, base)], label=r["preset"])
+    curves.set_ylabel(f"loss (moving mean of {window})")
+    curves.legend()
+    gaps.set_ylabel(f"loss - {results[0]['preset']} loss")
+    gaps.axhline(0.0, color="grey", linewidth=0.5)
+    gaps.set_xlabel("step")
+    figure.tight_layout()
+    path = out / "loss_comparison.png"
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
 
 
 def main(argv=None) -> int:
@@ -133,6 +256,9 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--backend", default="auto", help="bf16opt backend (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="output directory (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
@@ -141,17 +267,25 @@ def main(argv=None) -> int:
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     if data.numel() < args.block + 2:
         parser.error(f"the corpus needs at least {args.block + 2} bytes")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    corpus = str(args.corpus) if args.corpus else "Python standard library sources"
+    print(f"bf16opt compare: {args.optimizer}, {args.steps} steps, {len(presets)} presets, "
+          f"{len(text):,} bytes of text ({corpus})", flush=True)
     results = []
-    for preset in (p.strip() for p in args.presets.split(",") if p.strip()):
-        print(f"training with precision={preset!r} ({args.optimizer}, {args.steps} steps) ...", flush=True)
+    for preset in presets:
         result = train(preset, data, optimizer=args.optimizer, steps=args.steps, lr=lr, seed=args.seed,
-                       batch=args.batch, block=args.block, width=args.width, layers=args.layers)
+                       batch=args.batch, block=args.block, width=args.width, layers=args.layers,
+                       backend=args.backend, show_progress=not args.no_progress)
+        write_csv(result, args.out)
         results.append(result)
-        print(result["memory"])
-        print()
-    print(f"Loss ({args.optimizer}, {len(text):,} bytes of text, final = mean of the last 10% of steps)")
+    figure = plot(results, args.out)
+    n = results[0]["memory"].num_params
+    print(f"\nMemory breakdown, bytes per parameter (N = {n:,} bf16 params)")
+    print(memory_table(results))
+    print(f"\nLoss (final = mean of the last 10% of steps)")
     print(loss_table(results))
-    if any(math.isnan(r["final"]) for r in results):
-        return 1
-    return 0
+    print(f"\nwrote {', '.join(f'loss_{p}.csv' for p in presets)}"
+          + (", loss_comparison.png" if figure else " (install matplotlib for loss_comparison.png)")
+          + f" to {args.out}")
+    return 1 if any(math.isnan(r["final"]) for r in results) else 0

@@ -54,6 +54,7 @@ def half_ulp(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return ax * 2.0 ** -11 + 2.0 ** -25  # float16
 
 
+@np.errstate(all="ignore")  # inf/NaN inputs are part of the tests
 def adam_f32(w, g, m, v, vmax, s, *, maximize, l2, amsgrad):
     """One Adam step in numpy float32, in the spec's operation order."""
     f = np.float32
@@ -63,7 +64,7 @@ def adam_f32(w, g, m, v, vmax, s, *, maximize, l2, amsgrad):
     w = w * f(s.decay)
     m = m * f(s.beta1) + g * f(s.one_minus_beta1)
     v = v * f(s.beta2) + (g * g) * f(s.one_minus_beta2)
-    v_hat = np.maximum(vmax, v) if amsgrad else v
+    v_hat = np.where((vmax > v) | np.isnan(vmax), vmax, v) if amsgrad else v
     d = np.sqrt(v_hat) * f(s.inv_sqrt_bias_correction2) + f(s.eps)
     w = w - (m / d) * f(s.step_size)
     return w, m, v, v_hat
@@ -95,12 +96,13 @@ def adam_f64(w, g, m, v, vmax, s, *, maximize, l2, amsgrad):
     return (w_new, m_new, v_new, v_hat), bounds
 
 
+@np.errstate(all="ignore")
 def lion_f32(w, g, m, s, *, maximize):
     f = np.float32
     g = -g if maximize else g
     w = w * f(s.decay)
     c = m * f(s.beta1) + g * f(s.one_minus_beta1)
-    sign = np.sign(c) + f(0.0)
+    sign = np.sign(c) + f(0.0)  # NaN stays NaN, -0 becomes +0
     w = w - sign * f(s.lr)
     m = m * f(s.beta2) + g * f(s.one_minus_beta2)
     return w, m

@@ -8,7 +8,13 @@ bits.  Rules that make that possible (DESIGN.md section 3):
 * each line below is ONE float32 operation, rounded on its own, in exactly this
   order: no fused multiply-add, no reassociation; never ``addcmul_``, ``addcdiv_``
   or ``lerp_`` (their kernels may fuse);
-* the scalars come from the host already rounded to float32 (``base.f32``).
+* the scalars come from the host already rounded to float32 (``base.f32``);
+* sqrt is the correctly rounded IEEE square root.  torch's own float32 sqrt is not on
+  every CPU (its AVX-512 path is 1 ulp off on ~17% of inputs), so the reference takes
+  the float64 root and rounds it once, which is exact for sqrt (53 >= 2*24 + 2 bits);
+* ``max(a, b)`` is ``a if (a > b or a is NaN) else b`` and ``sign(c)`` is NaN for NaN,
+  +0 for +-0: written out, since torch's maximum picks either zero on a +-0 tie and
+  torch.sign(NaN) is 0 on CPU.
 
 Adam / AdamW, per element (``w`` is the master value, ``g`` the gradient)::
 
@@ -139,6 +145,22 @@ def _count(bucket: Bucket, i: int, before: list, u: torch.Tensor, moments: list)
         bucket.counts[i, column] = int(((value != 0) & (decode(encoded) == 0)).sum())
 
 
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root (see module doc)."""
+    return torch.sqrt(x.double()).float()
+
+
+def _maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a if (a > b or a is NaN) else b``: one answer for +-0 ties and NaN."""
+    return torch.where((a > b) | torch.isnan(a), a, b)
+
+
+def _sign(c: torch.Tensor) -> torch.Tensor:
+    """+1, -1, +0 for +-0, NaN for NaN."""
+    ones = torch.ones_like(c)
+    return torch.where(c > 0, ones, torch.where(c < 0, -ones, torch.add(c, 0.0)))
+
+
 def _gradient(grad: torch.Tensor, maximize: bool) -> torch.Tensor:
     g = decode(grad)
     return torch.neg(g) if maximize else g
@@ -155,8 +177,8 @@ def adam(bucket: Bucket, s: AdamScalars) -> None:
         m = torch.add(torch.mul(decode(bucket.exp_avgs[i]), s.beta1), torch.mul(g, s.one_minus_beta1))
         v = torch.add(torch.mul(decode(bucket.exp_avg_sqs[i]), s.beta2),
                       torch.mul(torch.mul(g, g), s.one_minus_beta2))
-        v_hat = torch.maximum(decode(bucket.max_exp_avg_sqs[i]), v) if bucket.amsgrad else v
-        d = torch.add(torch.mul(torch.sqrt(v_hat), s.inv_sqrt_bias_correction2), s.eps)
+        v_hat = _maximum(decode(bucket.max_exp_avg_sqs[i]), v) if bucket.amsgrad else v
+        d = torch.add(torch.mul(_sqrt(v_hat), s.inv_sqrt_bias_correction2), s.eps)
         u = torch.mul(torch.div(m, d), s.step_size)
         w = torch.sub(w, u)
         stored_m = _store_moment(bucket, i, bucket.exp_avgs[i], m, EXP_AVG)
@@ -176,8 +198,7 @@ def lion(bucket: Bucket, s: LionScalars) -> None:
         w = torch.mul(w0, s.decay)
         m_old = decode(bucket.exp_avgs[i])
         c = torch.add(torch.mul(m_old, s.beta1), torch.mul(g, s.one_minus_beta1))
-        sign = torch.add(torch.sign(c), 0.0)  # + 0.0 turns -0 into +0, keeps NaN
-        u = torch.mul(sign, s.lr)
+        u = torch.mul(_sign(c), s.lr)
         w = torch.sub(w, u)
         m = torch.add(torch.mul(m_old, s.beta2), torch.mul(g, s.one_minus_beta2))
         stored_m = _store_moment(bucket, i, bucket.exp_avgs[i], m, EXP_AVG)
