@@ -14,7 +14,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
 	$(BIN)/pip install "$(TORCH_SPEC)"
-	$(BIN)/pip install -e .
+	$(BIN)/pip install -e '.[plot]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -22,7 +22,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/python -m bf16opt compare
+	$(BIN)/python -m bf16opt compare --out runs/compare
 
 test: $(VENV)/.installed-test
 	HYPOTHESIS_PROFILE=ci $(BIN)/pytest
