@@ -26,6 +26,12 @@ def check_backend_name(name) -> None:
 def resolve_backend(name: str, device: torch.device) -> Backend:
     """The backend object for ``name`` on ``device``; raises ValueError if unavailable."""
     check_backend_name(name)
+    if name == "numba" or (name == "auto" and torch.device(device).type == "cpu"):
+        from . import numba as numba_backend  # importing it compiles nothing
+        if name == "auto" and not numba_backend.available():
+            return reference
+        numba_backend.check_device(device)
+        return numba_backend
     if name in ("auto", "reference"):
         return reference
     raise ValueError(f"backend={name!r} is not available in this release; use 'reference' or 'auto'")

@@ -10,8 +10,9 @@ bits.  Rules that make that possible (DESIGN.md section 3):
   or ``lerp_`` (their kernels may fuse);
 * the scalars come from the host already rounded to float32 (``base.f32``);
 * sqrt is the correctly rounded IEEE square root.  torch's own float32 sqrt is not on
-  every CPU (its AVX-512 path is 1 ulp off on ~17% of inputs), so the reference takes
-  the float64 root and rounds it once, which is exact for sqrt (53 >= 2*24 + 2 bits);
+  every CPU (its AVX-512 path is 1 ulp off on ~17% of inputs), so the reference rounds
+  the float64 root to a float32 candidate and then checks it exactly against the
+  midpoints to its neighbours (squares of 26-bit numbers are exact in float64);
 * ``max(a, b)`` is ``a if (a > b or a is NaN) else b`` and ``sign(c)`` is NaN for NaN,
   +0 for +-0: written out, since torch's maximum picks either zero on a +-0 tie and
   torch.sign(NaN) is 0 on CPU.
@@ -147,7 +148,14 @@ def _count(bucket: Bucket, i: int, before: list, u: torch.Tensor, moments: list)
 
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded float32 square root (see module doc)."""
-    return torch.sqrt(x.double()).float()
+    root = torch.sqrt(x.double()).float()
+    below = torch.nextafter(root, torch.zeros_like(root))
+    above = torch.nextafter(root, torch.full_like(root, float("inf")))
+    x64, root64 = x.double(), root.double()
+    low = (root64 + below.double()) * 0.5   # midpoints, exact in float64
+    high = (root64 + above.double()) * 0.5
+    root = torch.where(x64 < low * low, below, root)
+    return torch.where(x64 > high * high, above, root)
 
 
 def _maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

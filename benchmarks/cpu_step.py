@@ -1,0 +1,213 @@
+"""CPU step-time benchmark of the numba backend against its limit kernel and its peers.
+
+Run:  DS_ACCELERATOR=cpu python benchmarks/cpu_step.py [--log2-params 25] [--repeats 11]
+
+For 2^N params and each preset (bf16 params; plus fp32 params with "fp32") it measures, in
+one run and with repetitions interleaved across the contenders (these machines are noisy;
+medians are reported):
+
+* ``bf16opt``: one ``bf16opt.AdamW(..., backend="numba").step()``;
+* ``limit``: a trivial parallel Numba kernel that reads and writes the same arrays in the
+  same dtypes (``p += g; master += g; m += g; v += g``), the memory-bound limit of the
+  configuration (DESIGN.md section 6), and bf16opt's fraction of it;
+* ``torch fused``: ``torch.optim.AdamW(fused=True)`` where torch has the same
+  configuration (its states have the param's dtype, so: bf16 params with bf16 states, and
+  fp32 params with fp32 states);
+* ``DeepSpeedCPUAdam`` (adamw_mode=True) when deepspeed is installed: bf16 params with
+  bf16 states (``fp32_optimizer_states=False``), bf16 params with fp32 states
+  (``fp32_optimizer_states=True``), fp32 params with fp32 states.
+
+Then the multi-tensor check: the step for a GPT-2-small-shaped param list (~124M params in
+~150 tensors) against one flat tensor of the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+import bf16opt  # noqa: E402
+
+VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+
+
+# ---------------------------------------------------------------- limit kernels
+@njit(parallel=True, nogil=True, cache=True)
+def _limit3(g, p, m, v):
+    for i in prange(p.size):
+        x = g[i]
+        p[i] += x
+        m[i] += x
+        v[i] += x
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _limit4(g, p, w, m, v):
+    for i in prange(p.size):
+        x = g[i]
+        p[i] += x
+        w[i] += x
+        m[i] += x
+        v[i] += x
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """Integer view (same bytes, trivial adds) of a tensor's memory."""
+    return t.view(VIEW[t.dtype]).numpy()
+
+
+def limit_step(param, grad, master, exp_avg, exp_avg_sq):
+    if master is None:
+        return lambda: _limit3(_raw(grad), _raw(param), _raw(exp_avg), _raw(exp_avg_sq))
+    return lambda: _limit4(_raw(grad), _raw(param), _raw(master), _raw(exp_avg), _raw(exp_avg_sq))
+
+
+# ---------------------------------------------------------------- contenders
+def _param(n: int, dtype: torch.dtype, seed: int) -> torch.nn.Parameter:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(n, generator=g).mul_(0.02).to(dtype))
+    p.grad = torch.randn(n, generator=g).mul_(1e-3).to(dtype)
+    return p
+
+
+def bf16opt_step(params: list, preset: str):
+    opt = bf16opt.AdamW(params, precision=preset, backend="numba", **HYPER)
+    opt.step()  # creates state, compiles or loads the kernel
+    return opt.step, opt
+
+
+def torch_fused_step(params: list):
+    opt = torch.optim.AdamW(params, fused=True, **HYPER)
+    opt.step()
+    return opt.step, opt
+
+
+def deepspeed_step(params: list, fp32_states: bool):
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001  (not installed, or its op does not build here)
+        return None, None
+    opt = DeepSpeedCPUAdam(params, adamw_mode=True, fp32_optimizer_states=fp32_states, **HYPER)
+    opt.step()
+    return opt.step, opt
+
+
+def measure(contenders: dict, repeats: int) -> dict:
+    """Median seconds per contender, repetitions interleaved."""
+    times = {name: [] for name, fn in contenders.items() if fn is not None}
+    for name in times:  # warm-up
+        contenders[name]()
+    for _ in range(repeats):
+        for name in times:
+            start = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# ---------------------------------------------------------------- tables
+CONFIGS = [  # (label, param dtype, preset, torch fused equivalent?, DeepSpeed fp32 states or None)
+    ("bf16 params, fp32", torch.bfloat16, "fp32", False, None),
+    ("bf16 params, bf16", torch.bfloat16, "bf16", True, False),
+    ("bf16 params, bf16-master", torch.bfloat16, "bf16-master", False, True),
+    ("bf16 params, bf16-states", torch.bfloat16, "bf16-states", False, None),
+    ("fp32 params, fp32", torch.float32, "fp32", True, True),
+]
+
+
+def _ms(t):
+    return "-" if t is None else f"{1e3 * t:8.1f}"
+
+
+def _x(a, b):
+    return "-" if a is None or b is None else f"{b / a:5.2f}x"
+
+
+def preset_table(n: int, repeats: int) -> None:
+    print(f"AdamW step, {n} params (2^{n.bit_length() - 1}), {torch.get_num_threads()} torch threads, "
+          f"median of {repeats} interleaved repetitions; times in ms")
+    header = (f"{'configuration':26} {'bf16opt':>8} {'limit':>8} {'of limit':>8} {'torch fused':>11} "
+              f"{'speedup':>7} {'DeepSpeed':>9} {'speedup':>7}")
+    print(header)
+    print("-" * len(header))
+    for label, dtype, preset, has_torch, ds_fp32 in CONFIGS:
+        mine = [_param(n, dtype, 0)]
+        ours, opt = bf16opt_step(mine, preset)
+        state = opt.state[mine[0]]
+        limit = limit_step(mine[0], mine[0].grad, state.get("master"), state["exp_avg"],
+                           state["exp_avg_sq"])
+        contenders = {"bf16opt": ours, "limit": limit}
+        keep = [opt]
+        if has_torch:
+            theirs = [_param(n, dtype, 0)]
+            contenders["torch"], t_opt = torch_fused_step(theirs)
+            keep.append(t_opt)
+        if ds_fp32 is not None:
+            ds = [_param(n, dtype, 0)]
+            contenders["deepspeed"], ds_opt = deepspeed_step(ds, ds_fp32)
+            keep.append(ds_opt)
+        t = measure(contenders, repeats)
+        ours_t, limit_t = t["bf16opt"], t["limit"]
+        print(f"{label:26} {_ms(ours_t)} {_ms(limit_t)} {100 * limit_t / ours_t:7.0f}% "
+              f"{_ms(t.get('torch')):>11} {_x(ours_t, t.get('torch')):>7} "
+              f"{_ms(t.get('deepspeed')):>9} {_x(ours_t, t.get('deepspeed')):>7}", flush=True)
+        del contenders, keep, mine, opt, state, limit
+        gc.collect()
+
+
+def gpt2_small_shapes() -> list:
+    d, vocab, ctx, layers = 768, 50257, 1024, 12
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),
+                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def multi_tensor_table(repeats: int) -> None:
+    shapes = gpt2_small_shapes()
+    total = sum(int(np.prod(s)) for s in shapes)
+    print(f"\nGPT-2-small-shaped param list ({len(shapes)} tensors, {total} params) vs one flat "
+          f"tensor of the same size; bf16opt AdamW, numba backend, times in ms")
+    header = f"{'configuration':26} {'list':>8} {'flat':>8} {'list/flat':>9}"
+    print(header)
+    print("-" * len(header))
+    for label, dtype, preset in [("bf16 params, bf16", torch.bfloat16, "bf16"),
+                                 ("fp32 params, fp32", torch.float32, "fp32")]:
+        listed = []
+        for i, s in enumerate(shapes):
+            p = torch.nn.Parameter(torch.empty(s, dtype=dtype).normal_(0, 0.02))
+            p.grad = torch.empty(s, dtype=dtype).normal_(0, 1e-3)
+            listed.append(p)
+        flat = [_param(total, dtype, 1)]
+        step_list, opt_list = bf16opt_step(listed, preset)
+        step_flat, opt_flat = bf16opt_step(flat, preset)
+        t = measure({"list": step_list, "flat": step_flat}, repeats)
+        print(f"{label:26} {_ms(t['list'])} {_ms(t['flat'])} {t['list'] / t['flat']:9.3f}", flush=True)
+        del listed, flat, opt_list, opt_flat, step_list, step_flat
+        gc.collect()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log2-params", type=int, default=25)
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--skip-multi-tensor", action="store_true")
+    args = parser.parse_args()
+    preset_table(1 << args.log2_params, args.repeats)
+    if not args.skip_multi_tensor:
+        multi_tensor_table(args.repeats)
+
+
+if __name__ == "__main__":
+    main()
