@@ -32,6 +32,7 @@ Rules that turn a request into a plan (documented in the README too):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -200,6 +201,7 @@ class StoragePlan:
         return self.master if self.master is not None else self.param
 
 
+@functools.lru_cache(maxsize=None)  # pure, and called for every param at every step
 def plan_for(precision: Precision, param_dtype: torch.dtype) -> StoragePlan:
     if param_dtype not in PARAM_DTYPES:
         raise TypeError(f"params must be float32, bfloat16 or float16, got {param_dtype}")
