@@ -32,6 +32,12 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
             return reference
         numba_backend.check_device(device)
         return numba_backend
+    if name == "cupy" or (name == "auto" and torch.device(device).type == "cuda"):
+        from . import cupy as cupy_backend  # imports CuPy only when checking availability
+        if name == "auto" and not cupy_backend.is_available(device):
+            return reference
+        cupy_backend.check_available(device)
+        return cupy_backend
     if name in ("auto", "reference"):
         return reference
     raise ValueError(f"backend={name!r} is not available in this release; use 'reference' or 'auto'")

@@ -1,0 +1,172 @@
+// Adam / AdamW, multi-tensor: one launch updates every tensor of a bucket.
+//
+// Per element, in exactly the float32 operation order of
+// bf16opt/backends/reference.py (each line one IEEE-rounded operation; the loader
+// compiles with --fmad=false, IEEE division and square root, no flush-to-zero):
+//
+//   g = decode(grad);  if maximize: g = -g
+//   w0 = w = master value (the master policy's read)
+//   if l2: t = w * weight_decay;  g = g + t
+//   w = w * decay
+//   m = decode(exp_avg) * beta1;  t = g * one_minus_beta1;  m = m + t
+//   v = decode(exp_avg_sq) * beta2;  t = g * g;  t = t * one_minus_beta2;  v = v + t
+//   v_hat = amsgrad ? max(decode(max_exp_avg_sq), v) : v
+//   d = sqrt(v_hat);  d = d * inv_sqrt_bias_correction2;  d = d + eps
+//   u = m / d;  u = u * step_size;  w = w - u
+//   store m, v (, v_hat) in their storage types (streams EXP_AVG, EXP_AVG_SQ,
+//   MAX_EXP_AVG_SQ when stochastic); the master policy's write(w0, w) (stream WEIGHTS)
+//   telemetry (TRACK): u != 0 with the stored master unchanged; m, v != 0 stored as 0
+//
+// Template parameters: storage type of param (and grad; Stochastic<...> when the
+// param is a stochastically rounded master), master policy (NoMaster, Master<S>,
+// Kahan<C>, Remainder), exp_avg, exp_avg_sq (and max_exp_avg_sq) storage types; flags
+// AMSGRAD (an extra array) and TRACK (telemetry).  maximize and L2 are run-time flags
+// (kernel argument ``flags``): a uniform branch of one or two instructions per element
+// in a memory-bound kernel, which keeps the instantiations (and NVRTC's compile time)
+// four times fewer.
+#include "storage.cuh"
+#include "multi_tensor.cuh"
+
+namespace bf16opt {
+
+// Roles of the chunk table (bf16opt.backends.cupy.ADAM_ROLES lists the same order).
+// The companion is the master policy's array: master copy, compensation or remainder.
+enum AdamRole {
+  kAdamParam = 0,
+  kAdamGrad = 1,
+  kAdamCompanion = 2,
+  kAdamExpAvg = 3,
+  kAdamExpAvgSq = 4,
+  kAdamMaxExpAvgSq = 5,
+  kAdamRoles = 6
+};
+
+// Bits of the kernel argument ``flags`` (bf16opt.backends.cupy.FLAG_BITS).
+enum AdamFlag { kAdamMaximize = 1, kAdamL2 = 2 };
+
+struct AdamCoefficients {
+  bool maximize, l2;
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2,
+      eps, weight_decay, decay;
+};
+
+template <class P, class M, class EA, class EAS, bool AMSGRAD, bool TRACK>
+struct AdamUpdate {
+  static constexpr int kMinBytes0 = P::kBytes < EA::kBytes ? P::kBytes : EA::kBytes;
+  static constexpr int kMinBytes1 = kMinBytes0 < EAS::kBytes ? kMinBytes0 : EAS::kBytes;
+  static constexpr int kMinBytes =
+      (M::kCompanion && M::kBytes < kMinBytes1) ? M::kBytes : kMinBytes1;
+  static constexpr int kVec = VectorWidth<kMinBytes>::value;
+  static constexpr bool kStochastic = P::kStochastic || EA::kStochastic || EAS::kStochastic;
+
+  const void* grad;
+  void* param;
+  void* companion;
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* max_exp_avg_sq;
+
+  __device__ __forceinline__ bool vector_ok(i64 start) const {
+    bool ok = aligned16(grad, P::kBytes, start) && aligned16(param, P::kBytes, start) &&
+              aligned16(exp_avg, EA::kBytes, start) && aligned16(exp_avg_sq, EAS::kBytes, start);
+    if (M::kCompanion) ok = ok && aligned16(companion, M::kBytes, start);
+    if (AMSGRAD) ok = ok && aligned16(max_exp_avg_sq, EAS::kBytes, start);
+    return ok;
+  }
+
+  // N elements from ``index`` on: N == kVec with VEC (packed accesses) or N == 1.
+  template <int N, bool VEC>
+  __device__ __forceinline__ void run(i64 index, const Streams& streams, const AdamCoefficients& c,
+                                      Tally<TRACK>& tally) const {
+    typename P::bits_t g_bits[N], p_bits[N];
+    typename M::bits_t c_bits[N];
+    typename EA::bits_t m_bits[N];
+    typename EAS::bits_t v_bits[N], vmax_bits[N];
+    load_bits<VEC>(grad, index, g_bits);
+    if constexpr (M::kReadsParam) load_bits<VEC>(param, index, p_bits);
+    if constexpr (M::kCompanion) load_bits<VEC>(companion, index, c_bits);
+    load_bits<VEC>(exp_avg, index, m_bits);
+    load_bits<VEC>(exp_avg_sq, index, v_bits);
+    if constexpr (AMSGRAD) load_bits<VEC>(max_exp_avg_sq, index, vmax_bits);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const i64 i = index + k;
+      float g = P::decode(g_bits[k]);
+      if (c.maximize) g = -g;
+      const float w0 = M::template read<P>(p_bits[k], c_bits[k]);
+      float w = w0;
+      float t;
+      if (c.l2) {
+        t = w * c.weight_decay;
+        g = g + t;
+      }
+      w = w * c.decay;
+      float m = EA::decode(m_bits[k]) * c.beta1;
+      t = g * c.one_minus_beta1;
+      m = m + t;
+      float v = EAS::decode(v_bits[k]) * c.beta2;
+      t = g * g;
+      t = t * c.one_minus_beta2;
+      v = v + t;
+      float v_hat = v;
+      if constexpr (AMSGRAD) {
+        v_hat = max_or_nan(EAS::decode(vmax_bits[k]), v);
+        vmax_bits[k] = EAS::encode(v_hat, streams.at(kMaxExpAvgSq, i));
+      }
+      float d = sqrtf(v_hat);
+      d = d * c.inv_sqrt_bias_correction2;
+      d = d + c.eps;
+      float u = m / d;
+      u = u * c.step_size;
+      w = w - u;
+      m_bits[k] = EA::encode(m, streams.at(kExpAvg, i));
+      v_bits[k] = EAS::encode(v, streams.at(kExpAvgSq, i));
+      const bool kept = M::template write<P>(w0, w, p_bits[k], c_bits[k], streams.at(kWeights, i));
+      tally.count(0, u != 0.0f && kept);
+      tally.count(1, m != 0.0f && EA::decode(m_bits[k]) == 0.0f);
+      tally.count(2, v != 0.0f && EAS::decode(v_bits[k]) == 0.0f);
+    }
+    store_bits<VEC>(exp_avg, index, m_bits);
+    store_bits<VEC>(exp_avg_sq, index, v_bits);
+    if constexpr (AMSGRAD) store_bits<VEC>(max_exp_avg_sq, index, vmax_bits);
+    if constexpr (M::kCompanion) store_bits<VEC>(companion, index, c_bits);
+    store_bits<VEC>(param, index, p_bits);
+  }
+};
+
+template <class P, class M, class EA, class EAS, bool AMSGRAD, bool TRACK>
+__global__ void adam_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
+                            i64 step, u64* counts, int flags, float beta1, float beta2,
+                            float one_minus_beta1, float one_minus_beta2, float step_size,
+                            float inv_sqrt_bias_correction2, float eps, float weight_decay,
+                            float decay) {
+  typedef AdamUpdate<P, M, EA, EAS, AMSGRAD, TRACK> Update;
+  constexpr int kVec = Update::kVec;
+  const AdamCoefficients c{(flags & kAdamMaximize) != 0, (flags & kAdamL2) != 0, beta1, beta2,
+                           one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2,
+                           eps, weight_decay, decay};
+  const ChunkTable<kAdamRoles> tab{table, n_tensors};
+  for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
+    const Update up{tab.pointer(kAdamGrad, tensor),
+                    const_cast<void*>(tab.pointer(kAdamParam, tensor)),
+                    const_cast<void*>(tab.pointer(kAdamCompanion, tensor)),
+                    const_cast<void*>(tab.pointer(kAdamExpAvg, tensor)),
+                    const_cast<void*>(tab.pointer(kAdamExpAvgSq, tensor)),
+                    const_cast<void*>(tab.pointer(kAdamMaxExpAvgSq, tensor))};
+    const Streams streams = make_streams<Update::kStochastic>(seed, step, tab.index(tensor));
+    Tally<TRACK> tally;
+    const i64 stride = blockDim.x;
+    i64 scalar_from = 0;
+    if (up.vector_ok(start)) {
+      const i64 vector_end = start + (count / kVec) * kVec;
+      for (i64 i = start + threadIdx.x * static_cast<i64>(kVec); i < vector_end; i += stride * kVec)
+        up.template run<kVec, true>(i, streams, c, tally);
+      scalar_from = vector_end - start;
+    }
+    for (i64 i = start + scalar_from + threadIdx.x; i < start + count; i += stride)
+      up.template run<1, false>(i, streams, c, tally);
+    tally.flush(counts, tensor);
+  });
+}
+
+}  // namespace bf16opt

@@ -1,0 +1,122 @@
+// Lion (Chen et al. 2023), multi-tensor: one launch updates every tensor of a bucket.
+//
+// Per element, in exactly the float32 operation order of
+// bf16opt/backends/reference.py:
+//
+//   g = decode(grad);  if maximize: g = -g
+//   w0 = master value (the master policy's read);  w = w0 * decay
+//   c = decode(exp_avg) * beta1;  t = g * one_minus_beta1;  c = c + t
+//   s = sign(c)                           (+1, -1, +0 for +-0, NaN for NaN)
+//   u = s * lr;  w = w - u
+//   m = decode(exp_avg) * beta2;  t = g * one_minus_beta2;  m = m + t
+//   store m (stream EXP_AVG when stochastic); the master policy's write(w0, w)
+//   telemetry (TRACK): u != 0 with the stored master unchanged; m != 0 stored as 0
+//
+// Template parameters: storage type of param (and grad), master policy (NoMaster,
+// Master<S>, Kahan<C>, Remainder), exp_avg storage type; flag TRACK (telemetry).
+// maximize is a run-time flag (kernel argument ``flags``, as in adam.cu).
+#include "storage.cuh"
+#include "multi_tensor.cuh"
+
+namespace bf16opt {
+
+// Roles of the chunk table (bf16opt.backends.cupy.LION_ROLES lists the same order).
+enum LionRole { kLionParam = 0, kLionGrad = 1, kLionCompanion = 2, kLionExpAvg = 3, kLionRoles = 4 };
+
+// Bits of the kernel argument ``flags`` (bf16opt.backends.cupy.FLAG_BITS).
+enum LionFlag { kLionMaximize = 1 };
+
+struct LionCoefficients {
+  bool maximize;
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay;
+};
+
+template <class P, class M, class EA, bool TRACK>
+struct LionUpdate {
+  static constexpr int kMinBytes0 = P::kBytes < EA::kBytes ? P::kBytes : EA::kBytes;
+  static constexpr int kMinBytes =
+      (M::kCompanion && M::kBytes < kMinBytes0) ? M::kBytes : kMinBytes0;
+  static constexpr int kVec = VectorWidth<kMinBytes>::value;
+  static constexpr bool kStochastic = P::kStochastic || EA::kStochastic;
+
+  const void* grad;
+  void* param;
+  void* companion;
+  void* exp_avg;
+
+  __device__ __forceinline__ bool vector_ok(i64 start) const {
+    bool ok = aligned16(grad, P::kBytes, start) && aligned16(param, P::kBytes, start) &&
+              aligned16(exp_avg, EA::kBytes, start);
+    if (M::kCompanion) ok = ok && aligned16(companion, M::kBytes, start);
+    return ok;
+  }
+
+  template <int N, bool VEC>
+  __device__ __forceinline__ void run(i64 index, const Streams& streams, const LionCoefficients& c,
+                                      Tally<TRACK>& tally) const {
+    typename P::bits_t g_bits[N], p_bits[N];
+    typename M::bits_t c_bits[N];
+    typename EA::bits_t m_bits[N];
+    load_bits<VEC>(grad, index, g_bits);
+    if constexpr (M::kReadsParam) load_bits<VEC>(param, index, p_bits);
+    if constexpr (M::kCompanion) load_bits<VEC>(companion, index, c_bits);
+    load_bits<VEC>(exp_avg, index, m_bits);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const i64 i = index + k;
+      float g = P::decode(g_bits[k]);
+      if (c.maximize) g = -g;
+      const float w0 = M::template read<P>(p_bits[k], c_bits[k]);
+      float w = w0 * c.decay;
+      const float m_old = EA::decode(m_bits[k]);
+      float interp = m_old * c.beta1;
+      float t = g * c.one_minus_beta1;
+      interp = interp + t;
+      const float s = sign_of(interp);
+      const float u = s * c.lr;
+      w = w - u;
+      float m = m_old * c.beta2;
+      t = g * c.one_minus_beta2;
+      m = m + t;
+      m_bits[k] = EA::encode(m, streams.at(kExpAvg, i));
+      const bool kept = M::template write<P>(w0, w, p_bits[k], c_bits[k], streams.at(kWeights, i));
+      tally.count(0, u != 0.0f && kept);
+      tally.count(1, m != 0.0f && EA::decode(m_bits[k]) == 0.0f);
+    }
+    store_bits<VEC>(exp_avg, index, m_bits);
+    if constexpr (M::kCompanion) store_bits<VEC>(companion, index, c_bits);
+    store_bits<VEC>(param, index, p_bits);
+  }
+};
+
+template <class P, class M, class EA, bool TRACK>
+__global__ void lion_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
+                            i64 step, u64* counts, int flags, float beta1, float beta2,
+                            float one_minus_beta1, float one_minus_beta2, float lr, float decay) {
+  typedef LionUpdate<P, M, EA, TRACK> Update;
+  constexpr int kVec = Update::kVec;
+  const LionCoefficients c{(flags & kLionMaximize) != 0, beta1, beta2, one_minus_beta1,
+                           one_minus_beta2, lr, decay};
+  const ChunkTable<kLionRoles> tab{table, n_tensors};
+  for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
+    const Update up{tab.pointer(kLionGrad, tensor),
+                    const_cast<void*>(tab.pointer(kLionParam, tensor)),
+                    const_cast<void*>(tab.pointer(kLionCompanion, tensor)),
+                    const_cast<void*>(tab.pointer(kLionExpAvg, tensor))};
+    const Streams streams = make_streams<Update::kStochastic>(seed, step, tab.index(tensor));
+    Tally<TRACK> tally;
+    const i64 stride = blockDim.x;
+    i64 scalar_from = 0;
+    if (up.vector_ok(start)) {
+      const i64 vector_end = start + (count / kVec) * kVec;
+      for (i64 i = start + threadIdx.x * static_cast<i64>(kVec); i < vector_end; i += stride * kVec)
+        up.template run<kVec, true>(i, streams, c, tally);
+      scalar_from = vector_end - start;
+    }
+    for (i64 i = start + scalar_from + threadIdx.x; i < start + count; i += stride)
+      up.template run<1, false>(i, streams, c, tally);
+    tally.flush(counts, tensor);
+  });
+}
+
+}  // namespace bf16opt

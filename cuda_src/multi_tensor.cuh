@@ -1,0 +1,144 @@
+// Multi-tensor launch machinery: one launch updates every tensor of a bucket.
+//
+// The chunk table is one int64 array in device memory, built on the host by
+// bf16opt.backends.cupy.build_launch_plan (pure Python/numpy; the CPU emulation tests
+// use the same function).  For n tensors and R roles (arrays per element, e.g.
+// param, grad, master, exp_avg, ...):
+//
+//   table[r * n + t]        data pointer of role r of tensor t (0 when unused)
+//   table[R * n + t]        number of elements of tensor t
+//   table[(R + 1) * n + t]  tensor t's index in the optimizer (names its random streams)
+//   table[(R + 2) * n + t]  index of tensor t's first chunk; entry n is the total
+//
+// Chunk c covers elements [k * chunk_size, min((k + 1) * chunk_size, size)) of the
+// tensor t whose chunk range holds c (k = c - first chunk of t).  Blocks walk the
+// chunks grid-stride; threads of a block share a chunk.  A chunk runs the vector
+// path when every array it touches is 16-byte aligned at the chunk's start: each
+// thread then moves kVec elements per array with 16-byte (or 8-byte) loads and
+// stores; the chunk's last size % kVec elements and every chunk of a misaligned
+// tensor take the scalar path.  No shared memory, no warp intrinsics, no
+// synchronisation: every element is read and written by exactly one thread.
+//
+// Precision telemetry (a TRACK kernel): each thread counts its hits per chunk in
+// registers and adds them to counts[3 * t + column] (unsigned 64-bit) with one
+// atomicAdd per non-zero counter at the end of the chunk; Tally<false> is empty, so
+// untracked kernels carry no counting code.
+#pragma once
+
+#include "storage.cuh"
+
+namespace bf16opt {
+
+template <int R>
+struct ChunkTable {
+  const i64* table;
+  int n_tensors;
+
+  __device__ __forceinline__ const void* pointer(int role, int tensor) const {
+    return reinterpret_cast<const void*>(static_cast<u64>(table[role * n_tensors + tensor]));
+  }
+  __device__ __forceinline__ i64 size(int tensor) const { return table[R * n_tensors + tensor]; }
+  __device__ __forceinline__ i64 index(int tensor) const { return table[(R + 1) * n_tensors + tensor]; }
+  __device__ __forceinline__ i64 first_chunk(int tensor) const {
+    return table[(R + 2) * n_tensors + tensor];
+  }
+  // The last tensor whose first chunk is <= chunk (tensors without chunks are skipped).
+  __device__ __forceinline__ int tensor_of_chunk(i64 chunk) const {
+    int lo = 0;
+    int hi = n_tensors - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (first_chunk(mid) <= chunk) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+};
+
+// kVec elements of one array, moved with 16-byte (or, for 4 x 16-bit, 8-byte) accesses.
+template <class T, int N>
+struct alignas((sizeof(T) * N) < 16 ? (sizeof(T) * N) : 16) Pack {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ void load_pack(const void* base, i64 index, T (&out)[N]) {
+  const Pack<T, N> p = *reinterpret_cast<const Pack<T, N>*>(static_cast<const T*>(base) + index);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = p.v[k];
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_pack(void* base, i64 index, const T (&in)[N]) {
+  Pack<T, N> p;
+#pragma unroll
+  for (int k = 0; k < N; ++k) p.v[k] = in[k];
+  *reinterpret_cast<Pack<T, N>*>(static_cast<T*>(base) + index) = p;
+}
+
+// Scalar access, for tails and misaligned tensors (N == 1 is the same shape).
+template <class T, int N>
+__device__ __forceinline__ void load_scalar(const void* base, i64 index, T (&out)[N]) {
+  out[0] = static_cast<const T*>(base)[index];
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_scalar(void* base, i64 index, const T (&in)[N]) {
+  static_cast<T*>(base)[index] = in[0];
+}
+
+// Packed (VEC) or scalar access, chosen at compile time.
+template <bool VEC, class T, int N>
+__device__ __forceinline__ void load_bits(const void* base, i64 index, T (&out)[N]) {
+  if constexpr (VEC) load_pack(base, index, out); else load_scalar(base, index, out);
+}
+
+template <bool VEC, class T, int N>
+__device__ __forceinline__ void store_bits(void* base, i64 index, const T (&in)[N]) {
+  if constexpr (VEC) store_pack(base, index, in); else store_scalar(base, index, in);
+}
+
+__device__ __forceinline__ bool aligned16(const void* base, int bytes, i64 index) {
+  return ((static_cast<u64>(reinterpret_cast<u64>(base)) + static_cast<u64>(index * bytes)) & 15u) == 0;
+}
+
+// Elements per vector step: 16 bytes of the narrowest array.
+template <int MinBytes>
+struct VectorWidth {
+  static constexpr int value = 16 / MinBytes;
+};
+
+// Per-thread telemetry counters of one chunk (see the top of this file).
+template <bool TRACK>
+struct Tally {
+  __device__ __forceinline__ void count(int, bool) {}
+  __device__ __forceinline__ void flush(u64*, int) {}
+};
+
+template <>
+struct Tally<true> {
+  static constexpr int kColumns = 3;  // swallowed updates, exp_avg and exp_avg_sq underflows
+  u32 hits[kColumns] = {0u, 0u, 0u};  // a chunk has fewer than 2^31 elements
+  __device__ __forceinline__ void count(int column, bool hit) { hits[column] += hit ? 1u : 0u; }
+  __device__ __forceinline__ void flush(u64* counts, int tensor) {
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      if (hits[c] != 0u) atomicAdd(counts + kColumns * tensor + c, static_cast<u64>(hits[c]));
+    }
+  }
+};
+
+// Walk every chunk of the table: body(tensor, start, count) per chunk, on every thread
+// of the block that owns it.
+template <int R, class Body>
+__device__ __forceinline__ void for_each_chunk(const ChunkTable<R>& tab, i64 n_chunks, int chunk_size,
+                                               Body body) {
+  for (i64 chunk = blockIdx.x; chunk < n_chunks; chunk += gridDim.x) {
+    const int tensor = tab.tensor_of_chunk(chunk);
+    const i64 start = (chunk - tab.first_chunk(tensor)) * static_cast<i64>(chunk_size);
+    const i64 left = tab.size(tensor) - start;
+    const i64 count = left < chunk_size ? left : static_cast<i64>(chunk_size);
+    body(tensor, start, count);
+  }
+}
+
+}  // namespace bf16opt

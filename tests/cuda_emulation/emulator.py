@@ -1,0 +1,216 @@
+"""The CUDA kernels of cuda_src/, compiled by the host C++ compiler and run on the CPU.
+
+Every kernel instantiation the CuPy adapter can request (``all_kernel_names``) is
+compiled from the exact source the adapter's loader gives NVRTC (``kernel_source``,
+headers inlined with ``#line`` markers) after ``emulation.h``, into one shared
+library loaded with ctypes.  A launch runs every (block, thread) of the grid in turn
+with the chunk table that ``prepare_launch`` built for the bucket (CPU data pointers
+instead of device pointers).
+
+The library is cached by a hash of everything that goes into it, in
+``$BF16OPT_EMULATION_CACHE`` or ``<tmp>/bf16opt-cuda-emulation``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bf16opt.backends import cupy as cuda_backend
+
+HERE = Path(__file__).resolve().parent
+CXX = os.environ.get("CXX", "g++")
+# -O0: the emulation checks the kernels' arithmetic, which no optimisation level may change
+# (SSE float math, no fast-math, no contraction); -O2 costs 4x the build time.
+CXXFLAGS = ("-std=c++17", "-O0", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing",
+            "-fPIC", "-Wall", "-Wno-unknown-pragmas", "-Werror")
+SCALAR_COUNT = {"adam": 9, "lion": 6}
+PER_UNIT = 24  # instantiations per translation unit; units are compiled in parallel
+
+
+def compiler_problem() -> str | None:
+    """Why the emulation can't be built here (None when it can)."""
+    if shutil.which(CXX) is None:
+        return f"no host C++ compiler ({CXX}) on PATH"
+    return None
+
+
+def symbol(kind: str, index: int) -> str:
+    return f"bf16opt_emulated_{kind}_{index}"
+
+
+def _translation_units() -> list:
+    units = []
+    for kind in cuda_backend.KINDS:
+        names = cuda_backend.all_kernel_names(kind)
+        scalars = ", ".join(f"s[{k}]" for k in range(SCALAR_COUNT[kind]))
+        parts = -(-len(names) // PER_UNIT)
+        for part in range(parts):
+            lines = [f'#include "{(HERE / "emulation.h").as_posix()}"',
+                     cuda_backend.kernel_source(kind)]
+            for index in range(part, len(names), parts):
+                lines.append(
+                    f'extern "C" void {symbol(kind, index)}(unsigned grid, unsigned block, '
+                    f"const long long* table, int n_tensors, long long n_chunks, int chunk_size, "
+                    f"unsigned long long seed, long long step, unsigned long long* counts, int flags, "
+                    f"const float* s) {{\n"
+                    f"  emulate_launch(grid, block, [&] {{ {names[index]}(table, n_tensors, "
+                    f"n_chunks, chunk_size, seed, step, counts, flags, {scalars}); }});\n}}")
+            units.append((f"{kind}_{part}.cpp", "\n".join(lines) + "\n"))
+    units.append(("probe.cpp", f'#include "{(HERE / "emulation.h").as_posix()}"\n'
+                  + cuda_backend.kernel_source("lion") + PROBE_SOURCE))
+    return units
+
+
+# Direct access to the storage helpers of cuda_src/storage.cuh (encoders, stream keys,
+# the remainder split), for unit tests against bf16opt/storage.py.
+PROBE_FORMATS = ("bf16", "fp16", "bf16-stochastic", "fp16-stochastic")
+PROBE_SOURCE = r"""
+namespace probe {
+using namespace bf16opt;
+template <class S>
+void encode_all(const float* x, long long n, unsigned key, unsigned short* out) {
+  for (long long i = 0; i < n; ++i) out[i] = S::encode(x[i], EncodeContext{key, static_cast<u32>(i)});
+}
+}  // namespace probe
+
+extern "C" void bf16opt_probe_encode(int format, const float* x, long long n, unsigned key,
+                                     unsigned short* out) {
+  using namespace bf16opt;
+  switch (format) {
+    case 0: probe::encode_all<Bf16>(x, n, key, out); break;
+    case 1: probe::encode_all<Fp16>(x, n, key, out); break;
+    case 2: probe::encode_all<Stochastic<Bf16>>(x, n, key, out); break;
+    case 3: probe::encode_all<Stochastic<Fp16>>(x, n, key, out); break;
+  }
+}
+
+extern "C" unsigned bf16opt_probe_stream_key(unsigned long long seed, long long step, long long index,
+                                             unsigned buffer) {
+  return bf16opt::stream_key(seed, step, index, buffer);
+}
+
+// Remainder::write then Remainder::read for each value: (param, remainder, joined master).
+extern "C" void bf16opt_probe_remainder(const float* x, long long n, unsigned short* param,
+                                        unsigned short* remainder, float* joined) {
+  using namespace bf16opt;
+  for (long long i = 0; i < n; ++i) {
+    Remainder::write<Bf16>(0.0f, x[i], param[i], remainder[i], EncodeContext{0u, 0u});
+    joined[i] = Remainder::read<Bf16>(param[i], remainder[i]);
+  }
+}
+"""
+
+
+def _compiler_version() -> str:
+    return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BF16OPT_EMULATION_CACHE")
+    return Path(root) if root else Path(tempfile.gettempdir()) / "bf16opt-cuda-emulation"
+
+
+def build_library() -> Path:
+    """Compile (or find in the cache) the emulation library; returns its path."""
+    units = _translation_units()
+    digest = hashlib.sha256()
+    for item in (CXX, _compiler_version(), " ".join(CXXFLAGS), (HERE / "emulation.h").read_text()):
+        digest.update(item.encode())
+    for filename, text in units:
+        digest.update(filename.encode() + b"\0" + text.encode())
+    target = cache_dir() / f"kernels-{digest.hexdigest()[:24]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        work = Path(work)
+        def compile_unit(unit):
+            filename, text = unit
+            (work / filename).write_text(text)
+            done = subprocess.run([CXX, *CXXFLAGS, "-c", str(work / filename), "-o",
+                                   str(work / (filename + ".o"))],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"emulation build of {filename} failed:\n{done.stdout}")
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(compile_unit, units))
+        library = work / "kernels.so"
+        subprocess.run([CXX, "-shared", "-o", str(library), *(str(work / (f + ".o")) for f, _ in units)],
+                       check=True, capture_output=True, text=True)
+        os.replace(library, target)  # atomic: concurrent builders agree on the result
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    return ctypes.CDLL(str(build_library()))
+
+
+@functools.lru_cache(maxsize=None)
+def _function(kind: str, expression: str):
+    index = cuda_backend.all_kernel_names(kind).index(expression)
+    function = getattr(library(), symbol(kind, index))
+    function.restype = None
+    function.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
+                         ctypes.c_longlong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_longlong,
+                         ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+    return function
+
+
+def execute(prepared: cuda_backend.PreparedLaunch) -> None:
+    """Run one prepared launch (what the adapter would send to the GPU) on the CPU."""
+    plan = prepared.plan
+    table = np.ascontiguousarray(plan.table, dtype=np.int64)
+    scalars = np.asarray(prepared.scalars, dtype=np.float32)
+    assert scalars.size == SCALAR_COUNT[prepared.kind]
+    counts = prepared.counts
+    if counts is not None:
+        assert counts.device.type == "cpu" and counts.dtype == torch.int64 and counts.is_contiguous()
+    _function(prepared.kind, prepared.expression)(
+        plan.grid, plan.block, table.ctypes.data, plan.n_tensors, plan.n_chunks, plan.chunk_size,
+        prepared.seed, prepared.step, None if counts is None else counts.data_ptr(), prepared.flags,
+        scalars.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+
+
+def encode(format: str, x: np.ndarray, key: int = 0) -> np.ndarray:
+    """uint16 bits of ``x`` (float32) encoded by the CUDA helper ``format`` (PROBE_FORMATS);
+    element i uses the random stream (key, i)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.size, dtype=np.uint16)
+    function = library().bf16opt_probe_encode
+    function.restype = None
+    function(ctypes.c_int(PROBE_FORMATS.index(format)), ctypes.c_void_p(x.ctypes.data),
+             ctypes.c_longlong(x.size), ctypes.c_uint(key), ctypes.c_void_p(out.ctypes.data))
+    return out
+
+
+def stream_key(seed: int, step: int, index: int, buffer: int) -> int:
+    function = library().bf16opt_probe_stream_key
+    function.restype = ctypes.c_uint
+    return function(ctypes.c_ulonglong(seed), ctypes.c_longlong(step), ctypes.c_longlong(index),
+                    ctypes.c_uint(buffer))
+
+
+def remainder_split_join(x: np.ndarray) -> tuple:
+    """(param bits, remainder bits, joined float32) of the CUDA Remainder policy."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    param = np.empty(x.size, dtype=np.uint16)
+    remainder = np.empty(x.size, dtype=np.uint16)
+    joined = np.empty(x.size, dtype=np.float32)
+    function = library().bf16opt_probe_remainder
+    function.restype = None
+    function(ctypes.c_void_p(x.ctypes.data), ctypes.c_longlong(x.size), ctypes.c_void_p(param.ctypes.data),
+             ctypes.c_void_p(remainder.ctypes.data), ctypes.c_void_p(joined.ctypes.data))
+    return param, remainder, joined
