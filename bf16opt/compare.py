@@ -10,6 +10,7 @@ installed) into ``--out``, and prints the memory breakdown and the loss table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import statistics
@@ -88,9 +89,22 @@ class CharGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+def warmup_cosine(steps: int, warmup: float = 0.1, floor: float = 0.05):
+    """LR factor: linear warm-up over 10% of the steps, then cosine decay to 5%."""
+    warm = max(1, int(steps * warmup))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, steps - warm)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
 # ---------------------------------------------------------------- measuring
 class StepPeakMemory:
-    """Extra resident memory a step needs beyond what the process held before it.
+    """Extra resident memory a step needs beyond what the process held before it
+    (temporaries; the state itself is allocated by the first step, which is not measured).
 
     Linux only (reads and resets the peak RSS in /proc/self); elsewhere reports None.
     """
@@ -141,8 +155,7 @@ def train(preset: str, data: torch.Tensor, *, optimizer: str, steps: int, lr: fl
     model = CharGPT(width=width, layers=layers, block=block).to(torch.bfloat16)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr, precision=preset, seed=seed,
                                 backend=backend, track_precision=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)))  # linear warm-up
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
     rows, step_times = [], []
     peak = StepPeakMemory()
     for number, (inputs, targets) in enumerate(batches(data, steps, batch, block, seed), start=1):
@@ -151,7 +164,7 @@ def train(preset: str, data: torch.Tensor, *, optimizer: str, steps: int, lr: fl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         lr_now = opt.param_groups[0]["lr"]
-        with peak:
+        with peak if number > 1 else contextlib.nullcontext():  # step 1 allocates the state
             start = time.perf_counter()
             opt.step()
             step_times.append(time.perf_counter() - start)
