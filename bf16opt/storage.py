@@ -59,12 +59,24 @@ def _bits_as(value_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return value_bits.to(_INT_VIEW[dtype]).view(dtype)
 
 
+def _signed16(bits: torch.Tensor) -> torch.Tensor:
+    """Unsigned 16-bit values (int64) as the int16 two's complement values with those bits."""
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits)
+
+
+def _with_canonical_nan(x: torch.Tensor, encoded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``encoded`` with every element where ``x`` is NaN replaced by the canonical NaN."""
+    nan = torch.isnan(x)
+    if bool(nan.any()):
+        canonical = torch.tensor(CANONICAL_NAN_BITS[dtype], dtype=torch.int64)
+        encoded = torch.where(nan, _bits_as(canonical, dtype), encoded)
+    return encoded
+
+
 def _bf16_round_nearest_even(x: torch.Tensor) -> torch.Tensor:
     bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     lsb = (bits >> 16) & 1
-    upper = ((bits + 0x7FFF + lsb) >> 16) & 0xFFFF
-    upper = torch.where(upper >= 0x8000, upper - 0x10000, upper)  # two's complement int16
-    return _bits_as(upper, torch.bfloat16)
+    return _bits_as(_signed16(((bits + 0x7FFF + lsb) >> 16) & 0xFFFF), torch.bfloat16)
 
 
 def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -79,16 +91,7 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         encoded = x.to(torch.float16)  # IEEE RNE on every torch CPU path
     else:
         raise TypeError(f"cannot encode into {dtype}")
-    nan = torch.isnan(x)
-    if bool(nan.any()):
-        canonical = torch.tensor(CANONICAL_NAN_BITS[dtype], dtype=torch.int64)
-        encoded = torch.where(nan, _bits_as(canonical, dtype), encoded)
-    return encoded
-
-
-def store(target: torch.Tensor, value_f32: torch.Tensor) -> None:
-    """Write ``encode(value_f32, target.dtype)`` into ``target`` in place."""
-    target.copy_(encode(value_f32, target.dtype))
+    return _with_canonical_nan(x, encoded, dtype)
 
 
 # ---------------------------------------------------------------- stochastic rounding
@@ -150,9 +153,7 @@ def encode_stochastic(x: torch.Tensor, dtype: torch.dtype, random: torch.Tensor)
         return encode(x, dtype)
     bits = _as_uint32(x)
     if dtype == torch.bfloat16:
-        upper = ((bits + (random >> 16)) >> 16) & 0xFFFF
-        upper = torch.where(upper >= 0x8000, upper - 0x10000, upper)
-        encoded = _bits_as(upper, torch.bfloat16)
+        encoded = _bits_as(_signed16(((bits + (random >> 16)) >> 16) & 0xFFFF), torch.bfloat16)
         finite = ~torch.isinf(x)  # inf + random bits would turn into NaN patterns
         encoded = torch.where(finite, encoded, x.to(torch.bfloat16))
     elif dtype == torch.float16:
@@ -167,11 +168,7 @@ def encode_stochastic(x: torch.Tensor, dtype: torch.dtype, random: torch.Tensor)
         encoded = torch.where(bits >= 0x80000000, -value, value).to(torch.float16)
     else:
         raise TypeError(f"cannot encode into {dtype}")
-    nan = torch.isnan(x)
-    if bool(nan.any()):
-        canonical = torch.tensor(CANONICAL_NAN_BITS[dtype], dtype=torch.int64)
-        encoded = torch.where(nan, _bits_as(canonical, dtype), encoded)
-    return encoded
+    return _with_canonical_nan(x, encoded, dtype)
 
 
 # ---------------------------------------------------------------- exact fp32 master in bf16 + int16
@@ -180,8 +177,8 @@ def split_remainder(master: torch.Tensor) -> tuple:
     bits = _as_uint32(encode(master, torch.float32))
     upper = ((bits + 0x8000) >> 16) & 0xFFFF
     lower = bits & 0xFFFF
-    param = _bits_as(torch.where(upper >= 0x8000, upper - 0x10000, upper), torch.bfloat16)
-    remainder = torch.where(lower >= 0x8000, lower - 0x10000, lower).to(torch.int16)
+    param = _bits_as(_signed16(upper), torch.bfloat16)
+    remainder = _signed16(lower).to(torch.int16)
     return param, remainder
 
 
