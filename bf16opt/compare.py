@@ -296,7 +296,7 @@ def main(argv=None) -> int:
     n = results[0]["memory"].num_params
     print(f"\nMemory breakdown, bytes per parameter (N = {n:,} bf16 params)")
     print(memory_table(results))
-    print(f"\nLoss (final = mean of the last 10% of steps)")
+    print("\nLoss (final = mean of the last 10% of steps)")
     print(loss_table(results))
     print(f"\nwrote {', '.join(f'loss_{p}.csv' for p in presets)}"
           + (", loss_comparison.png" if figure else " (install matplotlib for loss_comparison.png)")
