@@ -8,8 +8,9 @@ medians are reported):
 
 * ``bf16opt``: one ``bf16opt.AdamW(..., backend="numba").step()``;
 * ``limit``: a trivial parallel Numba kernel that reads and writes the same arrays in the
-  same dtypes (``p += g; master += g; m += g; v += g``), the memory-bound limit of the
-  configuration (DESIGN.md section 6), and bf16opt's fraction of it;
+  same dtypes (``p += g; master += g; m += g; v += g``; the Kahan compensation or int16
+  remainder in the master's place), the memory-bound limit of the configuration
+  (DESIGN.md section 6), and bf16opt's fraction of it;
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` where torch has the same
   configuration (its states have the param's dtype, so: bf16 params with bf16 states, and
   fp32 params with fp32 states);
@@ -37,7 +38,8 @@ from numba import njit, prange  # noqa: E402
 
 import bf16opt  # noqa: E402
 
-VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+        torch.int16: torch.int16}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
@@ -122,6 +124,11 @@ CONFIGS = [  # (label, param dtype, preset, torch fused equivalent?, DeepSpeed f
     ("bf16 params, bf16-master", torch.bfloat16, "bf16-master", False, True),
     ("bf16 params, bf16-states", torch.bfloat16, "bf16-states", False, None),
     ("fp32 params, fp32", torch.float32, "fp32", True, True),
+    # quality presets (issue 5): same arrays as a plain preset plus the extra buffer
+    ("bf16 params, bf16-sr", torch.bfloat16, "bf16-sr", False, None),
+    ("bf16 params, bf16-kahan", torch.bfloat16, "bf16-kahan", False, None),
+    ("bf16 params, fp32-remainder", torch.bfloat16, "fp32-remainder", False, None),
+    ("bf16 params, fp32-rem-bf16st", torch.bfloat16, "fp32-remainder-bf16-states", False, None),
 ]
 
 
@@ -136,7 +143,7 @@ def _x(a, b):
 def preset_table(n: int, repeats: int) -> None:
     print(f"AdamW step, {n} params (2^{n.bit_length() - 1}), {torch.get_num_threads()} torch threads, "
           f"median of {repeats} interleaved repetitions; times in ms")
-    header = (f"{'configuration':26} {'bf16opt':>8} {'limit':>8} {'of limit':>8} {'torch fused':>11} "
+    header = (f"{'configuration':29} {'bf16opt':>8} {'limit':>8} {'of limit':>8} {'torch fused':>11} "
               f"{'speedup':>7} {'DeepSpeed':>9} {'speedup':>7}")
     print(header)
     print("-" * len(header))
@@ -144,8 +151,9 @@ def preset_table(n: int, repeats: int) -> None:
         mine = [_param(n, dtype, 0)]
         ours, opt = bf16opt_step(mine, preset)
         state = opt.state[mine[0]]
-        limit = limit_step(mine[0], mine[0].grad, state.get("master"), state["exp_avg"],
-                           state["exp_avg_sq"])
+        # the fourth array: master copy, Kahan compensation or int16 remainder
+        extra = next((state[k] for k in ("master", "compensation", "remainder") if k in state), None)
+        limit = limit_step(mine[0], mine[0].grad, extra, state["exp_avg"], state["exp_avg_sq"])
         contenders = {"bf16opt": ours, "limit": limit}
         keep = [opt]
         if has_torch:
@@ -158,7 +166,7 @@ def preset_table(n: int, repeats: int) -> None:
             keep.append(ds_opt)
         t = measure(contenders, repeats)
         ours_t, limit_t = t["bf16opt"], t["limit"]
-        print(f"{label:26} {_ms(ours_t)} {_ms(limit_t)} {100 * limit_t / ours_t:7.0f}% "
+        print(f"{label:29} {_ms(ours_t)} {_ms(limit_t)} {100 * limit_t / ours_t:7.0f}% "
               f"{_ms(t.get('torch')):>11} {_x(ours_t, t.get('torch')):>7} "
               f"{_ms(t.get('deepspeed')):>9} {_x(ours_t, t.get('deepspeed')):>7}", flush=True)
         del contenders, keep, mine, opt, state, limit

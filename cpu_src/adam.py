@@ -1,14 +1,16 @@
-"""Numba kernels for Adam / AdamW (amsgrad, maximize, L2 or decoupled weight decay).
+"""Numba chunk functions for Adam / AdamW (amsgrad, maximize, L2 or decoupled weight decay).
 
 The per-element math, operation by operation, is ``bf16opt/backends/reference.py``'s;
 each line below is one float32 operation rounded on its own (no fastmath, so LLVM does
 not contract ``a * b + c`` into a fused multiply-add or reassociate).
 
-Specialisation: the optimizer flags (master copy, amsgrad, maximize, L2) are closure
-constants of a kernel made by :func:`adam_kernel`, so LLVM folds them away; the storage
-formats come from the element types of the ``*_format`` token arrays (see
-``storage.py``), so each combination of dtypes is its own compiled specialisation.
-Neither leaves a run-time branch in the loop.
+Specialisation: :func:`adam_chunk` makes one serial chunk function (a ``cfunc``, see
+``chunks.py``) per configuration.  The storage formats (numpy element classes of the
+views, see ``storage.py``), the flags (amsgrad, L2, telemetry) and the storage policies
+(how the master is loaded and stored, nearest or stochastic rounding of the moments) are
+closure constants, so LLVM folds them away: no run-time branch in the loop.  ``maximize``
+is the run-time scalar ``sign`` (+1 or -1): ``g * -1`` is ``-g`` exactly, a
+loop-invariant multiplication rather than a branch or another compiled kernel.
 """
 
 from __future__ import annotations
@@ -16,76 +18,93 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import njit, prange
+from numba import cfunc
 
-from .storage import address_as_pointer, load, store
+from .chunks import CHUNK_SIGNATURE
+from .storage import (MOMENT_ROUNDINGS, WEIGHT_POLICIES, load, load_weights, pointer_to,
+                      store_moment, store_weights)
 
-__all__ = ["ADAM_BUFFERS", "adam_kernel"]
+__all__ = ["ADAM_BUFFERS", "ADAM_SCALARS", "adam_chunk"]
 
-#: buffer order in the chunk table columns (see chunks.py)
-ADAM_BUFFERS = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
+#: buffer order in the chunk table columns (see chunks.py); "extra" is the Kahan
+#: compensation or the int16 remainder
+ADAM_BUFFERS = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "extra")
+#: order of the float32 scalars array
+ADAM_SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "step_size",
+                "inv_sqrt_bias_correction2", "eps", "weight_decay", "decay", "sign")
 
 @functools.lru_cache(maxsize=None)
-def adam_kernel(has_master: bool, amsgrad: bool, maximize: bool, l2: bool):
-    """The compiled-on-first-call Adam kernel for one set of flags (memoised).
+def adam_chunk(formats: tuple, weights: str, moments: str, amsgrad: bool, l2: bool, track: bool):
+    """The compiled Adam chunk function of one configuration (memoised; on-disk cached).
 
-    Call signature: ``kernel(table, param_format, grad_format, master_format,
-    exp_avg_format, exp_avg_sq_format, max_exp_avg_sq_format, beta1, beta2,
-    one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps,
-    weight_decay, decay)``; formats are (empty) arrays of the view dtypes, scalars
-    are ``np.float32``.
+    ``formats``: numpy element classes of (param, master, exp_avg, exp_avg_sq, extra)
+    (grad has the param's, max_exp_avg_sq the exp_avg_sq's; absent buffers any class);
+    ``weights``: a key of ``storage.WEIGHT_POLICIES`` (how the master is held);
+    ``moments``: a key of ``storage.MOMENT_ROUNDINGS``;
+    ``track``: count telemetry into the row's counters.
     """
-    has_master, amsgrad, maximize, l2 = bool(has_master), bool(amsgrad), bool(maximize), bool(l2)
+    param_format, master_format, exp_avg_format, exp_avg_sq_format, extra_format = formats
+    if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
+        raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
+    weights, moments = str(weights), str(moments)
+    amsgrad, l2, track = bool(amsgrad), bool(l2), bool(track)
 
-    @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-    def kernel(table, param_format, grad_format, master_format, exp_avg_format,
-               exp_avg_sq_format, max_exp_avg_sq_format, beta1, beta2, one_minus_beta1,
-               one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, weight_decay, decay):
-        for row in prange(table.shape[0]):
-            param = address_as_pointer(table[row, 0], param_format)
-            grad = address_as_pointer(table[row, 1], grad_format)
-            master = address_as_pointer(table[row, 2], master_format)
-            exp_avg = address_as_pointer(table[row, 3], exp_avg_format)
-            exp_avg_sq = address_as_pointer(table[row, 4], exp_avg_sq_format)
-            max_exp_avg_sq = address_as_pointer(table[row, 5], max_exp_avg_sq_format)
-            for i in range(table[row, 6]):
-                g = load(grad, i)
-                if maximize:
-                    g = -g
-                if has_master:
-                    w = load(master, i)
-                else:
-                    w = load(param, i)
-                if l2:
-                    t = w * weight_decay
-                    g = g + t
-                w = w * decay
-                m = load(exp_avg, i) * beta1
-                t = g * one_minus_beta1
-                m = m + t
-                v = load(exp_avg_sq, i) * beta2
-                t = g * g
-                t = t * one_minus_beta2
-                v = v + t
-                if amsgrad:
-                    v_max = load(max_exp_avg_sq, i)
-                    # torch.maximum: NaN if either is NaN
-                    v_hat = v_max if (v_max >= v or v_max != v_max) else v
-                else:
-                    v_hat = v
-                d = np.sqrt(v_hat)
-                d = d * inv_sqrt_bias_correction2
-                d = d + eps
-                u = m / d
-                u = u * step_size
-                w = w - u
-                store(exp_avg, i, m)
-                store(exp_avg_sq, i, v)
-                if amsgrad:
-                    store(max_exp_avg_sq, i, v_hat)
-                if has_master:
-                    store(master, i, w)
-                store(param, i, w)
+    @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
+    def chunk(row, scalars, keys, counts):
+        param = pointer_to(row[0], param_format)
+        grad = pointer_to(row[1], param_format)
+        master = pointer_to(row[2], master_format)
+        exp_avg = pointer_to(row[3], exp_avg_format)
+        exp_avg_sq = pointer_to(row[4], exp_avg_sq_format)
+        max_exp_avg_sq = pointer_to(row[5], exp_avg_sq_format)
+        extra = pointer_to(row[6], extra_format)
+        n, start = row[7], row[8]
+        beta1, beta2 = scalars[0], scalars[1]
+        one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
+        step_size, inv_sqrt_bias_correction2, eps = scalars[4], scalars[5], scalars[6]
+        weight_decay, decay, sign = scalars[7], scalars[8], scalars[9]
+        key_w, key_m, key_v, key_max = keys[0], keys[1], keys[2], keys[3]
+        swallowed, m_underflow, v_underflow = 0, 0, 0
+        for i in range(n):
+            element = start + i
+            g = load(grad, i) * sign
+            w0 = load_weights(weights, param, master, extra, i)
+            w = w0
+            if l2:
+                t = w * weight_decay
+                g = g + t
+            w = w * decay
+            m = load(exp_avg, i) * beta1
+            t = g * one_minus_beta1
+            m = m + t
+            v = load(exp_avg_sq, i) * beta2
+            t = g * g
+            t = t * one_minus_beta2
+            v = v + t
+            if amsgrad:
+                v_max = load(max_exp_avg_sq, i)
+                # a if (a > b or a is NaN) else b, a = the stored maximum
+                v_hat = v_max if (v_max > v or v_max != v_max) else v
+            else:
+                v_hat = v
+            d = np.sqrt(v_hat)
+            d = d * inv_sqrt_bias_correction2
+            d = d + eps
+            u = m / d
+            u = u * step_size
+            w = w - u
+            stored_m = store_moment(moments, exp_avg, i, m, key_m, element)
+            stored_v = store_moment(moments, exp_avg_sq, i, v, key_v, element)
+            if amsgrad:
+                store_moment(moments, max_exp_avg_sq, i, v_hat, key_max, element)
+            same = store_weights(weights, param, master, extra, i, w0, w, key_w, element)
+            if track:
+                swallowed += (u != np.float32(0.0)) & same
+                m_underflow += (m != np.float32(0.0)) & (stored_m == np.float32(0.0))
+                v_underflow += (v != np.float32(0.0)) & (stored_v == np.float32(0.0))
+        if track:
+            counts[0] = swallowed
+            counts[1] = m_underflow
+            counts[2] = v_underflow
 
-    return kernel
+    return chunk

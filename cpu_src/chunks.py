@@ -1,29 +1,52 @@
-"""The launch plan shared by the kernels: a chunk table over many tensors.
+"""The launch plan shared by the kernels: a chunk table over many tensors, and its driver.
 
 One kernel call updates every tensor of a bucket.  The tensors are cut into chunks of at
 most ``CHUNK`` elements; row ``c`` of the table holds, for each buffer of the update
-(param, grad, master, moments...), the byte address of the chunk's first element, and
-in its last column the chunk's length.  The kernels run ``prange`` over rows, so a
-model with hundreds of small tensors costs one call, and a large tensor is spread over
-all threads.  Buffers a configuration does not have get address 0 and are never read.
+(param, grad, master, moments...), the byte address of the chunk's first element, then
+three columns: the chunk's length, the index of its first element in its tensor (the
+element counter of stochastic rounding) and the tensor's position in the bucket.
+Buffers a configuration does not have get address 0 and are never read.
 
-Every element is computed independently of the others, so results do not depend on
-the chunk size or the number of threads.
+The work of a configuration is a *chunk function* (``adam.py``, ``lion.py``): a serial
+Numba ``cfunc`` with the C signature :data:`CHUNK_SIGNATURE`
+``void(int64 *row, float32 *scalars, uint32 *keys, int64 *counts)`` that updates the
+elements of one table row: ``scalars`` are the step's float32 scalars, ``keys`` the
+tensor's random-stream keys (one per buffer, see ``storage.py``), ``counts`` the row's
+three telemetry counters.  :func:`run_chunks` is the one parallel kernel: it runs
+``prange`` over the rows and calls the chunk function through its address.  It is
+compiled once for all configurations; each configuration costs only a serial compile,
+several times cheaper than compiling a ``parallel=True`` kernel.
+
+Every element is computed independently of the others and each row writes its own
+counters, so results do not depend on the chunk size or the number of threads.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-__all__ = ["CHUNK", "build_chunk_table"]
+__all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KEYS", "build_chunk_table", "run_chunks",
+           "tensor_counts"]
 
 #: elements per chunk: large enough for long vector loops, small enough to balance threads
 CHUNK = 1 << 15
+#: columns after the buffer addresses: length, first element index, tensor index
+TRAILING_COLUMNS = 3
+#: random-stream keys per tensor (WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ)
+KEYS = 4
+#: telemetry counters per row (swallowed, exp_avg underflow, exp_avg_sq underflow)
+COUNTERS = 3
+
+CHUNK_SIGNATURE = types.void(types.CPointer(types.int64), types.CPointer(types.float32),
+                             types.CPointer(types.uint32), types.CPointer(types.int64))
 
 
 def build_chunk_table(addresses: np.ndarray, itemsizes: np.ndarray, numels: np.ndarray,
                       chunk: int = CHUNK) -> np.ndarray:
-    """int64 table (n_chunks, n_buffers + 1) for tensors described by their addresses.
+    """int64 table (n_chunks, n_buffers + 3) for tensors described by their addresses.
 
     ``addresses[t, b]`` is the byte address of buffer ``b`` of tensor ``t`` (contiguous
     memory), ``itemsizes[b]`` its element size in bytes (0 for an absent buffer),
@@ -34,10 +57,64 @@ def build_chunk_table(addresses: np.ndarray, itemsizes: np.ndarray, numels: np.n
     numels = np.asarray(numels, dtype=np.int64)
     n_tensors, n_buffers = addresses.shape
     counts = (numels + (chunk - 1)) // chunk
-    tensor_of_row = np.repeat(np.arange(n_tensors), counts)
+    tensor_of_row = np.repeat(np.arange(n_tensors, dtype=np.int64), counts)
     first_row = np.cumsum(counts) - counts
     start = (np.arange(tensor_of_row.size, dtype=np.int64) - first_row[tensor_of_row]) * chunk
-    table = np.empty((tensor_of_row.size, n_buffers + 1), dtype=np.int64)
+    table = np.empty((tensor_of_row.size, n_buffers + TRAILING_COLUMNS), dtype=np.int64)
     table[:, :n_buffers] = addresses[tensor_of_row] + start[:, None] * itemsizes[None, :]
     table[:, n_buffers] = np.minimum(numels[tensor_of_row] - start, chunk)
+    table[:, n_buffers + 1] = start
+    table[:, n_buffers + 2] = tensor_of_row
     return table
+
+
+def tensor_counts(table: np.ndarray, row_counts: np.ndarray, n_tensors: int) -> np.ndarray:
+    """Per-tensor sums (n_tensors, COUNTERS) of the rows' telemetry counters."""
+    out = np.zeros((n_tensors, row_counts.shape[1]), dtype=np.int64)
+    np.add.at(out, table[:, -1], row_counts)
+    return out
+
+
+# ---------------------------------------------------------------- the parallel driver
+@intrinsic
+def _element_pointer(typingctx, array, offset):
+    """Pointer to element ``offset`` (flat, C order) of a C-contiguous array."""
+    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
+        return None
+    pointer = types.CPointer(array.dtype)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        return builder.gep(data, [args[1]])
+
+    return pointer(array, offset), codegen
+
+
+@intrinsic
+def _call_chunk(typingctx, address, row, scalars, keys, counts):
+    """Call the chunk function at ``address`` (signature CHUNK_SIGNATURE)."""
+    arguments = (row, scalars, keys, counts)
+    if not isinstance(address, types.Integer) or arguments != tuple(CHUNK_SIGNATURE.args):
+        return None
+
+    def codegen(context, builder, signature, args):
+        function_type = ir.FunctionType(ir.VoidType(), [a.type for a in args[1:]])
+        function = builder.inttoptr(args[0], function_type.as_pointer())
+        builder.call(function, args[1:])
+        return context.get_dummy_value()
+
+    return types.void(address, row, scalars, keys, counts), codegen
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def run_chunks(address, table, scalars, keys, row_counts):
+    """Run the chunk function at ``address`` on every row of ``table``, rows in parallel.
+
+    ``keys``: uint32 (n_tensors, KEYS); ``row_counts``: int64 (n_rows, COUNTERS), written
+    by chunk functions that count (telemetry), never read by others.
+    """
+    width = table.shape[1]
+    for row in prange(table.shape[0]):
+        tensor = table[row, width - 1]
+        _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
+                    _element_pointer(keys, tensor * KEYS), _element_pointer(row_counts, row * COUNTERS))

@@ -1,63 +1,74 @@
-"""Numba kernels for Lion (Chen et al. 2023), same conventions as ``adam.py``."""
+"""Numba chunk functions for Lion (Chen et al. 2023), same conventions as ``adam.py``."""
 
 from __future__ import annotations
 
 import functools
 
 import numpy as np
+from numba import cfunc
 
-from numba import njit, prange
+from .chunks import CHUNK_SIGNATURE
+from .storage import (MOMENT_ROUNDINGS, WEIGHT_POLICIES, load, load_weights, pointer_to,
+                      store_moment, store_weights)
 
-from .storage import address_as_pointer, load, store
-
-__all__ = ["LION_BUFFERS", "lion_kernel"]
+__all__ = ["LION_BUFFERS", "LION_SCALARS", "lion_chunk"]
 
 #: buffer order in the chunk table columns (see chunks.py)
-LION_BUFFERS = ("param", "grad", "master", "exp_avg")
+LION_BUFFERS = ("param", "grad", "master", "exp_avg", "extra")
+#: order of the float32 scalars array
+LION_SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "lr", "decay", "sign")
 
 
 @functools.lru_cache(maxsize=None)
-def lion_kernel(has_master: bool, maximize: bool):
-    """The compiled-on-first-call Lion kernel for one set of flags (memoised).
+def lion_chunk(formats: tuple, weights: str, moments: str, track: bool):
+    """The compiled Lion chunk function of one configuration (memoised; on-disk cached).
 
-    Call signature: ``kernel(table, param_format, grad_format, master_format,
-    exp_avg_format, beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay)``.
+    ``formats``: numpy element classes of (param, master, exp_avg, extra); the other
+    arguments as for :func:`adam.adam_chunk`.
     """
-    has_master, maximize = bool(has_master), bool(maximize)
+    param_format, master_format, exp_avg_format, extra_format = formats
+    if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
+        raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
+    weights, moments, track = str(weights), str(moments), bool(track)
 
-    @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-    def kernel(table, param_format, grad_format, master_format, exp_avg_format,
-               beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay):
-        for row in prange(table.shape[0]):
-            param = address_as_pointer(table[row, 0], param_format)
-            grad = address_as_pointer(table[row, 1], grad_format)
-            master = address_as_pointer(table[row, 2], master_format)
-            exp_avg = address_as_pointer(table[row, 3], exp_avg_format)
-            for i in range(table[row, 4]):
-                g = load(grad, i)
-                if maximize:
-                    g = -g
-                if has_master:
-                    w = load(master, i)
-                else:
-                    w = load(param, i)
-                w = w * decay
-                m_old = load(exp_avg, i)
-                c = m_old * beta1
-                t = g * one_minus_beta1
-                c = c + t
-                # sign(c) with +0 for +-0 and NaN for NaN (c + 0 is +0 for zeros, NaN for NaN)
-                s = c + np.float32(0.0)
-                s = np.float32(1.0) if c > np.float32(0.0) else s
-                s = np.float32(-1.0) if c < np.float32(0.0) else s
-                u = s * lr
-                w = w - u
-                m = m_old * beta2
-                t = g * one_minus_beta2
-                m = m + t
-                store(exp_avg, i, m)
-                if has_master:
-                    store(master, i, w)
-                store(param, i, w)
+    @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
+    def chunk(row, scalars, keys, counts):
+        param = pointer_to(row[0], param_format)
+        grad = pointer_to(row[1], param_format)
+        master = pointer_to(row[2], master_format)
+        exp_avg = pointer_to(row[3], exp_avg_format)
+        extra = pointer_to(row[4], extra_format)
+        n, start = row[5], row[6]
+        beta1, beta2 = scalars[0], scalars[1]
+        one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
+        lr, decay, sign = scalars[4], scalars[5], scalars[6]
+        key_w, key_m = keys[0], keys[1]
+        swallowed, m_underflow = 0, 0
+        for i in range(n):
+            element = start + i
+            g = load(grad, i) * sign
+            w0 = load_weights(weights, param, master, extra, i)
+            w = w0 * decay
+            m_old = load(exp_avg, i)
+            c = m_old * beta1
+            t = g * one_minus_beta1
+            c = c + t
+            # sign(c) with +0 for +-0 and NaN for NaN (c + 0 is +0 for zeros, NaN for NaN)
+            s = c + np.float32(0.0)
+            s = np.float32(1.0) if c > np.float32(0.0) else s
+            s = np.float32(-1.0) if c < np.float32(0.0) else s
+            u = s * lr
+            w = w - u
+            m = m_old * beta2
+            t = g * one_minus_beta2
+            m = m + t
+            stored_m = store_moment(moments, exp_avg, i, m, key_m, element)
+            same = store_weights(weights, param, master, extra, i, w0, w, key_w, element)
+            if track:
+                swallowed += (u != np.float32(0.0)) & same
+                m_underflow += (m != np.float32(0.0)) & (stored_m == np.float32(0.0))
+        if track:
+            counts[0] = swallowed
+            counts[1] = m_underflow
 
-    return kernel
+    return chunk

@@ -1,16 +1,19 @@
 """Numba backend: the CPU kernels of ``cpu_src/`` (installed as ``bf16opt._cpu``).
 
 A thin adapter: it turns a :class:`Bucket` into one chunk table (byte addresses of every
-tensor's buffers, see ``cpu_src/chunks.py``) plus format tokens and float32 scalars, and
-makes one kernel call per bucket.  Tensors travel zero-copy: the kernels read and write
-the tensors' own memory; bfloat16 and float16 are handled as 16-bit integers.
+tensor's buffers, see ``cpu_src/chunks.py``) plus the step's float32 scalars, the
+random-stream keys of stochastic rounding and telemetry counters, picks the compiled
+chunk function of the bucket's configuration, and makes one parallel kernel call per
+bucket.  Tensors travel zero-copy: the kernels read and write the tensors' own memory;
+bfloat16 and float16 are handled as 16-bit integers.
+
+Every plan is supported: round to nearest or stochastic rounding, Kahan compensation,
+the int16 remainder, and precision telemetry (``bucket.counts``), all bit-identical to
+``reference.py``.
 
 Importing this module compiles nothing; the kernels (and Numba itself) are imported on
 the first step, and compiled on the first step of each configuration, or loaded from
-Numba's on-disk cache.  Results are bit-identical to ``reference.py``.
-
-Buckets with precision telemetry (``bucket.counts``) are delegated to the reference
-backend for now.
+Numba's on-disk cache.
 
 Non-contiguous tensors (rare: params are usually contiguous) are updated through
 contiguous copies that are written back afterwards, which keeps results identical.
@@ -24,24 +27,22 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import reference
+from ..storage import GOLDEN, MASK32, fmix32_int
 from .base import AdamScalars, Bucket, LionScalars
 
 name = "numba"
 
-_VIEW_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
-# format token of each storage dtype (an empty array of its view dtype), and of "absent"
-_FORMATS = {dtype: np.empty(0, dtype=view) for dtype, view in _VIEW_DTYPES.items()}
-_ABSENT = np.empty(0, dtype=np.float32)
+# element class of the view each storage dtype travels as (int16: the remainder, raw bits)
+_VIEW_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16,
+                torch.int16: np.int16}
 
 _TABLE_CACHE: dict = {}
 _TABLE_CACHE_SIZE = 16
 
 
 def supports(plan) -> bool:
-    """Plans with round-to-nearest storage and no compensation buffer (the quality plans,
-    stochastic rounding / Kahan / remainder, still go to the reference backend)."""
-    return plan.rounding == "nearest" and plan.compensation is None
+    """Every plan: nearest and stochastic rounding, Kahan, remainder, telemetry."""
+    return True
 
 
 def available() -> bool:
@@ -93,13 +94,13 @@ class _Launch:
         """The chunk table (memoised: a training loop sees the same addresses each step)."""
         addresses = [[0 if tensor is None else tensor.data_ptr() for tensor in column]
                      for column in self.columns]
-        key = (tuple(map(tuple, addresses)), tuple(numels), self.itemsizes.tobytes())
+        key = (tuple(map(tuple, addresses)), tuple(numels), self.itemsizes.tobytes(), chunks.CHUNK)
         table = _TABLE_CACHE.get(key)
         if table is None:
             if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
                 _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
             table = chunks.build_chunk_table(np.array(addresses, dtype=np.int64).T, self.itemsizes,
-                                             np.array(numels, dtype=np.int64))
+                                             np.array(numels, dtype=np.int64), chunk=chunks.CHUNK)
             _TABLE_CACHE[key] = table
         return table
 
@@ -115,61 +116,113 @@ def _itemsizes(column_dtypes: list[Optional[torch.dtype]]) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _format(dtype: Optional[torch.dtype]) -> np.ndarray:
-    return _ABSENT if dtype is None else _FORMATS[dtype]
+def _format(dtype: Optional[torch.dtype]):
+    """Element class a kernel is specialised on (absent buffers: float32, never touched)."""
+    return np.float32 if dtype is None else _VIEW_DTYPES[dtype]
 
 
-def _needs_reference(bucket: Bucket) -> bool:
-    # precision telemetry (bucket.counts) is not computed by the kernels yet
-    if not supports(bucket.plan):
-        raise NotImplementedError(f"backend='numba' does not implement {bucket.plan}")
-    return bucket.counts is not None
+def _weights_policy(plan) -> str:
+    """How the master weights are held (a key of ``cpu_src/adam.py``'s WEIGHTS)."""
+    if plan.compensation is not None:
+        return plan.compensation            # "kahan" or "remainder"
+    if plan.master is not None:
+        return "master"
+    return "stochastic" if plan.rounding == "stochastic" else "param"
+
+
+def _extra(bucket: Bucket) -> tuple[list, Optional[torch.dtype]]:
+    """The Kahan compensations or int16 remainders of a bucket, and their dtype."""
+    plan = bucket.plan
+    if plan.compensation == "kahan":
+        return list(bucket.compensations), plan.compensation_dtype
+    if plan.compensation == "remainder":
+        return list(bucket.remainders), torch.int16
+    return [None] * len(bucket.params), None
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3 fmix32 on uint64 arrays holding uint32 values."""
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(0x85EBCA6B)) & np.uint64(MASK32)
+    h = h ^ (h >> np.uint64(13))
+    h = (h * np.uint64(0xC2B2AE35)) & np.uint64(MASK32)
+    return h ^ (h >> np.uint64(16))
+
+
+def stream_keys(seed: int, step: int, indices: list[int]) -> np.ndarray:
+    """uint32 (len(indices), 4): ``storage.stream_key(seed, step, index, buffer)`` for the
+    buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), vectorised over tensors."""
+    key = 0
+    for word in (seed & MASK32, (seed >> 32) & MASK32, step & MASK32):
+        key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
+    golden, mask = np.uint64(GOLDEN), np.uint64(MASK32)
+    tensor = np.asarray(indices, dtype=np.int64).astype(np.uint64) & mask
+    keys = _fmix32(((np.uint64(key) ^ tensor) + golden) & mask)
+    buffers = np.arange(4, dtype=np.uint64)
+    keys = _fmix32(((keys[:, None] ^ buffers[None, :]) + golden) & mask)
+    return np.ascontiguousarray(keys.astype(np.uint32))
+
+
+def _launch(bucket: Bucket, chunk, columns: list, dtypes: list, written: tuple, scalars: list,
+            counters: int) -> None:
+    """One parallel call of ``chunk`` over every tensor of the bucket."""
+    _, _, chunks = _kernels()
+    launch = _Launch(columns, dtypes, written)
+    table = launch.table([p.numel() for p in bucket.params], chunks)
+    n = len(bucket.params)
+    if bucket.plan.rounding == "stochastic":
+        if len(bucket.indices) != n:
+            raise ValueError(f"numba backend: stochastic rounding needs each param's index "
+                             f"(bucket.indices has {len(bucket.indices)} entries for {n} params)")
+        keys = stream_keys(bucket.seed, bucket.step, bucket.indices)
+    else:
+        keys = np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
+    row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
+    chunks.run_chunks(chunk.address, table, np.array(scalars, dtype=np.float32), keys, row_counts)
+    launch.finish([t for b in written for t in columns[b] if t is not None])
+    if bucket.counts is not None:
+        totals = chunks.tensor_counts(table, row_counts, n)
+        bucket.counts[:, :counters] = torch.from_numpy(totals[:, :counters])
 
 
 def adam(bucket: Bucket, s: AdamScalars) -> None:
     if not bucket.params:
         return
-    if _needs_reference(bucket):
-        reference.adam(bucket, s)
-        return
-    adam_module, _, chunks = _kernels()
+    adam_module, _, _ = _kernels()
     plan = bucket.plan
     n = len(bucket.params)
     has_master = plan.master is not None
+    extra, extra_dtype = _extra(bucket)
     columns = [bucket.params, bucket.grads,
                list(bucket.masters) if has_master else [None] * n,
                bucket.exp_avgs, bucket.exp_avg_sqs,
-               bucket.max_exp_avg_sqs if bucket.amsgrad else [None] * n]
+               bucket.max_exp_avg_sqs if bucket.amsgrad else [None] * n, extra]
     dtypes = [plan.param, plan.param, plan.master, plan.exp_avg, plan.exp_avg_sq,
-              plan.exp_avg_sq if bucket.amsgrad else None]
-    launch = _Launch(columns, dtypes, written=(0, 2, 3, 4, 5))
-    table = launch.table([p.numel() for p in bucket.params], chunks)
-    kernel = adam_module.adam_kernel(has_master, bucket.amsgrad, bucket.maximize, bucket.l2)
-    f = np.float32
-    kernel(table, *(_format(d) for d in dtypes),
-           f(s.beta1), f(s.beta2), f(s.one_minus_beta1), f(s.one_minus_beta2), f(s.step_size),
-           f(s.inv_sqrt_bias_correction2), f(s.eps), f(s.weight_decay), f(s.decay))
-    launch.finish([t for b in (0, 2, 3, 4, 5) for t in columns[b] if t is not None])
+              plan.exp_avg_sq if bucket.amsgrad else None, extra_dtype]
+    formats = tuple(_format(dtypes[b]) for b in (0, 2, 3, 4, 6))
+    chunk = adam_module.adam_chunk(formats, _weights_policy(plan), plan.rounding, bucket.amsgrad,
+                                   bucket.l2, bucket.counts is not None)
+    scalars = [s.beta1, s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.step_size,
+               s.inv_sqrt_bias_correction2, s.eps, s.weight_decay, s.decay,
+               -1.0 if bucket.maximize else 1.0]
+    _launch(bucket, chunk, columns, dtypes, (0, 2, 3, 4, 5, 6), scalars, counters=3)
 
 
 def lion(bucket: Bucket, s: LionScalars) -> None:
     if not bucket.params:
         return
-    if _needs_reference(bucket):
-        reference.lion(bucket, s)
-        return
-    _, lion_module, chunks = _kernels()
+    _, lion_module, _ = _kernels()
     plan = bucket.plan
     n = len(bucket.params)
     has_master = plan.master is not None
+    extra, extra_dtype = _extra(bucket)
     columns = [bucket.params, bucket.grads,
-               list(bucket.masters) if has_master else [None] * n, bucket.exp_avgs]
-    dtypes = [plan.param, plan.param, plan.master, plan.exp_avg]
-    launch = _Launch(columns, dtypes, written=(0, 2, 3))
-    table = launch.table([p.numel() for p in bucket.params], chunks)
-    kernel = lion_module.lion_kernel(has_master, bucket.maximize)
-    f = np.float32
-    kernel(table, *(_format(d) for d in dtypes),
-           f(s.beta1), f(s.beta2), f(s.one_minus_beta1), f(s.one_minus_beta2), f(s.lr),
-           f(s.decay))
-    launch.finish([t for b in (0, 2, 3) for t in columns[b] if t is not None])
+               list(bucket.masters) if has_master else [None] * n, bucket.exp_avgs, extra]
+    dtypes = [plan.param, plan.param, plan.master, plan.exp_avg, extra_dtype]
+    formats = tuple(_format(dtypes[b]) for b in (0, 2, 3, 4))
+    chunk = lion_module.lion_chunk(formats, _weights_policy(plan), plan.rounding,
+                                   bucket.counts is not None)
+    scalars = [s.beta1, s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.lr, s.decay,
+               -1.0 if bucket.maximize else 1.0]
+    # Lion has no second moment: the reference writes counters 0 and 1 only
+    _launch(bucket, chunk, columns, dtypes, (0, 2, 3, 4), scalars, counters=2)

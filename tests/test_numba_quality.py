@@ -1,0 +1,279 @@
+"""The numba backend's quality features against the reference backend, bit for bit.
+
+Stochastic rounding, Kahan compensation, the int16 remainder (exact float32 master) and
+precision telemetry (``bucket.counts``): the storage helpers against ``bf16opt/storage.py``
+on dense bit patterns, then every quality plan x flags over several consecutive steps
+(stochastic rounding draws a new stream each step), telemetry for every plan, and the
+optimizers end to end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import bf16opt
+from bf16opt.backends import numba as numba_backend
+from bf16opt.precision import PRESETS, all_plans, plan_for
+from bf16opt.storage import (encode, encode_stochastic, fmix32_int, join_remainder, random_bits, split_remainder,
+                             stream_key)
+
+pytest.importorskip("numba")
+
+from test_numba_backend import (  # noqa: E402  (shared helpers of the numba tests)
+    INT_VIEW, SMALL_CONTIGUOUS, SMALL_SHAPES, WEIGHT_DECAY, _bits, _interesting_f32_bits,
+    _make_bucket, _run_both)
+from test_numba_backend import small_chunks  # noqa: E402, F401  (a fixture)
+
+PLAIN_PLANS = all_plans()
+QUALITY_PLANS = all_plans(quality=True)[len(PLAIN_PLANS):]
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _plan_id(plan) -> str:
+    master = SHORT[plan.master] if plan.master is not None else "none"
+    extra = {None: "", "kahan": f"-kahan{SHORT.get(plan.compensation_dtype, '')}",
+             "remainder": "-remainder"}[plan.compensation]
+    rounding = "-sr" if plan.rounding == "stochastic" else ""
+    return (f"p{SHORT[plan.param]}-w{master}-m{SHORT[plan.exp_avg]}-v{SHORT[plan.exp_avg_sq]}"
+            f"{rounding}{extra}")
+
+
+def test_quality_plans_cover_every_feature():
+    assert len(QUALITY_PLANS) == 37
+    assert {p.rounding for p in QUALITY_PLANS} == {"nearest", "stochastic"}
+    assert {p.compensation for p in QUALITY_PLANS} == {None, "kahan", "remainder"}
+    assert {p.compensation_dtype for p in QUALITY_PLANS if p.compensation == "kahan"} == \
+        {torch.bfloat16, torch.float32}
+
+
+# ---------------------------------------------------------------- storage helpers
+@pytest.fixture(scope="module")
+def helpers():
+    from numba import njit
+
+    from bf16opt._cpu import storage
+
+    @njit
+    def random_all(key, elements, out):
+        for i in range(elements.size):
+            out[i] = storage.random_bits(key, elements[i])
+
+    @njit
+    def encode_stochastic_all(values, randoms, out):
+        for i in range(values.size):
+            out[i] = storage.encode_stochastic_for(out, values[i], randoms[i])
+
+    @njit
+    def split_all(values, params, remainders):
+        for i in range(values.size):
+            params[i] = storage.split_param(values[i])
+            remainders[i] = storage.split_remainder(values[i])
+
+    @njit
+    def join_all(params, remainders, out):
+        for i in range(params.size):
+            out[i] = storage.join_remainder(params[i], remainders[i])
+
+    return random_all, encode_stochastic_all, split_all, join_all
+
+
+def test_random_bits_match_reference(helpers):
+    random_all = helpers[0]
+    small = np.arange(100000, dtype=np.int64)
+    big = np.array([2**32 - 1, 2**32, 2**32 + 5, 2**40 + 3], dtype=np.int64)
+    for key in (0, 1, 0x9E3779B9, 0xFFFFFFFF, stream_key(2**63 + 5, 7, 3, 2)):
+        out = np.empty(small.size, dtype=np.uint32)
+        random_all(np.uint32(key), small, out)
+        assert np.array_equal(out, random_bits(key, (small.size,)).numpy().astype(np.uint32))
+        # element counters beyond 2**32 wrap: fmix32(key ^ (i * 0x9E3779B9 mod 2**32))
+        out = np.empty(big.size, dtype=np.uint32)
+        random_all(np.uint32(key), big, out)
+        assert out.tolist() == [fmix32_int(key ^ (int(i) * 0x9E3779B9 % 2**32)) for i in big]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**32 + 7, 2**64 - 1, 123456789123])
+def test_stream_keys_match_reference(seed):
+    indices = [0, 1, 5, 149, 2**31, 2**32 + 3]
+    for step in (1, 2, 1000, 2**32 + 1):
+        keys = numba_backend.stream_keys(seed, step, indices)
+        expected = [[stream_key(seed, step, t, b) for b in range(4)] for t in indices]
+        assert keys.dtype == np.uint32 and keys.tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_encode_stochastic_matches_reference(helpers, dtype):
+    encode_stochastic_all = helpers[1]
+    values = _interesting_f32_bits().view(np.float32)
+    rng = np.random.default_rng(5)
+    randoms = rng.integers(0, 1 << 32, values.size, dtype=np.uint64).astype(np.uint32)
+    # the extremes of the random bits: never / always round up (ties included)
+    randoms[:2000] = 0
+    randoms[2000:4000] = 0xFFFFFFFF
+    view = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}[dtype]
+    out = np.empty(values.size, dtype=view)
+    encode_stochastic_all(values, randoms, out)
+    expected = encode_stochastic(torch.from_numpy(values), dtype,
+                                 torch.from_numpy(randoms.astype(np.int64)))
+    expected = expected.view(INT_VIEW[dtype]).numpy()
+    got = out.view(expected.dtype)
+    bad = np.nonzero(got != expected)[0]
+    assert bad.size == 0, [(hex(values.view(np.uint32)[i]), hex(randoms[i]), hex(got[i]),
+                            hex(expected[i])) for i in bad[:5]]
+
+
+def test_remainder_split_and_join_match_reference(helpers):
+    _, _, split_all, join_all = helpers
+    values = _interesting_f32_bits().view(np.float32)
+    params = np.empty(values.size, dtype=np.int16)
+    remainders = np.empty(values.size, dtype=np.int16)
+    split_all(values, params, remainders)
+    ref_param, ref_remainder = split_remainder(torch.from_numpy(values))
+    assert np.array_equal(params, ref_param.view(torch.int16).numpy())
+    assert np.array_equal(remainders, ref_remainder.numpy())
+    # join every (param, remainder) pair of a dense sample, including those no split makes
+    rng = np.random.default_rng(9)
+    p = rng.integers(-32768, 32768, 1 << 20).astype(np.int16)
+    r = rng.integers(-32768, 32768, 1 << 20).astype(np.int16)
+    out = np.empty(p.size, dtype=np.float32)
+    join_all(p, r, out)
+    expected = join_remainder(torch.from_numpy(p).view(torch.bfloat16), torch.from_numpy(r))
+    assert np.array_equal(out.view(np.int32), expected.view(torch.int32).numpy())
+
+
+# ---------------------------------------------------------------- every quality configuration
+ADAM_GROUPS = {name: dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd,
+                          decoupled_weight_decay=decoupled)
+               for name, (wd, decoupled) in WEIGHT_DECAY.items()}
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("track", [False, True], ids=["plain", "track"])
+@pytest.mark.parametrize("weight_decay", sorted(WEIGHT_DECAY))
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("plan", QUALITY_PLANS, ids=_plan_id)
+def test_adam_quality_every_configuration(plan, amsgrad, weight_decay, track):
+    wd, decoupled = WEIGHT_DECAY[weight_decay]
+    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=amsgrad, maximize=False,
+                          l2=wd != 0.0 and not decoupled, adam=True, seed=11,
+                          contiguous_flags=SMALL_CONTIGUOUS, track=track)
+    _run_both(bucket, True, ADAM_GROUPS[weight_decay], steps=3, alternate_maximize=True,
+              where=f"{_plan_id(plan)} amsgrad={amsgrad} {weight_decay} track={track}")
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("track", [False, True], ids=["plain", "track"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.5])
+@pytest.mark.parametrize("plan", QUALITY_PLANS, ids=_plan_id)
+def test_lion_quality_every_configuration(plan, weight_decay, track):
+    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=False, maximize=True, l2=False,
+                          adam=False, seed=13, contiguous_flags=SMALL_CONTIGUOUS, track=track)
+    group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
+    _run_both(bucket, False, group, steps=3, alternate_maximize=True,
+              where=f"{_plan_id(plan)} wd={weight_decay} track={track}")
+
+
+@pytest.mark.usefixtures("small_chunks")
+# ---------------------------------------------------------------- telemetry on the plain plans
+@pytest.mark.parametrize("weight_decay", sorted(WEIGHT_DECAY))
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("plan", PLAIN_PLANS, ids=_plan_id)
+def test_adam_telemetry_plain_plans(plan, amsgrad, weight_decay):
+    wd, decoupled = WEIGHT_DECAY[weight_decay]
+    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=amsgrad, maximize=True,
+                          l2=wd != 0.0 and not decoupled, adam=True, seed=17,
+                          contiguous_flags=SMALL_CONTIGUOUS, track=True)
+    _run_both(bucket, True, ADAM_GROUPS[weight_decay], steps=3, alternate_maximize=True,
+              where=f"{_plan_id(plan)} amsgrad={amsgrad} {weight_decay}")
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("weight_decay", [0.0, 0.5])
+@pytest.mark.parametrize("plan", PLAIN_PLANS, ids=_plan_id)
+def test_lion_telemetry_plain_plans(plan, weight_decay):
+    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=False, maximize=False, l2=False,
+                          adam=False, seed=19, contiguous_flags=SMALL_CONTIGUOUS, track=True)
+    group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
+    _run_both(bucket, False, group, steps=3, alternate_maximize=True, where=_plan_id(plan))
+
+
+@pytest.mark.parametrize("preset", ["bf16", "bf16-sr", "bf16-kahan", "fp32-remainder-bf16-states",
+                                    "bf16-states"])
+@pytest.mark.parametrize("adam", [True, False], ids=["adam", "lion"])
+def test_telemetry_counts_are_not_vacuous(preset, adam):
+    """Updates far below a bf16 ulp and gradients that underflow bf16 moments: the counts
+    are large, and equal the reference's."""
+    plan = plan_for(PRESETS[preset], torch.bfloat16)
+    bucket = _make_bucket(plan, [(4096,), (3, 1000)], amsgrad=adam, maximize=False, l2=False,
+                          adam=adam, seed=23, specials=True, track=True)
+    for grad, exp_avg, exp_avg_sq in zip(bucket.grads, bucket.exp_avgs,
+                                         bucket.exp_avg_sqs or bucket.exp_avgs):
+        # zero moments and tiny gradients: ~2e-40 * 0.1 underflows a bf16 exp_avg (not the
+        # float32 value), 1e-20 * g a bf16 exp_avg_sq (g * g ~ 1e-40)
+        scale = torch.tensor([1e-20, 2e-39]).repeat(grad.numel() // 2).view(grad.shape)
+        grad.copy_(encode(grad.float() * scale, grad.dtype))
+        exp_avg.zero_()
+        exp_avg_sq.zero_()
+    group = (dict(lr=1e-7, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                  decoupled_weight_decay=True)
+             if adam else dict(lr=1e-7, betas=(0.9, 0.99), weight_decay=0.0))
+    _run_both(bucket, adam, group, steps=2, where=preset)
+    counts = bucket.counts
+    if plan.master is None and plan.compensation != "remainder" and plan.rounding == "nearest":
+        assert (counts[:, 0] > 0).all(), counts  # round to nearest swallows tiny updates
+    if plan.exp_avg == torch.bfloat16:
+        assert (counts[:, 1] > 0).all(), counts
+    if adam and plan.exp_avg_sq == torch.bfloat16:
+        assert (counts[:, 2] > 0).all(), counts
+
+
+@pytest.mark.parametrize("preset", ["bf16-sr", "bf16-kahan", "fp32-remainder"])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_quality_vector_tail_sizes_large(preset, param_dtype):
+    """1048577 = 2^20 + 1 elements: many chunks (random streams continue across chunks)."""
+    plan = plan_for(PRESETS[preset], param_dtype)
+    bucket = _make_bucket(plan, [(1048577,), (22,)], amsgrad=True, maximize=False, l2=False,
+                          adam=True, seed=3, track=True)
+    group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 decoupled_weight_decay=True)
+    _run_both(bucket, True, group, steps=2, where=f"{preset} {param_dtype}")
+
+
+# ---------------------------------------------------------------- through the optimizers
+QUALITY_PRESETS = sorted(name for name, precision in PRESETS.items()
+                         if precision.rounding != "nearest" or precision.compensation is not None)
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "AdamW", "Lion"])
+@pytest.mark.parametrize("precision", QUALITY_PRESETS)
+def test_optimizer_quality_numba_equals_reference(optimizer, precision):
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
+    shapes = [(4, 6), (6,), (), (3, 5, 2), (130,)]
+    results = {}
+    for backend in ("reference", "numba"):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in zip(shapes, dtypes)]
+        kwargs = dict(weight_decay=0.1, precision=precision, backend=backend, seed=1234,
+                      track_precision=True)
+        if optimizer != "Lion":
+            kwargs["amsgrad"] = True
+        opt = getattr(bf16opt, optimizer)([{"params": params[:2]},
+                                           {"params": params[2:], "maximize": True}], **kwargs)
+        stats = []
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).mul_(1e-3).to(p.dtype)
+            opt.step()
+            stats.append(opt.precision_stats())
+        state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+        results[backend] = ([p.detach().clone() for p in params], state, stats)
+    (ref_params, ref_state, ref_stats), (nb_params, nb_state, nb_stats) = \
+        results["reference"], results["numba"]
+    assert ref_stats == nb_stats
+    for a, b in zip(ref_params, nb_params):
+        assert torch.equal(_bits(a), _bits(b))
+    for sa, sb in zip(ref_state, nb_state):
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert torch.equal(_bits(sa[key]), _bits(sb[key])), key
