@@ -239,11 +239,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if index_of is None:  # a param's index names its random streams
                 index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
             buckets: dict = {}
-            for param in params:
-                plan = self._plan(group, param)
-                state = self._init_state(group, param, plan)
-                state["step"] += 1
-                key = (param.device, plan, int(state["step"].item()))
+            plans = [self._plan(group, param) for param in params]
+            states = [self._init_state(group, param, plan) for param, plan in zip(params, plans)]
+            counters = [state["step"] for state in states]
+            torch._foreach_add_(counters, 1)  # one call, not one per param (hundreds in a model)
+            steps = torch.stack(counters).tolist()
+            for param, plan, state, step in zip(params, plans, states, steps):
+                key = (param.device, plan, int(step))
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = self._new_bucket(group, plan, key[2])
