@@ -11,6 +11,11 @@ medians are reported):
   same dtypes (``p += g; master += g; m += g; v += g``; the Kahan compensation or int16
   remainder in the master's place), the memory-bound limit of the configuration
   (DESIGN.md section 6), and bf16opt's fraction of it;
+* ``in cache``: bf16opt's own kernel doing the same number of element updates on a small
+  block per thread that stays in cache, i.e. the kernel's compute time with memory taken
+  out.  A kernel whose in-cache time is near or above the limit is compute-bound (exactly
+  rounded sqrt and division dominate the all-bf16 AdamW), and no memory tuning gets it
+  to the limit;
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` where torch has the same
   configuration (its states have the param's dtype, so: bf16 params with bf16 states, and
   fp32 params with fp32 states);
@@ -34,9 +39,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from numba import njit, prange  # noqa: E402
+from numba import get_num_threads, njit, prange  # noqa: E402
 
 import bf16opt  # noqa: E402
+from bf16opt import _cpu  # noqa: E402
 
 VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
         torch.int16: torch.int16}
@@ -86,6 +92,31 @@ def bf16opt_step(params: list, preset: str):
     opt = bf16opt.AdamW(params, precision=preset, backend="numba", **HYPER)
     opt.step()  # creates state, compiles or loads the kernel
     return opt.step, opt
+
+
+def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13):
+    """bf16opt's kernel updating ``n`` elements as repeated passes over one cache-resident
+    ``block`` per thread: its chunk table, captured from a real step, with every thread's
+    rows pointing at that thread's block."""
+    threads = get_num_threads()
+    params = [_param(block, dtype, 10 + t) for t in range(threads)]
+    opt = bf16opt.AdamW(params, precision=preset, backend="numba", **HYPER)
+    opt.step()  # creates state
+    captured = {}
+    run = _cpu.chunks.run_chunks
+    _cpu.chunks.run_chunks = lambda *args: captured.update(args=args)
+    try:
+        opt.step()
+    finally:
+        _cpu.chunks.run_chunks = run
+    address, table, scalars, keys, _ = captured["args"]
+    if table.shape[0] != threads:
+        raise RuntimeError(f"expected one chunk-table row per block, got {table.shape[0]}")
+    # prange hands each thread one contiguous range of rows: give it its own block's row
+    rows = n // block
+    big = np.repeat(table, -(-rows // threads), axis=0)[:rows]
+    counts = np.zeros((rows, _cpu.chunks.COUNTERS), dtype=np.int64)
+    return (lambda: run(address, big, scalars, keys, counts)), opt
 
 
 def torch_fused_step(params: list):
@@ -143,7 +174,8 @@ def _x(a, b):
 def preset_table(n: int, repeats: int) -> None:
     print(f"AdamW step, {n} params (2^{n.bit_length() - 1}), {torch.get_num_threads()} torch threads, "
           f"median of {repeats} interleaved repetitions; times in ms")
-    header = (f"{'configuration':29} {'bf16opt':>8} {'limit':>8} {'of limit':>8} {'torch fused':>11} "
+    header = (f"{'configuration':29} {'bf16opt':>8} {'limit':>8} {'of limit':>8} {'in cache':>8} "
+              f"{'torch fused':>11} "
               f"{'speedup':>7} {'DeepSpeed':>9} {'speedup':>7}")
     print(header)
     print("-" * len(header))
@@ -155,7 +187,8 @@ def preset_table(n: int, repeats: int) -> None:
         extra = next((state[k] for k in ("master", "compensation", "remainder") if k in state), None)
         limit = limit_step(mine[0], mine[0].grad, extra, state["exp_avg"], state["exp_avg_sq"])
         contenders = {"bf16opt": ours, "limit": limit}
-        keep = [opt]
+        contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset)
+        keep = [opt, cache_opt]
         if has_torch:
             theirs = [_param(n, dtype, 0)]
             contenders["torch"], t_opt = torch_fused_step(theirs)
@@ -167,6 +200,7 @@ def preset_table(n: int, repeats: int) -> None:
         t = measure(contenders, repeats)
         ours_t, limit_t = t["bf16opt"], t["limit"]
         print(f"{label:29} {_ms(ours_t)} {_ms(limit_t)} {100 * limit_t / ours_t:7.0f}% "
+              f"{_ms(t['in cache'])} "
               f"{_ms(t.get('torch')):>11} {_x(ours_t, t.get('torch')):>7} "
               f"{_ms(t.get('deepspeed')):>9} {_x(ours_t, t.get('deepspeed')):>7}", flush=True)
         del contenders, keep, mine, opt, state, limit
