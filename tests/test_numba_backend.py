@@ -590,3 +590,38 @@ def test_dataloader_fork_clip_grad_norm_and_scheduler():
     (clip_grad_norm_, StepLR); losses and params equal the reference backend's."""
     same_losses, same_params = _run_python(_TRAINING_SCRIPT, timeout=300).split()
     assert same_losses == "True" and same_params == "True"
+
+
+_THREADS_SCRIPT = """
+    import threading, torch, bf16opt
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(1 << 16, generator=g).bfloat16()) for _ in range(3)]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+        return params, bf16opt.AdamW(params, precision="bf16", backend="numba")
+
+    def run(opt, steps=100):
+        for _ in range(steps):
+            opt.step()
+
+    together, apart = [make(0), make(1)], [make(0), make(1)]
+    threads = [threading.Thread(target=run, args=(opt,)) for _, opt in together]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _, opt in apart:
+        run(opt)
+    print(all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+              for (pa, _), (pb, _) in zip(together, apart) for a, b in zip(pa, pb)))
+"""
+
+
+def test_steps_from_two_python_threads_under_workqueue():
+    """Two optimizers stepped from two Python threads at once: no abort under Numba's
+    workqueue layer (which kills the process on concurrent parallel calls unless the
+    backend serialises them), and the same bits as stepping them one after the other."""
+    out = _run_python(_THREADS_SCRIPT, {"NUMBA_THREADING_LAYER": "workqueue"}, timeout=300)
+    assert out.split() == ["True"]

@@ -15,6 +15,11 @@ Importing this module compiles nothing; the kernels (and Numba itself) are impor
 the first step, and compiled on the first step of each configuration, or loaded from
 Numba's on-disk cache.
 
+Kernel calls are serialised by one process-wide lock: Numba's ``workqueue`` threading
+layer (the one left when neither TBB nor OpenMP is installed) aborts the process when two
+Python threads enter parallel code at once, and two parallel calls would only
+oversubscribe the cores anyway.
+
 Non-contiguous tensors (rare: params are usually contiguous) are updated through
 contiguous copies that are written back afterwards, which keeps results identical.
 """
@@ -22,6 +27,7 @@ contiguous copies that are written back afterwards, which keeps results identica
 from __future__ import annotations
 
 import importlib.util
+import threading
 from typing import Optional
 
 import numpy as np
@@ -36,6 +42,7 @@ name = "numba"
 _VIEW_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16,
                 torch.int16: np.int16}
 
+_KERNEL_LOCK = threading.Lock()  # one parallel kernel at a time (see the module docstring)
 _TABLE_CACHE: dict = {}
 _TABLE_CACHE_SIZE = 16
 
@@ -178,7 +185,8 @@ def _launch(bucket: Bucket, chunk, columns: list, dtypes: list, written: tuple, 
     else:
         keys = np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
     row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
-    chunks.run_chunks(chunk.address, table, np.array(scalars, dtype=np.float32), keys, row_counts)
+    with _KERNEL_LOCK:
+        chunks.run_chunks(chunk.address, table, np.array(scalars, dtype=np.float32), keys, row_counts)
     launch.finish([t for b in written for t in columns[b] if t is not None])
     if bucket.counts is not None:
         totals = chunks.tensor_counts(table, row_counts, n)
