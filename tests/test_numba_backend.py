@@ -625,3 +625,51 @@ def test_steps_from_two_python_threads_under_workqueue():
     backend serialises them), and the same bits as stepping them one after the other."""
     out = _run_python(_THREADS_SCRIPT, {"NUMBA_THREADING_LAYER": "workqueue"}, timeout=300)
     assert out.split() == ["True"]
+
+
+# ---------------------------------------------------------------- memory layouts
+@pytest.mark.parametrize("preset", ["bf16", "fp32", "bf16-kahan", "fp32-remainder", "bf16-sr"])
+def test_channels_last_conv_training_matches_reference(preset):
+    """channels_last conv weights (states keep the layout): bit-identical to the reference,
+    whether the kernel walks them in memory order in place or through copies (SR)."""
+    def train(backend):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+        model = model.to(torch.bfloat16, memory_format=torch.channels_last)
+        opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision=preset, backend=backend, seed=3)
+        x = torch.randn(4, 3, 9, 9).to(torch.bfloat16, memory_format=torch.channels_last)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            opt.step()
+        return list(model.parameters()), opt
+
+    params, opt = train("numba")
+    ref_params, ref_opt = train("reference")
+    assert params[0].is_contiguous(memory_format=torch.channels_last) and not params[0].is_contiguous()
+    for p, q in zip(params, ref_params):
+        assert torch.equal(_bits(p), _bits(q))
+        for key, value in opt.state[p].items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                assert torch.equal(_bits(value), _bits(ref_opt.state[q][key])), key
+
+
+def test_dense_permuted_buffers_are_updated_in_place_unless_stochastic():
+    """Same-layout dense buffers go to the kernel as they are (no copies); a strided view,
+    a mixed layout, or stochastic rounding (index-dependent bits) goes through copies."""
+    cl = dict(memory_format=torch.channels_last)
+    param = torch.zeros(2, 3, 4, 5, dtype=torch.bfloat16).to(**cl)
+    grad, moment = torch.zeros_like(param), torch.zeros_like(param, dtype=torch.float32)
+    columns = [[param], [grad], [moment]]
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float32]
+    launch = numba_backend._Launch(columns, dtypes, (0, 2), any_memory_order=True)
+    assert launch.write_back == [] and launch.columns[0][0] is param
+    launch = numba_backend._Launch(columns, dtypes, (0, 2), any_memory_order=False)
+    assert [t for t, _ in launch.write_back] == [param, moment]
+    mixed = [[param], [grad.contiguous()], [moment]]
+    launch = numba_backend._Launch(mixed, dtypes, (0, 2), any_memory_order=True)
+    assert [t for t, _ in launch.write_back] == [param, moment]
+    strided = torch.zeros(2, 8, dtype=torch.bfloat16)[:, ::2]
+    launch = numba_backend._Launch([[strided], [strided.clone()], [torch.zeros(2, 4)]],
+                                   dtypes, (0, 2), any_memory_order=True)
+    assert [t for t, _ in launch.write_back] == [strided]

@@ -20,8 +20,13 @@ layer (the one left when neither TBB nor OpenMP is installed) aborts the process
 Python threads enter parallel code at once, and two parallel calls would only
 oversubscribe the cores anyway.
 
-Non-contiguous tensors (rare: params are usually contiguous) are updated through
-contiguous copies that are written back afterwards, which keeps results identical.
+Non-contiguous tensors: when every buffer of a param (param, grad, master, moments...) is
+dense with the same strides, as with ``channels_last`` conv weights and states made with
+``preserve_format``, the kernel walks them in memory order in place: the math is
+elementwise, so the order does not matter -- except for stochastic rounding, whose random
+bits depend on the element's logical index.  Everything else (strided views, mixed
+layouts, stochastic rounding) is updated through contiguous copies that are written back
+afterwards.  Both keep results identical to the reference.
 """
 
 from __future__ import annotations
@@ -73,14 +78,18 @@ def _kernels():
 class _Launch:
     """The buffers of a bucket as contiguous memory, with write-back for copies."""
 
-    def __init__(self, columns: list[list[Optional[torch.Tensor]]], dtypes: list, written: tuple):
-        # columns[b][t]: buffer b of tensor t (None when the configuration has no such buffer)
+    def __init__(self, columns: list[list[Optional[torch.Tensor]]], dtypes: list, written: tuple,
+                 any_memory_order: bool):
+        # columns[b][t]: buffer b of tensor t (None when the configuration has no such buffer);
+        # any_memory_order: results do not depend on the order the elements are visited in
         self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.columns = []
         self.itemsizes = _itemsizes(dtypes)
+        in_place = [any_memory_order and _same_dense_layout([c for c in buffers if c is not None])
+                    for buffers in zip(*columns)]
         for b, column in enumerate(columns):
             out = []
-            for tensor in column:
+            for t, tensor in enumerate(column):
                 if tensor is None:
                     if dtypes[b] is not None:
                         raise ValueError(f"numba backend: a {dtypes[b]} buffer is missing")
@@ -89,7 +98,7 @@ class _Launch:
                 if tensor.dtype != dtypes[b] or tensor.device.type != "cpu":
                     raise TypeError(f"numba backend: expected a CPU {dtypes[b]} tensor, got "
                                     f"{tensor.dtype} on {tensor.device}")
-                if not tensor.is_contiguous():
+                if not tensor.is_contiguous() and not in_place[t]:
                     copy = tensor.contiguous()
                     if b in written:
                         self.write_back.append((tensor, copy))
@@ -116,6 +125,18 @@ class _Launch:
             tensor.copy_(copy)
         # the kernels wrote through raw pointers: tell autograd the tensors changed
         torch.autograd.graph.increment_version(touched)
+
+
+def _same_dense_layout(buffers: list[torch.Tensor]) -> bool:
+    """True when the tensors each fill one gap-free block of memory and map every index to
+    the same position in it (equal strides over the dims longer than 1)."""
+    layout = [(size, stride) for size, stride in zip(buffers[0].shape, buffers[0].stride()) if size > 1]
+    expected = 1
+    for size, stride in sorted(layout, key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return all([(n, st) for n, st in zip(b.shape, b.stride()) if n > 1] == layout for b in buffers[1:])
 
 
 def _itemsizes(column_dtypes: list[Optional[torch.dtype]]) -> np.ndarray:
@@ -174,7 +195,7 @@ def _launch(bucket: Bucket, chunk, columns: list, dtypes: list, written: tuple, 
             counters: int) -> None:
     """One parallel call of ``chunk`` over every tensor of the bucket."""
     _, _, chunks = _kernels()
-    launch = _Launch(columns, dtypes, written)
+    launch = _Launch(columns, dtypes, written, any_memory_order=bucket.plan.rounding != "stochastic")
     table = launch.table([p.numel() for p in bucket.params], chunks)
     n = len(bucket.params)
     if bucket.plan.rounding == "stochastic":
