@@ -137,9 +137,12 @@ def emulated_backend():
 
 def make_params(seed: int):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(33, 7), (5,), (129,), (4, 4, 3), (1,)]
-    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float16]
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in zip(shapes, dtypes)]
+    shapes = [(33, 7), (5,), (129,), (4, 4, 3), (1,), (6, 5, 3, 3)]
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float16, torch.bfloat16]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in zip(shapes, dtypes)]
+    # a channels_last conv weight: in place in memory order, or staged under stochastic rounding
+    params[-1] = torch.nn.Parameter(params[-1].detach().to(memory_format=torch.channels_last))
+    return params
 
 
 @pytest.mark.parametrize("optimizer, options", [
@@ -168,7 +171,7 @@ def test_optimizer_with_emulated_kernels_matches_reference(monkeypatch, optimize
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         for e, a in zip(expected_params, actual_params):
-            grad = torch.randn(e.shape, generator=g).to(e.dtype)
+            grad = torch.empty_like(e).copy_(torch.randn(e.shape, generator=g))  # e's layout
             e.grad, a.grad = grad.clone(), grad.clone()
         expected.step()
         monkeypatch.setattr(optimizer_module, "resolve_backend", lambda name, device: emulated)
@@ -242,3 +245,29 @@ def test_kernel_writes_bump_autograd_versions():
     cuda_backend.run_bucket("adam", bucket, scalars, execute=emulator.execute)
     after = [t._version for t in (bucket.params[0], bucket.masters[0], bucket.exp_avgs[0])]
     assert all(b > a for a, b in zip(versions, after))
+
+
+@pytest.mark.parametrize("rounding, staged", [("nearest", False), ("stochastic", True)])
+def test_channels_last_buffers_in_place_unless_stochastic(rounding, staged):
+    """Same-layout dense buffers are launched in place (no copies), except under stochastic
+    rounding, whose random bits hash the row-major index."""
+    from bf16opt.adam import adam_scalars
+    from bf16opt.backends import Bucket
+    from bf16opt.precision import Precision, plan_for
+    plan = plan_for(Precision(master="bf16", exp_avg="bf16", exp_avg_sq="bf16", rounding=rounding),
+                    torch.bfloat16)
+    like = torch.zeros(4, 3, 2, 2, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    bucket = Bucket(plan, params=[like], grads=[torch.zeros_like(like)], masters=[None],
+                    exp_avgs=[torch.zeros_like(like)], exp_avg_sqs=[torch.zeros_like(like)],
+                    compensations=[None], remainders=[None], indices=[0], seed=1, step=1)
+    scalars = adam_scalars(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                decoupled_weight_decay=True), step=1)
+    prepared = cuda_backend.prepare_launch("adam", bucket, scalars)
+    assert bool(prepared.write_back) == staged
+    assert (prepared.plan.table[0] == like.data_ptr()) != staged  # role 0: the param
+    # every pointer into a staged copy, the read-only grad's included, is kept alive
+    n = prepared.plan.n_tensors
+    pointers = set(prepared.plan.table[:len(cuda_backend.ROLES["adam"]) * n].tolist()) - {0}
+    alive = {t.data_ptr() for t in (like, *bucket.grads, *bucket.exp_avgs, *bucket.exp_avg_sqs,
+                                    *prepared.staged)}
+    assert pointers <= alive and len(prepared.staged) == (4 if staged else 0)

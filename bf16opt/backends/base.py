@@ -22,6 +22,23 @@ def f32(value: float) -> float:
     return float(np.float32(value))
 
 
+def same_dense_layout(buffers: list[torch.Tensor]) -> bool:
+    """True when the tensors each fill one gap-free block of memory and map every index to
+    the same position in it (equal strides over the dims longer than 1).
+
+    The buffers of one param (param, grad, master, moments...) laid out like this can be
+    updated in memory order in place -- e.g. ``channels_last`` conv weights, whose states
+    ``preserve_format`` keeps in the same layout -- as long as the update does not depend on
+    the element's logical index (stochastic rounding does)."""
+    layout = [(size, stride) for size, stride in zip(buffers[0].shape, buffers[0].stride()) if size > 1]
+    expected = 1
+    for size, stride in sorted(layout, key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return all([(n, st) for n, st in zip(b.shape, b.stride()) if n > 1] == layout for b in buffers[1:])
+
+
 class AdamScalars(NamedTuple):
     beta1: float
     beta2: float

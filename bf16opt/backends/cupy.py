@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ..precision import all_plans
-from .base import AdamScalars, Bucket, LionScalars
+from .base import AdamScalars, Bucket, LionScalars, same_dense_layout
 
 name = "cupy"
 
@@ -407,6 +407,9 @@ class PreparedLaunch(NamedTuple):
     step: int = 0
     counts: Optional[torch.Tensor] = None  # telemetry: int64 (tensors in the table, 3), zeros
     flags: int = 0           # run-time flags (kernel_flags: maximize, L2)
+    # every staged copy, read-only ones (grads) included: the table points into them, so
+    # they must outlive the launch (a freed copy's memory is soon reused by the next one)
+    staged: tuple = ()
 
 
 def _companion(bucket: Bucket, i: int):
@@ -431,9 +434,10 @@ def prepare_launch(kind: str, bucket: Bucket, scalars, *, chunk_size: int = DEFA
                    block: int = DEFAULT_BLOCK, max_grid: int = MAX_GRID) -> Optional[PreparedLaunch]:
     """Kernel name, launch plan and scalars for one bucket (no CuPy, no device needed).
 
-    Non-contiguous tensors are staged through contiguous copies (``write_back``), so
-    every array of an element lines up at the same flat index (its row-major index,
-    which stochastic rounding hashes).
+    A param whose buffers share one dense layout (``channels_last`` weights) is updated in
+    place in memory order unless stochastic rounding, which hashes each element's row-major
+    index, is on; other non-contiguous tensors are staged through contiguous copies
+    (``write_back``), so every array of an element lines up at its row-major index.
     """
     plan = bucket.plan
     track = bucket.counts is not None
@@ -445,13 +449,14 @@ def prepare_launch(kind: str, bucket: Bucket, scalars, *, chunk_size: int = DEFA
     indices = bucket.indices if len(bucket.indices) == len(bucket.params) else range(len(bucket.params))
     if not 0 <= bucket.seed < 2 ** 64:
         raise ValueError(f"bucket.seed must be in [0, 2**64), got {bucket.seed}")
-    pointers, sizes, write_back = [], [], []
+    pointers, sizes, write_back, staged_copies = [], [], [], []
     for i in range(len(bucket.params)):
         tensors = _role_tensors(kind, bucket, i)
         expected = {"param": plan.param, "grad": plan.param, "companion": _companion(bucket, i)[1],
                     "exp_avg": plan.exp_avg, "exp_avg_sq": plan.exp_avg_sq,
                     "max_exp_avg_sq": plan.exp_avg_sq}
         numel = tensors[0].numel()
+        in_place = plan.rounding != "stochastic" and same_dense_layout([t for t in tensors if t is not None])
         row = []
         for role, tensor in zip(ROLES[kind], tensors):
             if tensor is None:
@@ -463,8 +468,9 @@ def prepare_launch(kind: str, bucket: Bucket, scalars, *, chunk_size: int = DEFA
             if tensor.dtype != expected[role] or tensor.numel() != numel:
                 raise ValueError(f"{role} of param {i} is {tensor.dtype} with {tensor.numel()} "
                                  f"elements; the bucket's plan needs {expected[role]} with {numel}")
-            if not tensor.is_contiguous():
+            if not tensor.is_contiguous() and not in_place:
                 staged = tensor.contiguous()
+                staged_copies.append(staged)
                 if role != "grad":
                     write_back.append((tensor, staged))
                 tensor = staged
@@ -484,7 +490,7 @@ def prepare_launch(kind: str, bucket: Bucket, scalars, *, chunk_size: int = DEFA
         counts = torch.zeros((launch_plan.n_tensors, 3), dtype=torch.int64,
                              device=bucket.params[0].device)
     return PreparedLaunch(kind, expression, launch_plan, values, write_back, int(bucket.seed),
-                          int(bucket.step), counts, flags)
+                          int(bucket.step), counts, flags, tuple(staged_copies))
 
 
 # ---------------------------------------------------------------- running on a GPU

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..storage import GOLDEN, MASK32, fmix32_int
-from .base import AdamScalars, Bucket, LionScalars
+from .base import AdamScalars, Bucket, LionScalars, same_dense_layout
 
 name = "numba"
 
@@ -85,7 +85,7 @@ class _Launch:
         self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.columns = []
         self.itemsizes = _itemsizes(dtypes)
-        in_place = [any_memory_order and _same_dense_layout([c for c in buffers if c is not None])
+        in_place = [any_memory_order and same_dense_layout([c for c in buffers if c is not None])
                     for buffers in zip(*columns)]
         for b, column in enumerate(columns):
             out = []
@@ -125,18 +125,6 @@ class _Launch:
             tensor.copy_(copy)
         # the kernels wrote through raw pointers: tell autograd the tensors changed
         torch.autograd.graph.increment_version(touched)
-
-
-def _same_dense_layout(buffers: list[torch.Tensor]) -> bool:
-    """True when the tensors each fill one gap-free block of memory and map every index to
-    the same position in it (equal strides over the dims longer than 1)."""
-    layout = [(size, stride) for size, stride in zip(buffers[0].shape, buffers[0].stride()) if size > 1]
-    expected = 1
-    for size, stride in sorted(layout, key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return all([(n, st) for n, st in zip(b.shape, b.stride()) if n > 1] == layout for b in buffers[1:])
 
 
 def _itemsizes(column_dtypes: list[Optional[torch.dtype]]) -> np.ndarray:
