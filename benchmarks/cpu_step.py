@@ -171,7 +171,7 @@ def _x(a, b):
     return "-" if a is None or b is None else f"{b / a:5.2f}x"
 
 
-def preset_table(n: int, repeats: int) -> None:
+def preset_table(n: int, repeats: int, presets=None) -> None:
     print(f"AdamW step, {n} params (2^{n.bit_length() - 1}), {torch.get_num_threads()} torch threads, "
           f"median of {repeats} interleaved repetitions; times in ms")
     header = (f"{'configuration':29} {'bf16opt':>8} {'limit':>8} {'of limit':>8} {'in cache':>8} "
@@ -180,6 +180,8 @@ def preset_table(n: int, repeats: int) -> None:
     print(header)
     print("-" * len(header))
     for label, dtype, preset, has_torch, ds_fp32 in CONFIGS:
+        if presets and preset not in presets:
+            continue
         mine = [_param(n, dtype, 0)]
         ours, opt = bf16opt_step(mine, preset)
         state = opt.state[mine[0]]
@@ -244,9 +246,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log2-params", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--presets", help="comma-separated presets to time (default: all)")
     parser.add_argument("--skip-multi-tensor", action="store_true")
     args = parser.parse_args()
-    preset_table(1 << args.log2_params, args.repeats)
+    preset_table(1 << args.log2_params, args.repeats,
+                 set(args.presets.split(",")) if args.presets else None)
     if not args.skip_multi_tensor:
         multi_tensor_table(args.repeats)
 
