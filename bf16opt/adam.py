@@ -61,6 +61,7 @@ class Adam(MixedPrecisionOptimizer):
     """
 
     family = "adam"
+    _SAVED_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,

@@ -38,6 +38,8 @@ class Lion(MixedPrecisionOptimizer):
     """
 
     family = "lion"
+    _SAVED_GROUP_KEYS = ("lr", "betas", "weight_decay")
+    _FOREIGN_GROUP_KEYS = ("eps", "amsgrad")  # Adam's
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
                  precision="fp32", backend="auto", seed=None, track_precision=False):

@@ -204,25 +204,96 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return state
 
     # ---- step
-    def _params_with_grad(self) -> list:
-        """(group, [params with grads]) for every group; raises before anything changes."""
-        work = []
+    def _checked_precision(self, group: dict) -> Precision:
+        """The group's settings checked without changing anything; its Precision.
+
+        A user may edit a group between steps (lr by a scheduler, or precision and
+        backend by hand): everything is checked again here, before any param moves.
+        """
+        precision = as_precision(group["precision"])
+        check_backend_name(group["backend"])
+        check_implementation_flags(group)
+        check_flag(group.get("track_precision", False), "track_precision")
+        if "seed" in group:
+            check_seed(group["seed"])
+        self._check_hyperparameters(group)
+        return precision
+
+    def _params_with_grad(self, group: dict) -> list:
+        """The group's params that have grads; raises on grads the step cannot use."""
+        params = []
+        for index, param in enumerate(group["params"]):
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse or grad.layout != torch.strided:
+                raise TypeError(f"{type(self).__name__} does not support sparse gradients "
+                                f"(param {index} of its group has a {grad.layout} grad)")
+            if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+                raise ValueError(f"grad of param {index} ({tuple(grad.shape)}, {grad.dtype}, "
+                                 f"{grad.device}) does not match the param "
+                                 f"({tuple(param.shape)}, {param.dtype}, {param.device})")
+            params.append(param)
+        return params
+
+    @property
+    def _state_plans(self) -> dict:
+        """param -> the StoragePlan its state was last made or checked for (a cache)."""
+        plans = self.__dict__.get("_state_plan_cache")
+        if plans is None:
+            plans = self.__dict__["_state_plan_cache"] = {}
+        return plans
+
+    def _state_fits(self, state: dict, plan: StoragePlan, group: dict) -> bool:
+        """True when ``state`` holds exactly the buffers ``plan`` stores, in its dtypes
+        (buffers still missing are made by ``_init_state``)."""
+        for key in self._moment_keys(group):
+            if key in state and state[key].dtype != getattr(plan, self._MOMENT_DTYPE_FIELD[key]):
+                return False
+        if ("master" in state) != (plan.master is not None) or \
+                ("master" in state and state["master"].dtype != plan.master):
+            return False
+        if ("remainder" in state) != (plan.compensation == "remainder"):
+            return False
+        kahan = plan.compensation == "kahan"
+        return ("compensation" in state) == kahan and \
+            (not kahan or state["compensation"].dtype == plan.compensation_dtype)
+
+    def _prepare_step(self) -> list:
+        """Check everything a step needs and compute what must change before the update,
+        without changing anything: a step that raises leaves the optimizer as it was.
+
+        Returns one entry per group with work: (group, precision, params, plans,
+        {(device, plan): backend}, [(param, converted state, new param bits or None)]).
+        States made for another plan (the group's precision, or a param's dtype, was
+        changed since the last step) are converted into the new plan's dtypes, as
+        ``load_state_dict`` converts a state dict saved with another preset.
+        """
+        work, known = [], self._state_plans
+        index = 0
         for group in self.param_groups:
-            self._check_hyperparameters(group)
-            params = []
-            for index, param in enumerate(group["params"]):
-                grad = param.grad
-                if grad is None:
+            precision = self._checked_precision(group)
+            params = self._params_with_grad(group)
+            first_index, index = index, index + len(group["params"])
+            if not params:
+                continue
+            plans = [plan_for(precision, param.dtype) for param in params]
+            backends = {}
+            for param, plan in zip(params, plans):
+                key = (param.device, plan)
+                if key not in backends:
+                    backends[key] = self._backend_for(group, param.device, plan)
+            conversions = []
+            for param, plan in zip(params, plans):
+                if known.get(param) is plan:
                     continue
-                if grad.is_sparse or grad.layout != torch.strided:
-                    raise TypeError(f"{type(self).__name__} does not support sparse gradients "
-                                    f"(param {index} of its group has a {grad.layout} grad)")
-                if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
-                    raise ValueError(f"grad of param {index} ({tuple(grad.shape)}, {grad.dtype}, "
-                                     f"{grad.device}) does not match the param "
-                                     f"({tuple(param.shape)}, {param.dtype}, {param.device})")
-                params.append(param)
-            work.append((group, params))
+                state = self.state.get(param)
+                if state and not self._state_fits(state, plan, group):
+                    number = first_index + next(i for i, p in enumerate(group["params"]) if p is param)
+                    converted, new_param = self._convert_state(state, param, dict(group, precision=precision),
+                                                               number)
+                    conversions.append((param, converted, new_param))
+            work.append((group, precision, params, plans, backends, conversions))
         return work
 
     @torch.no_grad()
@@ -232,29 +303,36 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = self._prepare_step()
+        # ---- nothing has changed so far; from here on the step commits
+        known = self._state_plans
+        for group, precision, params, plans, _, conversions in work:
+            group["precision"] = precision
+            for param, converted, new_param in conversions:
+                self.state[param] = converted
+                if new_param is not None:
+                    param.copy_(new_param)
         index_of = None
-        for group, params in self._params_with_grad():
-            if not params:
-                continue
+        for group, _, params, plans, backends, _ in work:
             if index_of is None:  # a param's index names its random streams
                 index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
             buckets: dict = {}
-            plans = [self._plan(group, param) for param in params]
             states = [self._init_state(group, param, plan) for param, plan in zip(params, plans)]
             counters = [state["step"] for state in states]
             torch._foreach_add_(counters, 1)  # one call, not one per param (hundreds in a model)
             steps = torch.stack(counters).tolist()
             for param, plan, state, step in zip(params, plans, states, steps):
+                known[param] = plan
                 key = (param.device, plan, int(step))
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = self._new_bucket(group, plan, key[2])
                 self._add_to_bucket(bucket, group, param, state)
                 bucket.indices.append(index_of[id(param)])
-            for (device, _plan, step), bucket in buckets.items():
+            for (device, plan, step), bucket in buckets.items():
                 if group.get("track_precision"):
                     bucket.counts = torch.zeros(len(bucket.params), len(TELEMETRY), dtype=torch.int64)
-                self._update(self._backend_for(group, device, bucket.plan), bucket, group, step)
+                self._update(backends[(device, plan)], bucket, group, step)
                 if bucket.counts is not None:
                     for param, counts in zip(bucket.params, bucket.counts.tolist()):
                         self._precision_counts[param] = (param.numel(), counts)
@@ -357,6 +435,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
         new_groups, param_of_index = [], {}
         for number, (live, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            self._check_saved_group(saved, number)
             if len(saved["params"]) != len(live["params"]):
                 raise ValueError(f"loaded state dict's param group {number} has "
                                  f"{len(saved['params'])} params, this optimizer's has "
@@ -383,11 +462,29 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
         self.param_groups[:] = new_groups
         self.state = new_state
+        self._state_plans.clear()
         with torch.no_grad():
             for param, new_param in param_writes:
                 param.copy_(new_param)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    #: hyper-parameters every saved param group of this optimizer kind has, and ones that
+    #: betray another kind (e.g. Adam's eps in a state dict offered to Lion); an empty
+    #: state cannot tell the kinds apart, the groups can
+    _SAVED_GROUP_KEYS: tuple = ()
+    _FOREIGN_GROUP_KEYS: tuple = ()
+
+    def _check_saved_group(self, saved, number: int) -> None:
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise ValueError(f"param group {number} of the state dict must be a dict with a "
+                             f"'params' list")
+        missing = [key for key in self._SAVED_GROUP_KEYS if key not in saved]
+        foreign = [key for key in self._FOREIGN_GROUP_KEYS if key in saved]
+        if missing or foreign:
+            found = f"lacks {missing}" if missing else f"has {foreign}"
+            raise ValueError(f"param group {number} of the state dict {found}: not a state dict "
+                             f"of {type(self).__name__} (or of torch.optim's equivalent)")
 
     def _force_group_entries(self, group: dict) -> None:
         """Entries a subclass pins whatever the state dict says (AdamW: decoupled decay)."""
@@ -414,10 +511,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"state of param {index} lacks {sorted(missing)}: not a "
                              f"{type(self).__name__} state dict")
+        for key, value in saved.items():
+            if key == "step":
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{key} of param {index} must be a tensor, got {type(value).__name__}")
+            if value.shape != param.shape:
+                raise ValueError(f"{key} of param {index} has shape {tuple(value.shape)}, but the "
+                                 f"param has shape {tuple(param.shape)}")
         step = saved["step"]
-        step = float(step.item() if isinstance(step, torch.Tensor) else step)
-        if step < 0 or step != int(step):
-            raise ValueError(f"state of param {index} has an invalid step {step}")
+        if isinstance(step, torch.Tensor):
+            if step.numel() != 1 or step.is_complex():
+                raise ValueError(f"step of param {index} must be a number or a one-element tensor, "
+                                 f"got a tensor of shape {tuple(step.shape)}")
+            step = step.item()
+        if isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step) \
+                or step < 0 or step != int(step):
+            raise ValueError(f"step of param {index} must be a whole number >= 0, got {step!r}")
+        step = float(step)
         state = {"step": torch.tensor(step, dtype=torch.float32)}
         for key in moment_keys:
             if key in saved:

@@ -116,3 +116,81 @@ def test_hyperparameter_broken_after_construction_fails_step_without_mutation(ke
     with pytest.raises(exception, match=key if key != "betas" else "betas"):
         opt.step()
     assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("key,value,exception,text", [
+    ("backend", "tpu", ValueError, "backend"),
+    ("precision", "bf17", ValueError, "precision"),
+    ("precision", 3, TypeError, "precision"),
+    ("seed", -1, ValueError, "seed"),
+    ("capturable", True, ValueError, "capturable"),
+    ("track_precision", "yes", TypeError, "track_precision"),
+])
+def test_implementation_setting_broken_after_construction_fails_step_without_mutation(key, value, exception,
+                                                                                      text):
+    opt, a, b = two_group_optimizer()
+    opt.param_groups[1][key] = value
+    before = snapshot(opt)
+    with pytest.raises(exception, match=text):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
+# ------------------------------------------------------------- settings changed between steps
+def _bits(t):
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("old,new", [("fp32", "bf16"), ("bf16", "fp32"), ("bf16-kahan", "fp32-remainder"),
+                                     ("fp32-remainder", "bf16-states")])
+def test_precision_changed_between_steps_converts_the_state(backend, old, new):
+    """Setting a group's precision (a preset name, as users write it) between steps converts
+    the state like loading a state dict into an optimizer of the new precision does."""
+    def run(switch):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5, 3).to(torch.bfloat16)) for _ in range(2)]
+        opt = bf16opt.AdamW(params, lr=0.05, precision=old, backend=backend)
+        for step in range(4):
+            if step == 2:
+                opt = switch(opt, params)
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.1 * (i + 1) * (-1) ** step)
+            opt.step()
+        return params, opt
+
+    def set_precision(opt, params):
+        opt.param_groups[0]["precision"] = new
+        return opt
+
+    def reload(opt, params):
+        fresh = bf16opt.AdamW(params, lr=0.05, precision=new, backend=backend)
+        fresh.load_state_dict(opt.state_dict())
+        return fresh
+
+    params, opt = run(set_precision)
+    expected_params, expected = run(reload)
+    assert opt.param_groups[0]["precision"] == bf16opt.PRESETS[new]
+    for p, q in zip(params, expected_params):
+        assert torch.equal(_bits(p), _bits(q))
+        assert set(opt.state[p]) == set(expected.state[q])
+        for key, value in opt.state[p].items():
+            assert value.dtype == expected.state[q][key].dtype, key
+            assert torch.equal(_bits(value), _bits(expected.state[q][key])), key
+
+
+def test_param_dtype_changed_between_steps_converts_the_state():
+    """``model.float()`` after some steps: the bf16 params' fp32 master copy goes (fp32
+    params are their own master) and the next step updates the fp32 weights."""
+    param = torch.nn.Parameter(torch.randn(4).to(torch.bfloat16))
+    opt = bf16opt.AdamW([param], lr=0.1, precision="fp32")
+    param.grad = torch.ones_like(param)
+    opt.step()
+    assert "master" in opt.state[param]
+    master = opt.state[param]["master"].clone()
+    param.data = master.clone()  # what Module.float() does to a bf16 param
+    param.grad = torch.ones_like(param)
+    opt.step()
+    state = opt.state[param]
+    assert "master" not in state and state["step"].item() == 2.0
+    assert param.dtype == torch.float32 and torch.all(param < master)

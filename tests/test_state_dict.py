@@ -169,6 +169,26 @@ def sgd_state_dict():
     return opt.state_dict()
 
 
+def unstepped_state_dict(opt_class, **kwargs):
+    """A state dict with empty state: only its param groups tell which optimizer saved it."""
+    model, _ = model_and_batches(torch.float32)
+    return opt_class(model.parameters(), **kwargs).state_dict()
+
+
+def with_state_entry(key, value):
+    def corrupt(state_dict):
+        state_dict = copy.deepcopy(state_dict)
+        state_dict["state"][1][key] = value
+        return state_dict
+    return corrupt
+
+
+def without_params_list(state_dict):
+    state_dict = copy.deepcopy(state_dict)
+    del state_dict["param_groups"][0]["params"]
+    return state_dict
+
+
 def with_extra_group(state_dict):
     state_dict = copy.deepcopy(state_dict)
     state_dict["param_groups"].append(dict(state_dict["param_groups"][0], params=[]))
@@ -201,7 +221,18 @@ def with_negative_lr(state_dict):
 
 MISMATCHES = [
     ("lion into adamw", lambda sd: lion_state_dict(), ValueError, "Lion"),
-    ("torch SGD", lambda sd: sgd_state_dict(), ValueError, "momentum_buffer"),
+    ("torch SGD", lambda sd: sgd_state_dict(), ValueError, "betas"),
+    ("unstepped torch SGD", lambda sd: unstepped_state_dict(torch.optim.SGD, lr=0.5), ValueError, "betas"),
+    ("unstepped Lion", lambda sd: unstepped_state_dict(bf16opt.Lion), ValueError, "Lion"),
+    # buffers this preset (bf16-states: fp32 master copy, bf16 moments) does not all use
+    ("wrong master shape", with_state_entry("master", torch.zeros(7)), ValueError, "master"),
+    ("wrong unused buffer shape", with_state_entry("max_exp_avg_sq", torch.zeros(7)), ValueError,
+     "max_exp_avg_sq"),
+    ("non-tensor buffer", with_state_entry("compensation", [0.0]), TypeError, "compensation"),
+    ("step of two elements", with_state_entry("step", torch.zeros(2)), ValueError, "step"),
+    ("NaN step", with_state_entry("step", torch.tensor(float("nan"))), ValueError, "step"),
+    ("negative step", with_state_entry("step", -1.0), ValueError, "step"),
+    ("group without params", without_params_list, ValueError, "params"),
     ("extra param group", with_extra_group, ValueError, "parameter groups"),
     ("fewer params", with_param_dropped, ValueError, "params"),
     ("wrong state shape", with_wrong_shape, ValueError, "shape"),
@@ -220,6 +251,14 @@ def test_mismatched_state_dict_raises_and_changes_nothing(corrupt, exception, te
         opt.load_state_dict(bad)
     assert text in str(info.value)
     assert_unchanged(opt, before)
+
+
+def test_unstepped_torch_adam_state_dict_does_not_load_into_lion():
+    _, lion = trained(bf16opt.Lion)
+    before = snapshot(lion)
+    with pytest.raises(ValueError, match="eps"):
+        lion.load_state_dict(unstepped_state_dict(torch.optim.Adam))
+    assert_unchanged(lion, before)
 
 
 def test_adam_state_dict_does_not_load_into_lion():
