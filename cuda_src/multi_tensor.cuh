@@ -54,6 +54,12 @@ struct ChunkTable {
   }
 };
 
+// The CPU emulation (tests/cuda_emulation/emulation.h) defines this to count vector
+// accesses at addresses the kernel wrongly took for aligned: x86 forgives them, a GPU faults.
+#ifndef BF16OPT_CHECK_ALIGNED
+#define BF16OPT_CHECK_ALIGNED(pointer, bytes)
+#endif
+
 // kVec elements of one array, moved with 16-byte (or, for 4 x 16-bit, 8-byte) accesses.
 template <class T, int N>
 struct alignas((sizeof(T) * N) < 16 ? (sizeof(T) * N) : 16) Pack {
@@ -62,6 +68,7 @@ struct alignas((sizeof(T) * N) < 16 ? (sizeof(T) * N) : 16) Pack {
 
 template <class T, int N>
 __device__ __forceinline__ void load_pack(const void* base, i64 index, T (&out)[N]) {
+  BF16OPT_CHECK_ALIGNED(static_cast<const T*>(base) + index, alignof(Pack<T, N>));
   const Pack<T, N> p = *reinterpret_cast<const Pack<T, N>*>(static_cast<const T*>(base) + index);
 #pragma unroll
   for (int k = 0; k < N; ++k) out[k] = p.v[k];
@@ -69,6 +76,7 @@ __device__ __forceinline__ void load_pack(const void* base, i64 index, T (&out)[
 
 template <class T, int N>
 __device__ __forceinline__ void store_pack(void* base, i64 index, const T (&in)[N]) {
+  BF16OPT_CHECK_ALIGNED(static_cast<T*>(base) + index, alignof(Pack<T, N>));
   Pack<T, N> p;
 #pragma unroll
   for (int k = 0; k < N; ++k) p.v[k] = in[k];

@@ -133,7 +133,9 @@ def make_bucket(kind: str, plan, flags: dict, sizes: list, rng: np.random.Genera
         bucket.counts = torch.full((len(sizes), 3), -1, dtype=torch.int64)  # must be overwritten
     for index, n in enumerate(sizes):
         def offset():
-            return int(rng.integers(1, 8)) if rng.random() < misalign else 0
+            # 1..8 elements: misaligned for every dtype, and 16-byte aligned but not at the
+            # start of the buffer (8 x 16-bit, 4 x 32-bit)
+            return int(rng.integers(1, 9)) if rng.random() < misalign else 0
         layout = "transposed" if transposed and index == 0 else "flat"
         param = placed(random_values(rng, n, plan.param, special), offset(), layout)
         bucket.params.append(param)

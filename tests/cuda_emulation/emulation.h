@@ -49,6 +49,12 @@ inline float __int_as_float(int i) {
   return x;
 }
 
+// Vector (Pack) accesses at addresses not aligned to the pack: the x86 CPU would carry them
+// out, a GPU would fault, so the emulator reads this count after every launch.
+inline unsigned long long misaligned_vector_accesses = 0;
+#define BF16OPT_CHECK_ALIGNED(pointer, bytes) \
+  (void)(reinterpret_cast<unsigned long long>(pointer) % (bytes) == 0 || ++misaligned_vector_accesses)
+
 // The emulated threads run one at a time, so a plain add is atomic here.
 inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
   const unsigned long long old = *address;

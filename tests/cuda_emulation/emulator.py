@@ -95,6 +95,10 @@ extern "C" void bf16opt_probe_encode(int format, const float* x, long long n, un
   }
 }
 
+extern "C" unsigned long long bf16opt_probe_misaligned_vector_accesses() {
+  return misaligned_vector_accesses;
+}
+
 extern "C" unsigned bf16opt_probe_stream_key(unsigned long long seed, long long step, long long index,
                                              unsigned buffer) {
   return bf16opt::stream_key(seed, step, index, buffer);
@@ -178,10 +182,22 @@ def execute(prepared: cuda_backend.PreparedLaunch) -> None:
     counts = prepared.counts
     if counts is not None:
         assert counts.device.type == "cpu" and counts.dtype == torch.int64 and counts.is_contiguous()
+    misaligned_before = misaligned_vector_accesses()
     _function(prepared.kind, prepared.expression)(
         plan.grid, plan.block, table.ctypes.data, plan.n_tensors, plan.n_chunks, plan.chunk_size,
         prepared.seed, prepared.step, None if counts is None else counts.data_ptr(), prepared.flags,
         scalars.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+    misaligned = misaligned_vector_accesses() - misaligned_before
+    if misaligned:
+        raise AssertionError(f"{prepared.expression}: {misaligned} vector accesses at misaligned "
+                             f"addresses (a GPU would fault on them)")
+
+
+def misaligned_vector_accesses() -> int:
+    """Vector accesses the emulated kernels made at misaligned addresses, so far."""
+    function = library().bf16opt_probe_misaligned_vector_accesses
+    function.restype = ctypes.c_ulonglong
+    return function()
 
 
 def encode(format: str, x: np.ndarray, key: int = 0) -> np.ndarray:
