@@ -125,7 +125,7 @@ def main() -> int:
         companion = next((state[k] for k in ("master", "compensation", "remainder") if k in state), None)
         limit = cuda_time(limit_kernel(param.data, param.grad, companion,
                                        state["exp_avg"], state["exp_avg_sq"]), args.repeats)
-        del opt, state
+        del opt, state, companion
         torch_ms = "n/a"
         equivalent = (param_dtype == torch.float32 and preset == "fp32") or (preset == "bf16" and not options)
         if equivalent:
