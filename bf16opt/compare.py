@@ -138,7 +138,8 @@ class StepPeakMemory:
         return self.peak / 2 ** 20 if self.available else None
 
 
-def progress(label: str, done: int, total: int, loss: float, stream=sys.stderr) -> None:
+def progress(label: str, done: int, total: int, loss: float, stream=None) -> None:
+    stream = sys.stderr if stream is None else stream  # the current stderr, not import time's
     width = 30
     filled = width * done // total
     stream.write(f"\r{label:>14s} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} loss {loss:.4f}")

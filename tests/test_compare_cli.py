@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import csv
+import string
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
-from bf16opt.compare import main
+from bf16opt.compare import main, stdlib_corpus
 
 TINY = ["--steps", "8", "--width", "16", "--layers", "1", "--batch", "4", "--block", "16", "--no-progress"]
 
@@ -42,3 +45,58 @@ def test_compare_rejects_bad_arguments(tmp_path):
         main(["--steps", "0", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="precision"):
         main(TINY + ["--presets", "nonsense", "--out", str(tmp_path)])
+
+
+def test_compare_runs_lion(tmp_path, capsys):
+    """`--optimizer lion`: Lion's default lr 3e-4, no exp_avg_sq in the memory table, finite losses."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    code = main(TINY + ["--optimizer", "lion", "--presets", "fp32,bf16", "--corpus", str(corpus),
+                        "--out", str(tmp_path / "out")])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("bf16opt compare: lion, 8 steps, 2 presets")
+    for text in ("| master | 4.00 (fp32) | - |", "| exp_avg | 4.00 (fp32) | 2.00 (bf16) |",
+                 "| exp_avg_sq | - | - |", "| bf16 |"):
+        assert text in printed
+    for preset in ("fp32", "bf16"):
+        rows = list(csv.DictReader((tmp_path / "out" / f"loss_{preset}.csv").open()))
+        assert [int(r["step"]) for r in rows] == list(range(1, 9))
+        assert float(rows[0]["lr"]) == pytest.approx(3e-4)  # one warm-up step: the full lr
+        assert all(0 < float(r["loss"]) < 10 for r in rows)
+
+
+def test_compare_shows_a_progress_bar_per_run(tmp_path):
+    """Without --no-progress each preset's run draws a bar on stderr, step by step up to a full bar."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    args = [a for a in TINY if a != "--no-progress"] + ["--backend", "reference"]
+    result = subprocess.run([sys.executable, "-m", "bf16opt", "compare", *args, "--presets", "fp32,bf16",
+                             "--corpus", str(corpus), "--out", str(tmp_path / "out")],
+                            capture_output=True, cwd=tmp_path)  # bytes: keep the bar's "\r"
+    stderr, stdout = result.stderr.decode(), result.stdout.decode()
+    assert result.returncode == 0, stderr
+    for preset in ("fp32", "bf16"):
+        for done in range(1, 9):
+            filled = 30 * done // 8
+            assert f"\r{preset:>14s} [{'#' * filled}{'.' * (30 - filled)}] {done}/8 loss " in stderr
+    assert stderr.count("\n") >= 2  # each finished bar ends its line
+    assert "/8 loss" not in stdout and "Final loss" in stdout
+
+
+def test_default_corpus_is_the_standard_library_sources(tmp_path, capsys):
+    """stdlib_corpus is real Python source text from the sorted stdlib *.py files, and it is what
+    `compare` trains on without --corpus."""
+    text = stdlib_corpus(max_bytes=200_000)
+    assert len(text) == 200_000
+    first = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[0].read_bytes()
+    assert text.startswith(first[:10_000])
+    decoded = text.decode("utf-8", errors="replace")
+    assert decoded.count("\ufffd") <= 1  # at most a character cut at the end
+    printable = sum(c in string.printable for c in decoded)
+    assert printable / len(decoded) > 0.99
+    for word in ("def ", "import ", "class ", "return"):
+        assert decoded.count(word) > 20, word
+    assert main(TINY + ["--steps", "2", "--presets", "bf16", "--out", str(tmp_path / "out")]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith(f"{len(stdlib_corpus()):,} bytes of text (Python standard library sources)")

@@ -1,28 +1,59 @@
-"""memory_report equals the storage table of the README and the live tensors' nbytes."""
+"""memory_report equals the storage table of the README and the live tensors' nbytes, for every preset."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import bf16opt
 
-# (preset, param dtype) -> optimizer bytes per param for (master, exp_avg, exp_avg_sq):
-# the README's presets table, plus what the precision rules give fp32 and fp16 params.
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BUFFERS = ("master", "exp_avg", "exp_avg_sq", "compensation", "remainder")
+
+# (preset, param dtype) -> optimizer bytes per param for BUFFERS: the README's presets table
+# for bf16 params, plus what the precision rules give fp32 and fp16 params (an fp32 param is
+# its own master, so "remainder" and "kahan" add nothing; fp16 params get an fp32 master copy
+# under "fp32-remainder", and a Kahan buffer for their fp16 master under "bf16-kahan").
 TABLE = {
-    ("fp32", torch.bfloat16): (4, 4, 4),
-    ("bf16-states", torch.bfloat16): (4, 2, 2),
-    ("bf16-master", torch.bfloat16): (0, 4, 4),
-    ("bf16", torch.bfloat16): (0, 2, 2),
-    ("fp32", torch.float16): (4, 4, 4),
-    ("bf16-states", torch.float16): (4, 2, 2),
-    ("bf16-master", torch.float16): (0, 4, 4),
-    ("bf16", torch.float16): (0, 2, 2),
-    ("fp32", torch.float32): (0, 4, 4),
-    ("bf16-states", torch.float32): (0, 2, 2),
-    ("bf16-master", torch.float32): (0, 4, 4),
-    ("bf16", torch.float32): (0, 2, 2),
+    ("fp32", torch.bfloat16): (4, 4, 4, 0, 0),
+    ("fp32", torch.float16): (4, 4, 4, 0, 0),
+    ("fp32", torch.float32): (0, 4, 4, 0, 0),
+    ("fp32-remainder", torch.bfloat16): (0, 4, 4, 0, 2),
+    ("fp32-remainder", torch.float16): (4, 4, 4, 0, 0),
+    ("fp32-remainder", torch.float32): (0, 4, 4, 0, 0),
+    ("fp32-remainder-bf16-states", torch.bfloat16): (0, 2, 2, 0, 2),
+    ("fp32-remainder-bf16-states", torch.float16): (4, 2, 2, 0, 0),
+    ("fp32-remainder-bf16-states", torch.float32): (0, 2, 2, 0, 0),
+    ("bf16-states", torch.bfloat16): (4, 2, 2, 0, 0),
+    ("bf16-states", torch.float16): (4, 2, 2, 0, 0),
+    ("bf16-states", torch.float32): (0, 2, 2, 0, 0),
+    ("bf16-master", torch.bfloat16): (0, 4, 4, 0, 0),
+    ("bf16-master", torch.float16): (0, 4, 4, 0, 0),
+    ("bf16-master", torch.float32): (0, 4, 4, 0, 0),
+    ("bf16", torch.bfloat16): (0, 2, 2, 0, 0),
+    ("bf16", torch.float16): (0, 2, 2, 0, 0),
+    ("bf16", torch.float32): (0, 2, 2, 0, 0),
+    ("bf16-kahan", torch.bfloat16): (0, 2, 2, 2, 0),
+    ("bf16-kahan", torch.float16): (0, 2, 2, 2, 0),
+    ("bf16-kahan", torch.float32): (0, 2, 2, 0, 0),
+    ("bf16-sr", torch.bfloat16): (0, 2, 2, 0, 0),
+    ("bf16-sr", torch.float16): (0, 2, 2, 0, 0),
+    ("bf16-sr", torch.float32): (0, 2, 2, 0, 0),
 }
+# The README's "optimizer B/param (Adam)" column (bf16 params, without amsgrad).
+README_ADAM_BYTES = {"fp32": 12, "fp32-remainder": 10, "fp32-remainder-bf16-states": 6, "bf16-states": 8,
+                     "bf16-master": 8, "bf16": 4, "bf16-kahan": 6, "bf16-sr": 4}
+# optimizer, amsgrad: Lion has no exp_avg_sq, amsgrad adds one exp_avg_sq-sized buffer
+CONFIGS = [("AdamW", False), ("AdamW", True), ("Lion", False)]
+CASES = [(preset, dtype) for preset in bf16opt.PRESETS for dtype in DTYPES]
+
+
+def case_id(value):
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
 
 
 def stepped(opt_class, preset, dtype, **kwargs):
@@ -33,32 +64,63 @@ def stepped(opt_class, preset, dtype, **kwargs):
     return model, opt
 
 
-@pytest.mark.parametrize("preset,dtype", sorted(TABLE, key=str))
-def test_adam_memory_report_matches_storage_table(preset, dtype):
-    model, opt = stepped(bf16opt.AdamW, preset, dtype)
+def expected_buffers(preset, dtype, opt_name, amsgrad) -> dict:
+    """Bytes per param of each optimizer buffer (and amsgrad's max_exp_avg_sq) from TABLE."""
+    expected = dict(zip(BUFFERS, TABLE[preset, dtype]))
+    exp_avg_sq = expected["exp_avg_sq"]
+    if opt_name == "Lion":
+        expected["exp_avg_sq"] = 0
+    expected["max_exp_avg_sq"] = exp_avg_sq if amsgrad else 0
+    return expected
+
+
+def test_table_covers_every_preset_and_agrees_with_the_readme():
+    """TABLE and README_ADAM_BYTES list every preset; the README's table says the same numbers."""
+    assert set(TABLE) == {(preset, dtype) for preset in bf16opt.PRESETS for dtype in DTYPES}
+    rows = re.findall(r'^\| `"([\w-]+)"`.*\| (\d+) \|$', (ROOT / "README.md").read_text(), re.MULTILINE)
+    assert {preset: int(nbytes) for preset, nbytes in rows} == README_ADAM_BYTES
+    for preset, nbytes in README_ADAM_BYTES.items():
+        assert sum(TABLE[preset, torch.bfloat16]) == nbytes, preset
+
+
+@pytest.mark.parametrize("opt_name,amsgrad", CONFIGS)
+@pytest.mark.parametrize("preset,dtype", CASES, ids=case_id)
+def test_memory_report_matches_storage_table(preset, dtype, opt_name, amsgrad):
+    """Every buffer's bytes per param, and nothing else but torch's 4-byte `step` per tensor."""
+    kwargs = {} if opt_name == "Lion" else dict(amsgrad=amsgrad)
+    model, opt = stepped(getattr(bf16opt, opt_name), preset, dtype, **kwargs)
     report = bf16opt.memory_report(opt)
     per_param = report.bytes_per_param
-    master, exp_avg, exp_avg_sq = TABLE[preset, dtype]
     size = torch.tensor([], dtype=dtype).element_size()
     assert report.num_params == sum(p.numel() for p in model.parameters())
     assert per_param["params"] == size and per_param["grads"] == size
-    assert (per_param["master"], per_param["exp_avg"], per_param["exp_avg_sq"]) == (master, exp_avg, exp_avg_sq)
-    assert per_param["max_exp_avg_sq"] == 0 and per_param["compensation"] == 0
+    expected = expected_buffers(preset, dtype, opt_name, amsgrad)
+    assert {name: per_param[name] for name in expected} == expected
+    others = {name: nbytes for name, nbytes in report.bytes.items()
+              if name not in expected and name not in ("params", "grads") and nbytes}
+    assert others == {"step": 4 * len(list(model.parameters()))}
 
 
-@pytest.mark.parametrize("preset,dtype", sorted(TABLE, key=str))
-def test_lion_and_amsgrad_buffers_are_counted(preset, dtype):
-    master, exp_avg, exp_avg_sq = TABLE[preset, dtype]
-    _, lion = stepped(bf16opt.Lion, preset, dtype)
-    per_param = bf16opt.memory_report(lion).bytes_per_param
-    assert (per_param["master"], per_param["exp_avg"], per_param["exp_avg_sq"]) == (master, exp_avg, 0)
-    _, adam = stepped(bf16opt.Adam, preset, dtype, amsgrad=True)
-    assert bf16opt.memory_report(adam).bytes_per_param["max_exp_avg_sq"] == exp_avg_sq
+@pytest.mark.parametrize("opt_name,amsgrad", CONFIGS)
+@pytest.mark.parametrize("preset", list(bf16opt.PRESETS))
+def test_bf16_optimizer_bytes_match_the_readme_table(preset, opt_name, amsgrad):
+    """Optimizer bytes per bf16 param: the README's Adam column, minus exp_avg_sq for Lion, plus
+    one exp_avg_sq for amsgrad (per-tensor `step` scalars aside)."""
+    kwargs = {} if opt_name == "Lion" else dict(amsgrad=amsgrad)
+    model, opt = stepped(getattr(bf16opt, opt_name), preset, torch.bfloat16, **kwargs)
+    report = bf16opt.memory_report(opt)
+    exp_avg_sq = bf16opt.PRESETS[preset].exp_avg_sq.itemsize
+    expected = README_ADAM_BYTES[preset] - (exp_avg_sq if opt_name == "Lion" else 0)
+    expected += exp_avg_sq if amsgrad else 0
+    steps = 4 * len(list(model.parameters()))
+    assert (report.optimizer_bytes - steps) / report.num_params == expected
 
 
-@pytest.mark.parametrize("preset", ["fp32", "bf16", "bf16-master", "bf16-states"])
-def test_total_is_the_sum_of_live_tensors(preset):
-    model, opt = stepped(bf16opt.AdamW, preset, torch.bfloat16, amsgrad=True)
+@pytest.mark.parametrize("opt_name,amsgrad", CONFIGS)
+@pytest.mark.parametrize("preset,dtype", CASES, ids=case_id)
+def test_total_is_the_sum_of_live_tensors(preset, dtype, opt_name, amsgrad):
+    kwargs = {} if opt_name == "Lion" else dict(amsgrad=amsgrad)
+    model, opt = stepped(getattr(bf16opt, opt_name), preset, dtype, **kwargs)
     live = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
     live += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     report = bf16opt.memory_report(opt)

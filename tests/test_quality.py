@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import bf16opt
 from bf16opt.storage import (WEIGHTS, encode, encode_stochastic, join_remainder, random_bits,
-                             stream_key)
+                             split_remainder, stream_key)
 from oracles import bits
 from snapshots import same_bits
 
@@ -112,6 +112,90 @@ def test_remainder_reconstructs_the_fp32_master_bit_for_bit(opt_name, states):
         # on ties the remainder param rounds away from zero
         assert torch.all(b.float()[tie].abs() > master[tie].abs())
     assert opt_b.state[b].keys() == {"step", "exp_avg", "remainder"} | ({"exp_avg_sq"} if opt_name == "AdamW" else set())
+
+
+# exact ties (low 16 bits 0x8000): smallest subnormals, around 1.0 and next to overflow, upper
+# half even and odd; each also with the sign bit set
+EDGE_TIES = [0x00008000, 0x00018000, 0x3F808000, 0x3F818000, 0x7F7E8000, 0x7F7F8000]
+
+
+def float32_from_bits(words) -> torch.Tensor:
+    signed = [w - 2 ** 32 if w >= 2 ** 31 else w for w in words]
+    return torch.tensor(signed, dtype=torch.int32).view(torch.float32)
+
+
+@given(words=st.lists(st.integers(0, 2 ** 32 - 1), max_size=64),
+       tie_uppers=st.lists(st.integers(0, 0xFFFF), max_size=32))
+def test_split_remainder_is_nearest_even_except_on_exact_ties(words, tie_uppers):
+    """For any float32 bits: the param is storage.encode's RNE bfloat16 except on exact ties, where
+    it is rounded away from zero (so it differs exactly on ties with an even upper half), and
+    join_remainder gives the bits back (NaN canonical)."""
+    words = words + [(upper << 16) | 0x8000 for upper in tie_uppers]
+    words += EDGE_TIES + [w | 0x80000000 for w in EDGE_TIES]
+    x = float32_from_bits(words)
+    word = np.array(words, dtype=np.int64)
+    nan = torch.isnan(x).numpy()
+    tie = ((word & 0xFFFF) == 0x8000) & ~nan
+    param, remainder = split_remainder(x)
+    assert param.dtype == torch.bfloat16 and remainder.dtype == torch.int16
+    got = bits(param).astype(np.int64)
+    nearest_even = bits(encode(x, torch.bfloat16)).astype(np.int64)
+    np.testing.assert_array_equal(got[~tie], nearest_even[~tie])
+    np.testing.assert_array_equal(got[tie], ((word[tie] >> 16) + 1) & 0xFFFF)  # magnitude up
+    assert torch.all(param.float()[torch.from_numpy(tie)].abs() > x[torch.from_numpy(tie)].abs())
+    np.testing.assert_array_equal(got != nearest_even, tie & ((word >> 16) % 2 == 0))
+    np.testing.assert_array_equal(bits(join_remainder(param, remainder)).astype(np.int64),
+                                  np.where(nan, 0x7FC00000, word))
+
+
+def check_remainder_against_fp32(a, opt_a, b, opt_b) -> tuple:
+    """Asserts b's ("fp32-remainder") master and moments equal a's ("fp32") bit for bit and the
+    params differ exactly at ties with an even upper half; returns (ties, differing params)."""
+    master = opt_a.state[a]["master"]
+    assert same_bits(join_remainder(b, opt_b.state[b]["remainder"]), master)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert same_bits(opt_a.state[a][key], opt_b.state[b][key]), key
+    word = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    tie = ((word & 0xFFFF) == 0x8000) & ~torch.isnan(master)
+    differ = a.view(torch.int16) != b.view(torch.int16)
+    assert torch.equal(differ, tie & ((word >> 16) % 2 == 0))
+    assert torch.equal(b.view(torch.int16)[tie].to(torch.int64) & 0xFFFF, ((word[tie] >> 16) + 1) & 0xFFFF)
+    return int(tie.sum()), int(differ.sum())
+
+
+@given(seed=st.integers(0, 2 ** 31 - 1), exponent=st.integers(-120, 127), n=st.integers(2, 40),
+       steps=st.integers(1, 4), lr=st.sampled_from([1e-4, 1e-3, 3e-2]),
+       betas=st.sampled_from([(0.9, 0.999), (0.5, 0.75), (0.0, 0.99)]),
+       weight_decay=st.sampled_from([0.0, 1e-2, 0.3]))
+def test_fp32_remainder_param_differs_from_fp32_only_on_exact_ties(seed, exponent, n, steps, lr, betas,
+                                                                  weight_decay):
+    """AdamW on bf16 params with identical grads, "fp32-remainder" vs "fp32": same master bits, and
+    params that differ only on exact ties.  Step 1 forces ties: params (1 + k/128) * 2^e, betas
+    (0.5, 0.75), tiny eps and lr = 2^(e-8) (half a bf16 ulp) make the update exactly -lr*sign(g)."""
+    generator = torch.Generator().manual_seed(seed)
+    k = torch.randint(1, 128, (n,), generator=generator)
+    sign = torch.where(torch.rand(n, generator=generator) < 0.5, -1.0, 1.0)
+    k[0] = 2  # even, and moved away from zero below: RNE rounds it back, the remainder split up
+    start = (sign * (1 + k / 128) * 2.0 ** exponent).to(torch.bfloat16)
+    assert torch.equal(start.float(), sign * (1 + k / 128) * 2.0 ** exponent)
+    a, b = start.clone(), start.clone()
+    kwargs = dict(lr=2.0 ** (exponent - 8), betas=(0.5, 0.75), eps=1e-30, weight_decay=0.0,
+                  backend="reference")
+    opt_a = bf16opt.AdamW([a], precision="fp32", **kwargs)
+    opt_b = bf16opt.AdamW([b], precision="fp32-remainder", **kwargs)
+    for step in range(1 + steps):
+        grad = torch.randn(n, generator=generator)
+        grad[grad.abs() < 1e-3] = 1.0
+        if step == 0:
+            grad[0] = -sign[0] * grad[0].abs()
+        a.grad, b.grad = grad.to(torch.bfloat16), grad.to(torch.bfloat16)
+        opt_a.step()
+        opt_b.step()
+        ties, differ = check_remainder_against_fp32(a, opt_a, b, opt_b)
+        if step == 0:
+            assert ties == n and differ >= 1  # every element moved by half an ulp: all ties
+            for opt in (opt_a, opt_b):  # then ordinary steps
+                opt.param_groups[0].update(lr=lr, betas=betas, eps=1e-8, weight_decay=weight_decay)
 
 
 def test_remainder_memory_is_two_bytes_per_param():
