@@ -109,14 +109,16 @@ def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13)
         opt.step()
     finally:
         _cpu.chunks.run_chunks = run
-    address, table, scalars, keys, _ = captured["args"]
+    address, table, scalars, keys, _, _ = captured["args"]
     if table.shape[0] != threads:
         raise RuntimeError(f"expected one chunk-table row per block, got {table.shape[0]}")
-    # prange hands each thread one contiguous range of rows: give it its own block's row
+    # each thread runs one contiguous range of rows: fill thread t's range with block t's row
     rows = n // block
-    big = np.repeat(table, -(-rows // threads), axis=0)[:rows]
+    per_thread = -(-rows // threads)
+    big = np.repeat(table, per_thread, axis=0)[:rows]
+    bounds = np.minimum(np.arange(threads + 1, dtype=np.int64) * per_thread, rows)
     counts = np.zeros((rows, _cpu.chunks.COUNTERS), dtype=np.int64)
-    return (lambda: run(address, big, scalars, keys, counts)), opt
+    return (lambda: run(address, big, scalars, keys, counts, bounds)), opt
 
 
 def torch_fused_step(params: list):

@@ -12,10 +12,13 @@ Numba ``cfunc`` with the C signature :data:`CHUNK_SIGNATURE`
 ``void(int64 *row, float32 *scalars, uint32 *keys, int64 *counts)`` that updates the
 elements of one table row: ``scalars`` are the step's float32 scalars, ``keys`` the
 tensor's random-stream keys (one per buffer, see ``storage.py``), ``counts`` the row's
-three telemetry counters.  :func:`run_chunks` is the one parallel kernel: it runs
-``prange`` over the rows and calls the chunk function through its address.  It is
-compiled once for all configurations; each configuration costs only a serial compile,
-several times cheaper than compiling a ``parallel=True`` kernel.
+three telemetry counters.  :func:`run_chunks` is the one parallel kernel: it gives each
+thread one contiguous range of rows holding about the same number of elements
+(:func:`balanced_bounds`: a model's many small tensors make rows of unequal length, so an
+equal number of rows per thread would not be equal work) and calls the chunk function
+through its address.  It is compiled once for all configurations; each configuration
+costs only a serial compile, several times cheaper than compiling a ``parallel=True``
+kernel.
 
 Every element is computed independently of the others and each row writes its own
 counters, so results do not depend on the chunk size or the number of threads.
@@ -28,8 +31,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-__all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KEYS", "build_chunk_table", "run_chunks",
-           "tensor_counts"]
+__all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KEYS", "balanced_bounds", "build_chunk_table",
+           "run_chunks", "tensor_counts"]
 
 #: elements per chunk: large enough for long vector loops, small enough to balance threads
 CHUNK = 1 << 15
@@ -66,6 +69,16 @@ def build_chunk_table(addresses: np.ndarray, itemsizes: np.ndarray, numels: np.n
     table[:, n_buffers + 1] = start
     table[:, n_buffers + 2] = tensor_of_row
     return table
+
+
+def balanced_bounds(table: np.ndarray, parts: int) -> np.ndarray:
+    """int64 row boundaries (parts + 1 of them, from 0 to the row count) cutting ``table`` into
+    ``parts`` contiguous ranges with about equal element counts (within one chunk)."""
+    done = np.cumsum(table[:, -3])  # elements in rows 0..r
+    total = int(done[-1]) if done.size else 0
+    targets = np.arange(1, parts, dtype=np.int64) * total // parts
+    inner = np.searchsorted(done, targets, side="left") + 1  # the row reaching a target closes its range
+    return np.concatenate(([0], np.minimum(inner, table.shape[0]), [table.shape[0]])).astype(np.int64)
 
 
 def tensor_counts(table: np.ndarray, row_counts: np.ndarray, n_tensors: int) -> np.ndarray:
@@ -107,14 +120,17 @@ def _call_chunk(typingctx, address, row, scalars, keys, counts):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def run_chunks(address, table, scalars, keys, row_counts):
-    """Run the chunk function at ``address`` on every row of ``table``, rows in parallel.
+def run_chunks(address, table, scalars, keys, row_counts, bounds):
+    """Run the chunk function at ``address`` on every row of ``table``: the rows
+    ``bounds[k]:bounds[k + 1]`` in order, the ranges ``k`` in parallel (one per thread).
 
     ``keys``: uint32 (n_tensors, KEYS); ``row_counts``: int64 (n_rows, COUNTERS), written
     by chunk functions that count (telemetry), never read by others.
     """
     width = table.shape[1]
-    for row in prange(table.shape[0]):
-        tensor = table[row, width - 1]
-        _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
-                    _element_pointer(keys, tensor * KEYS), _element_pointer(row_counts, row * COUNTERS))
+    for part in prange(bounds.size - 1):
+        for row in range(bounds[part], bounds[part + 1]):
+            tensor = table[row, width - 1]
+            _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
+                        _element_pointer(keys, tensor * KEYS),
+                        _element_pointer(row_counts, row * COUNTERS))

@@ -448,6 +448,24 @@ def test_chunk_table_layout():
     assert table.tolist() == [[100, 200, 4, 0, 1], [116, 200, 1, 4, 1]]
 
 
+@settings(max_examples=60)
+@given(numels=st.lists(st.integers(0, 5000), min_size=1, max_size=40), parts=st.integers(1, 9))
+def test_balanced_bounds_give_each_thread_about_equal_elements(numels, parts):
+    """Rows of unequal length (small tensors) are split by elements, not by row count: each
+    thread's contiguous range holds the total / threads elements within one chunk."""
+    from bf16opt._cpu.chunks import balanced_bounds, build_chunk_table
+    chunk = 512
+    addresses = np.zeros((len(numels), 1), dtype=np.int64)
+    table = build_chunk_table(addresses, np.array([4]), np.array(numels), chunk=chunk)
+    bounds = balanced_bounds(table, parts)
+    assert bounds.dtype == np.int64 and bounds.size == parts + 1
+    assert bounds[0] == 0 and bounds[-1] == table.shape[0] and np.all(np.diff(bounds) >= 0)
+    done = np.concatenate(([0], np.cumsum(table[:, -3])))
+    per_part = done[bounds[1:]] - done[bounds[:-1]]
+    assert per_part.sum() == sum(numels)
+    assert np.all(np.abs(per_part - sum(numels) / parts) < chunk + 1)  # +1: targets are floored
+
+
 # ---------------------------------------------------------------- backend selection
 def test_resolve_backend_numba_and_auto_on_cpu():
     cpu = torch.device("cpu")

@@ -456,7 +456,7 @@ def prepare_launch(kind: str, bucket: Bucket, scalars, *, chunk_size: int = DEFA
                     "exp_avg": plan.exp_avg, "exp_avg_sq": plan.exp_avg_sq,
                     "max_exp_avg_sq": plan.exp_avg_sq}
         numel = tensors[0].numel()
-        in_place = plan.rounding != "stochastic" and same_dense_layout([t for t in tensors if t is not None])
+        in_place = None  # decided at the first non-contiguous buffer (rare: checked lazily)
         row = []
         for role, tensor in zip(ROLES[kind], tensors):
             if tensor is None:
@@ -468,6 +468,9 @@ def prepare_launch(kind: str, bucket: Bucket, scalars, *, chunk_size: int = DEFA
             if tensor.dtype != expected[role] or tensor.numel() != numel:
                 raise ValueError(f"{role} of param {i} is {tensor.dtype} with {tensor.numel()} "
                                  f"elements; the bucket's plan needs {expected[role]} with {numel}")
+            if not tensor.is_contiguous() and in_place is None:
+                in_place = plan.rounding != "stochastic" and \
+                    same_dense_layout([t for t in tensors if t is not None])
             if not tensor.is_contiguous() and not in_place:
                 staged = tensor.contiguous()
                 staged_copies.append(staged)

@@ -49,6 +49,7 @@ _VIEW_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float
 
 _KERNEL_LOCK = threading.Lock()  # one parallel kernel at a time (see the module docstring)
 _TABLE_CACHE: dict = {}
+_BOUNDS_CACHE: dict = {}  # (id(table), threads) -> (table, bounds); the table kept to pin its id
 _TABLE_CACHE_SIZE = 16
 
 
@@ -85,8 +86,14 @@ class _Launch:
         self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.columns = []
         self.itemsizes = _itemsizes(dtypes)
-        in_place = [any_memory_order and same_dense_layout([c for c in buffers if c is not None])
-                    for buffers in zip(*columns)]
+        in_place: dict = {}  # tensor t -> its buffers can be walked in memory order in place
+
+        def walk_in_place(t: int) -> bool:
+            if t not in in_place:  # asked only for non-contiguous buffers: rare, so checked lazily
+                in_place[t] = any_memory_order and same_dense_layout(
+                    [column[t] for column in columns if column[t] is not None])
+            return in_place[t]
+
         for b, column in enumerate(columns):
             out = []
             for t, tensor in enumerate(column):
@@ -98,7 +105,7 @@ class _Launch:
                 if tensor.dtype != dtypes[b] or tensor.device.type != "cpu":
                     raise TypeError(f"numba backend: expected a CPU {dtypes[b]} tensor, got "
                                     f"{tensor.dtype} on {tensor.device}")
-                if not tensor.is_contiguous() and not in_place[t]:
+                if not tensor.is_contiguous() and not walk_in_place(t):
                     copy = tensor.contiguous()
                     if b in written:
                         self.write_back.append((tensor, copy))
@@ -119,6 +126,20 @@ class _Launch:
                                              np.array(numels, dtype=np.int64), chunk=chunks.CHUNK)
             _TABLE_CACHE[key] = table
         return table
+
+    @staticmethod
+    def bounds(table: np.ndarray, chunks) -> np.ndarray:
+        """Each thread's range of rows (memoised per table and thread count)."""
+        from numba import get_num_threads  # noqa: PLC0415  (numba is imported on the first step)
+
+        threads = get_num_threads()
+        key = (id(table), threads)
+        bounds = _BOUNDS_CACHE.get(key)
+        if bounds is None or bounds[0] is not table:
+            if len(_BOUNDS_CACHE) >= _TABLE_CACHE_SIZE:
+                _BOUNDS_CACHE.pop(next(iter(_BOUNDS_CACHE)))
+            bounds = _BOUNDS_CACHE[key] = (table, chunks.balanced_bounds(table, threads))
+        return bounds[1]
 
     def finish(self, touched: list[torch.Tensor]) -> None:
         for tensor, copy in self.write_back:
@@ -195,7 +216,9 @@ def _launch(bucket: Bucket, chunk, columns: list, dtypes: list, written: tuple, 
         keys = np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
     row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
     with _KERNEL_LOCK:
-        chunks.run_chunks(chunk.address, table, np.array(scalars, dtype=np.float32), keys, row_counts)
+        bounds = launch.bounds(table, chunks)
+        chunks.run_chunks(chunk.address, table, np.array(scalars, dtype=np.float32), keys, row_counts,
+                          bounds)
     launch.finish([t for b in written for t in columns[b] if t is not None])
     if bucket.counts is not None:
         totals = chunks.tensor_counts(table, row_counts, n)
