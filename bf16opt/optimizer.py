@@ -236,13 +236,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             params.append(param)
         return params
 
+    def _side_dict(self, name: str) -> dict:
+        """A dict kept beside torch's attributes; torch's pickling drops it, so it is made
+        again on first use."""
+        return self.__dict__.setdefault(name, {})
+
     @property
     def _state_plans(self) -> dict:
         """param -> the StoragePlan its state was last made or checked for (a cache)."""
-        plans = self.__dict__.get("_state_plan_cache")
-        if plans is None:
-            plans = self.__dict__["_state_plan_cache"] = {}
-        return plans
+        return self._side_dict("_state_plan_cache")
 
     def _state_fits(self, state: dict, plan: StoragePlan, group: dict) -> bool:
         """True when ``state`` holds exactly the buffers ``plan`` stores, in its dtypes
@@ -350,10 +352,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     @property
     def _precision_counts(self) -> dict:
-        counts = self.__dict__.get("_telemetry")
-        if counts is None:
-            counts = self.__dict__["_telemetry"] = {}
-        return counts
+        """param -> (numel, telemetry counts of its last step)."""
+        return self._side_dict("_telemetry")
 
     def precision_stats(self) -> dict:
         """Precision telemetry of the last step (needs ``track_precision=True``).
