@@ -166,17 +166,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group: dict, params: list) -> None:
         """Validate and normalise a group in place (precision, backend, hyper-parameters)."""
-        group["precision"] = as_precision(group["precision"])
+        group["precision"] = self._checked_precision(group)
         for param in params:
             plan_for(group["precision"], param.dtype)  # rejects invalid dtype combinations
-        check_backend_name(group["backend"])
         for device in {p.device for p in params}:
             resolve_backend(group["backend"], device)
-        check_implementation_flags(group)
-        check_flag(group.get("track_precision", False), "track_precision")
-        if "seed" in group:
-            check_seed(group["seed"])
-        self._check_hyperparameters(group)
 
     # ---- state
     def _plan(self, group: dict, param: torch.Tensor) -> StoragePlan:
