@@ -215,6 +215,9 @@ def loss_table(results: list) -> str:
     for r in results:
         lines.append(f"| {r['preset']} | {r['final']:.4f} | {100 * (r['final'] / base - 1):+.2f}% | "
                      f"{r['mean']:.4f} | {r['std']:.4f} | {r['step_ms']:.2f} | {100 * r['swallowed']:.2f}% |")
+    lines.append("\nSwallowed updates: non-zero updates that left the stored weights unchanged "
+                 "(Kahan carries them in its compensation buffer, stochastic rounding applies them "
+                 "on average; with round to nearest they are lost).")
     return "\n".join(lines)
 
 
