@@ -49,7 +49,6 @@ _VIEW_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float
 
 _KERNEL_LOCK = threading.Lock()  # one parallel kernel at a time (see the module docstring)
 _TABLE_CACHE: dict = {}
-_BOUNDS_CACHE: dict = {}  # (id(table), threads) -> (table, bounds); the table kept to pin its id
 _TABLE_CACHE_SIZE = 16
 
 
@@ -113,33 +112,24 @@ class _Launch:
                 out.append(tensor)
             self.columns.append(out)
 
-    def table(self, numels: list[int], chunks) -> np.ndarray:
-        """The chunk table (memoised: a training loop sees the same addresses each step)."""
+    def table(self, numels: list[int], chunks) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk table and each thread's range of its rows (memoised: a training loop
+        sees the same addresses each step)."""
+        from numba import get_num_threads  # noqa: PLC0415  (numba is imported on the first step)
+
+        threads = get_num_threads()
         addresses = [[0 if tensor is None else tensor.data_ptr() for tensor in column]
                      for column in self.columns]
-        key = (tuple(map(tuple, addresses)), tuple(numels), self.itemsizes.tobytes(), chunks.CHUNK)
-        table = _TABLE_CACHE.get(key)
-        if table is None:
+        key = (tuple(map(tuple, addresses)), tuple(numels), self.itemsizes.tobytes(), chunks.CHUNK,
+               threads)
+        cached = _TABLE_CACHE.get(key)
+        if cached is None:
             if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
                 _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
             table = chunks.build_chunk_table(np.array(addresses, dtype=np.int64).T, self.itemsizes,
                                              np.array(numels, dtype=np.int64), chunk=chunks.CHUNK)
-            _TABLE_CACHE[key] = table
-        return table
-
-    @staticmethod
-    def bounds(table: np.ndarray, chunks) -> np.ndarray:
-        """Each thread's range of rows (memoised per table and thread count)."""
-        from numba import get_num_threads  # noqa: PLC0415  (numba is imported on the first step)
-
-        threads = get_num_threads()
-        key = (id(table), threads)
-        bounds = _BOUNDS_CACHE.get(key)
-        if bounds is None or bounds[0] is not table:
-            if len(_BOUNDS_CACHE) >= _TABLE_CACHE_SIZE:
-                _BOUNDS_CACHE.pop(next(iter(_BOUNDS_CACHE)))
-            bounds = _BOUNDS_CACHE[key] = (table, chunks.balanced_bounds(table, threads))
-        return bounds[1]
+            cached = _TABLE_CACHE[key] = (table, chunks.balanced_bounds(table, threads))
+        return cached
 
     def finish(self, touched: list[torch.Tensor]) -> None:
         for tensor, copy in self.write_back:
@@ -205,7 +195,7 @@ def _launch(bucket: Bucket, chunk, columns: list, dtypes: list, written: tuple, 
     """One parallel call of ``chunk`` over every tensor of the bucket."""
     _, _, chunks = _kernels()
     launch = _Launch(columns, dtypes, written, any_memory_order=bucket.plan.rounding != "stochastic")
-    table = launch.table([p.numel() for p in bucket.params], chunks)
+    table, bounds = launch.table([p.numel() for p in bucket.params], chunks)
     n = len(bucket.params)
     if bucket.plan.rounding == "stochastic":
         if len(bucket.indices) != n:
@@ -216,7 +206,6 @@ def _launch(bucket: Bucket, chunk, columns: list, dtypes: list, written: tuple, 
         keys = np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
     row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
     with _KERNEL_LOCK:
-        bounds = launch.bounds(table, chunks)
         chunks.run_chunks(chunk.address, table, np.array(scalars, dtype=np.float32), keys, row_counts,
                           bounds)
     launch.finish([t for b in written for t in columns[b] if t is not None])
