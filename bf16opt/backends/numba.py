@@ -93,17 +93,18 @@ class _Launch:
                     [column[t] for column in columns if column[t] is not None])
             return in_place[t]
 
-        for b, column in enumerate(columns):
+        for b, (column, dtype) in enumerate(zip(columns, dtypes)):
+            if dtype is None:  # a buffer this configuration does not have
+                if any(tensor is not None for tensor in column):
+                    raise ValueError(f"numba backend: buffer {b} is not part of this configuration")
+                self.columns.append(list(column))
+                continue
             out = []
             for t, tensor in enumerate(column):
-                if tensor is None:
-                    if dtypes[b] is not None:
-                        raise ValueError(f"numba backend: a {dtypes[b]} buffer is missing")
-                    out.append(None)
-                    continue
-                if tensor.dtype != dtypes[b] or tensor.device.type != "cpu":
-                    raise TypeError(f"numba backend: expected a CPU {dtypes[b]} tensor, got "
-                                    f"{tensor.dtype} on {tensor.device}")
+                # (is_cpu, not device.type: this loop runs for every buffer of every param, every step)
+                if tensor is None or tensor.dtype != dtype or not tensor.is_cpu:
+                    raise TypeError(f"numba backend: expected a CPU {dtype} tensor, got "
+                                    f"{'None' if tensor is None else f'{tensor.dtype} on {tensor.device}'}")
                 if not tensor.is_contiguous() and not walk_in_place(t):
                     copy = tensor.contiguous()
                     if b in written:
