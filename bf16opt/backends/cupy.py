@@ -468,15 +468,16 @@ def prepare_launch(kind: str, bucket: Bucket, scalars, *, chunk_size: int = DEFA
             if tensor.dtype != expected[role] or tensor.numel() != numel:
                 raise ValueError(f"{role} of param {i} is {tensor.dtype} with {tensor.numel()} "
                                  f"elements; the bucket's plan needs {expected[role]} with {numel}")
-            if not tensor.is_contiguous() and in_place is None:
-                in_place = plan.rounding != "stochastic" and \
-                    same_dense_layout([t for t in tensors if t is not None])
-            if not tensor.is_contiguous() and not in_place:
-                staged = tensor.contiguous()
-                staged_copies.append(staged)
-                if role != "grad":
-                    write_back.append((tensor, staged))
-                tensor = staged
+            if not tensor.is_contiguous():
+                if in_place is None:
+                    in_place = plan.rounding != "stochastic" and \
+                        same_dense_layout([t for t in tensors if t is not None])
+                if not in_place:
+                    staged = tensor.contiguous()
+                    staged_copies.append(staged)
+                    if role != "grad":
+                        write_back.append((tensor, staged))
+                    tensor = staged
             row.append(tensor.data_ptr())
         pointers.append(row)
         sizes.append(numel)
