@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
-from .backends import AdamScalars, Bucket, f32
-from .optimizer import MixedPrecisionOptimizer, check_betas, check_flag, check_number, default_seed
+from .algorithms import ADAM, AdamScalars
+from .backends import f32
+from .checks import check_betas, check_flag, check_number, default_seed
+from .optimizer import MixedPrecisionOptimizer
 
 __all__ = ["Adam", "AdamW", "adam_scalars"]
 
@@ -60,7 +62,7 @@ class Adam(MixedPrecisionOptimizer):
     multi-tensor already); ``capturable=True`` and ``differentiable=True`` are rejected.
     """
 
-    family = "adam"
+    algorithm = ADAM
     _SAVED_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -84,21 +86,12 @@ class Adam(MixedPrecisionOptimizer):
         for flag in ("amsgrad", "maximize", "decoupled_weight_decay"):
             check_flag(group[flag], flag)
 
-    def _moment_keys(self, group: dict) -> tuple:
-        if group["amsgrad"]:
-            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-        return ("exp_avg", "exp_avg_sq")
+    def _flags(self, group: dict) -> dict:
+        l2 = (not group["decoupled_weight_decay"]) and float(group["weight_decay"]) != 0.0
+        return {"amsgrad": group["amsgrad"], "maximize": group["maximize"], "l2": l2}
 
-    def _all_moment_keys(self) -> tuple:
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-    def _new_bucket(self, group: dict, plan, step: int) -> Bucket:
-        bucket = super()._new_bucket(group, plan, step)
-        bucket.l2 = (not group["decoupled_weight_decay"]) and float(group["weight_decay"]) != 0.0
-        return bucket
-
-    def _update(self, backend, bucket: Bucket, group: dict, step: int) -> None:
-        backend.adam(bucket, adam_scalars(group, step))
+    def _scalars(self, group: dict, step: int) -> AdamScalars:
+        return adam_scalars(group, step)
 
 
 class AdamW(Adam):

@@ -185,9 +185,6 @@ def train(preset: str, data: torch.Tensor, *, optimizer: str, steps: int, lr: fl
 
 
 # ---------------------------------------------------------------- report
-MEMORY_COMPONENTS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "compensation", "remainder")
-
-
 def memory_table(results: list) -> str:
     """Bytes per parameter by component, one column per preset (seed 000's Memory Breakdown)."""
     header = "| Component | " + " | ".join(r["preset"] for r in results) + " |"
@@ -198,7 +195,10 @@ def memory_table(results: list) -> str:
         value = report.bytes_per_param.get(name, 0.0)
         return f"{value:.2f} ({dtypes})" if dtypes else "-"
 
-    for name in MEMORY_COMPONENTS:
+    names = [name for name in results[0]["memory"].bytes if name != "step"]
+    for name in names:
+        if not any(r["memory"].bytes.get(name) for r in results):
+            continue  # e.g. amsgrad's max_exp_avg_sq
         lines.append(f"| {name} | " + " | ".join(cell(r["memory"], name) for r in results) + " |")
     lines.append("| **optimizer total** | " + " | ".join(
         f"**{r['memory'].optimizer_bytes_per_param:.2f}**" for r in results) + " |")

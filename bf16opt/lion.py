@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from .backends import Bucket, LionScalars, f32
-from .optimizer import MixedPrecisionOptimizer, check_betas, check_flag, check_number, default_seed
+from .algorithms import LION, LionScalars
+from .backends import f32
+from .checks import check_betas, check_flag, check_number, default_seed
+from .optimizer import MixedPrecisionOptimizer
 
 __all__ = ["Lion", "lion_scalars"]
 
@@ -37,7 +39,7 @@ class Lion(MixedPrecisionOptimizer):
     operation order is specified in ``bf16opt/backends/reference.py``.
     """
 
-    family = "lion"
+    algorithm = LION
     _SAVED_GROUP_KEYS = ("lr", "betas", "weight_decay")
     _FOREIGN_GROUP_KEYS = ("eps", "amsgrad")  # Adam's
 
@@ -55,11 +57,8 @@ class Lion(MixedPrecisionOptimizer):
         check_betas(group["betas"])
         check_flag(group["maximize"], "maximize")
 
-    def _moment_keys(self, group: dict) -> tuple:
-        return ("exp_avg",)
+    def _flags(self, group: dict) -> dict:
+        return {"maximize": group["maximize"]}
 
-    def _all_moment_keys(self) -> tuple:
-        return ("exp_avg",)
-
-    def _update(self, backend, bucket: Bucket, group: dict, step: int) -> None:
-        backend.lion(bucket, lion_scalars(group))
+    def _scalars(self, group: dict, step: int) -> LionScalars:
+        return lion_scalars(group)

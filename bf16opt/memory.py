@@ -10,7 +10,8 @@ from .precision import SHORT_NAME
 
 __all__ = ["MemoryReport", "memory_report"]
 
-# Always listed, in this order; any other state buffer is appended under its own name.
+# Listed for any torch optimizer, in this order; a bf16opt optimizer lists its algorithm's
+# buffers instead (``components``).  Any other state tensor is appended under its own name.
 COMPONENTS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation",
               "remainder")
 # Components that are the optimizer's own (not the model's params and grads).
@@ -66,13 +67,23 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def components(optimizer) -> tuple:
+    """The components a report of ``optimizer`` always lists: params, grads, the master
+    policy's buffers and the algorithm's moments (every buffer its kernels can have)."""
+    algorithm = getattr(optimizer, "algorithm", None)
+    if algorithm is None:
+        return COMPONENTS
+    moments = tuple(role.name for role in algorithm.moment_roles)
+    return ("params", "grads", "master", *moments, "compensation", "remainder")
+
+
 def memory_report(optimizer: torch.optim.Optimizer) -> MemoryReport:
     """Bytes of params, grads, master copies, moments and any other state buffer.
 
     Counted from the tensors that exist now: optimizer state is created at the first
     ``step()``, so call this after one step to see the steady-state footprint.
     """
-    report = MemoryReport(bytes={name: 0 for name in COMPONENTS})
+    report = MemoryReport(bytes={name: 0 for name in components(optimizer)})
     seen = set()
 
     def add(name: str, tensor: torch.Tensor) -> None:

@@ -194,6 +194,27 @@ class StoragePlan:
     compensation_dtype: torch.dtype | None = None
 
     @property
+    def weights(self) -> str:
+        """How the master weights are held: ``"param"`` (the param is the master),
+        ``"copy"`` (a master copy of dtype ``master``), ``"kahan"`` (the param plus a
+        compensation buffer) or ``"remainder"`` (bfloat16 param + int16 remainder)."""
+        if self.compensation is not None:
+            return self.compensation
+        return "param" if self.master is None else "copy"
+
+    @property
+    def companion(self) -> torch.dtype | None:
+        """dtype of the master policy's own buffer (copy, compensation, remainder), if any."""
+        return {"param": None, "copy": self.master, "kahan": self.compensation_dtype,
+                "remainder": torch.int16}[self.weights]
+
+    @property
+    def companion_key(self) -> str | None:
+        """Optimizer-state key of that buffer (the names state dicts have always used)."""
+        return {"param": None, "copy": "master", "kahan": "compensation",
+                "remainder": "remainder"}[self.weights]
+
+    @property
     def master_dtype(self) -> torch.dtype:
         """dtype of the value the update is applied to."""
         if self.compensation == "remainder":

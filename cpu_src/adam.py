@@ -24,14 +24,7 @@ from .chunks import CHUNK_SIGNATURE
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_POLICIES, bits_to_f32, f32_to_bits, load,
                       load_weights, pointer_to, store_moment, store_weights)
 
-__all__ = ["ADAM_BUFFERS", "ADAM_SCALARS", "adam_chunk"]
-
-#: buffer order in the chunk table columns (see chunks.py); "extra" is the Kahan
-#: compensation or the int16 remainder
-ADAM_BUFFERS = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "extra")
-#: order of the float32 scalars array
-ADAM_SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "step_size",
-                "inv_sqrt_bias_correction2", "eps", "weight_decay", "decay", "sign")
+__all__ = ["chunk_function"]
 
 @njit
 def _bf16_pair_bits(word):
@@ -92,16 +85,19 @@ def _adamw_pair_element(g, w, m, v, beta1, beta2, one_minus_beta1, one_minus_bet
 
 
 @functools.lru_cache(maxsize=None)
-def adam_chunk(formats: tuple, weights: str, moments: str, amsgrad: bool, l2: bool, track: bool):
+def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsgrad: bool = False,
+                   l2: bool = False):
     """The compiled Adam chunk function of one configuration (memoised; on-disk cached).
 
-    ``formats``: numpy element classes of (param, master, exp_avg, exp_avg_sq, extra)
-    (grad has the param's, max_exp_avg_sq the exp_avg_sq's; absent buffers any class);
+    ``formats``: numpy element classes of the roles, in the order of
+    ``bf16opt.algorithms.ADAM.roles`` (param, grad, companion, exp_avg, exp_avg_sq,
+    max_exp_avg_sq; absent roles any class), which is also the row's address order;
     ``weights``: a key of ``storage.WEIGHT_POLICIES`` (how the master is held);
     ``moments``: a key of ``storage.MOMENT_ROUNDINGS``;
-    ``track``: count telemetry into the row's counters.
+    ``track``: count telemetry into the row's counters.  The scalars are
+    ``AdamScalars`` followed by ``sign`` (-1 to maximize).
     """
-    param_format, master_format, exp_avg_format, exp_avg_sq_format, extra_format = formats
+    param_format, _, companion_format, exp_avg_format, exp_avg_sq_format, _ = formats
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments = str(weights), str(moments)
@@ -116,12 +112,11 @@ def adam_chunk(formats: tuple, weights: str, moments: str, amsgrad: bool, l2: bo
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], param_format)
-        master = pointer_to(row[2], master_format)
+        companion = pointer_to(row[2], companion_format)
         exp_avg = pointer_to(row[3], exp_avg_format)
         exp_avg_sq = pointer_to(row[4], exp_avg_sq_format)
         max_exp_avg_sq = pointer_to(row[5], exp_avg_sq_format)
-        extra = pointer_to(row[6], extra_format)
-        n, start = row[7], row[8]
+        n, start = row[6], row[7]
         beta1, beta2 = scalars[0], scalars[1]
         one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
         step_size, inv_sqrt_bias_correction2, eps = scalars[4], scalars[5], scalars[6]
@@ -153,7 +148,7 @@ def adam_chunk(formats: tuple, weights: str, moments: str, amsgrad: bool, l2: bo
         for i in range(first, n):
             element = start + i
             g = load(grad, i) * sign
-            w0 = load_weights(weights, param, master, extra, i)
+            w0 = load_weights(weights, param, companion, i)
             w = w0
             if l2:
                 t = w * weight_decay
@@ -173,7 +168,7 @@ def adam_chunk(formats: tuple, weights: str, moments: str, amsgrad: bool, l2: bo
             stored_v = store_moment(moments, exp_avg_sq, i, v, key_v, element)
             if amsgrad:
                 store_moment(moments, max_exp_avg_sq, i, v_hat, key_max, element)
-            same = store_weights(weights, param, master, extra, i, w0, w, key_w, element)
+            same = store_weights(weights, param, companion, i, w0, w, key_w, element)
             if track:
                 swallowed += (u != np.float32(0.0)) & same
                 m_underflow += (m != np.float32(0.0)) & (stored_m == np.float32(0.0))

@@ -11,22 +11,18 @@ from .chunks import CHUNK_SIGNATURE
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_POLICIES, load, load_weights, pointer_to,
                       store_moment, store_weights)
 
-__all__ = ["LION_BUFFERS", "LION_SCALARS", "lion_chunk"]
-
-#: buffer order in the chunk table columns (see chunks.py)
-LION_BUFFERS = ("param", "grad", "master", "exp_avg", "extra")
-#: order of the float32 scalars array
-LION_SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "lr", "decay", "sign")
+__all__ = ["chunk_function"]
 
 
 @functools.lru_cache(maxsize=None)
-def lion_chunk(formats: tuple, weights: str, moments: str, track: bool):
+def chunk_function(formats: tuple, weights: str, moments: str, track: bool):
     """The compiled Lion chunk function of one configuration (memoised; on-disk cached).
 
-    ``formats``: numpy element classes of (param, master, exp_avg, extra); the other
-    arguments as for :func:`adam.adam_chunk`.
+    ``formats``: numpy element classes of ``bf16opt.algorithms.LION.roles`` (param, grad,
+    companion, exp_avg); the other arguments as for :func:`adam.chunk_function`.  The
+    scalars are ``LionScalars`` followed by ``sign``.
     """
-    param_format, master_format, exp_avg_format, extra_format = formats
+    param_format, _, companion_format, exp_avg_format = formats
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments, track = str(weights), str(moments), bool(track)
@@ -35,10 +31,9 @@ def lion_chunk(formats: tuple, weights: str, moments: str, track: bool):
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], param_format)
-        master = pointer_to(row[2], master_format)
+        companion = pointer_to(row[2], companion_format)
         exp_avg = pointer_to(row[3], exp_avg_format)
-        extra = pointer_to(row[4], extra_format)
-        n, start = row[5], row[6]
+        n, start = row[4], row[5]
         beta1, beta2 = scalars[0], scalars[1]
         one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
         lr, decay, sign = scalars[4], scalars[5], scalars[6]
@@ -47,7 +42,7 @@ def lion_chunk(formats: tuple, weights: str, moments: str, track: bool):
         for i in range(n):
             element = start + i
             g = load(grad, i) * sign
-            w0 = load_weights(weights, param, master, extra, i)
+            w0 = load_weights(weights, param, companion, i)
             w = w0 * decay
             m_old = load(exp_avg, i)
             c = m_old * beta1
@@ -63,7 +58,7 @@ def lion_chunk(formats: tuple, weights: str, moments: str, track: bool):
             t = g * one_minus_beta2
             m = m + t
             stored_m = store_moment(moments, exp_avg, i, m, key_m, element)
-            same = store_weights(weights, param, master, extra, i, w0, w, key_w, element)
+            same = store_weights(weights, param, companion, i, w0, w, key_w, element)
             if track:
                 swallowed += (u != np.float32(0.0)) & same
                 m_underflow += (m != np.float32(0.0)) & (stored_m == np.float32(0.0))

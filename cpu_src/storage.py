@@ -48,8 +48,8 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 
 __all__ = [
-    "VIEW_DTYPES", "CANONICAL_NAN_F32", "CANONICAL_NAN_BF16", "CANONICAL_NAN_F16",
-    "f32_to_bits", "bits_to_f32", "address_as_pointer",
+    "CANONICAL_NAN_F32", "CANONICAL_NAN_BF16", "CANONICAL_NAN_F16",
+    "f32_to_bits", "bits_to_f32",
     "decode_bf16", "decode_f16", "encode_f32", "encode_bf16", "encode_f16",
     "load", "store", "pointer_to", "encode_for", "decode_for", "same_bits",
     "random_bits", "encode_bf16_stochastic", "encode_f16_stochastic", "encode_stochastic_for",
@@ -60,9 +60,6 @@ __all__ = [
 CANONICAL_NAN_F32 = 0x7FC00000
 CANONICAL_NAN_BF16 = 0x7FC0
 CANONICAL_NAN_F16 = 0x7E00
-
-#: numpy dtype of the view a tensor of each storage format travels as (keyed by name)
-VIEW_DTYPES = {"float32": np.float32, "bfloat16": np.int16, "float16": np.uint16}
 
 
 # ---------------------------------------------------------------- bit casts
@@ -98,24 +95,6 @@ def f32_to_bits(x):
 def bits_to_f32(bits):
     """float32 whose bit pattern is ``bits`` (a 32-bit integer)."""
     return _bitcast_u32_to_f32(np.uint32(bits))
-
-
-@intrinsic
-def address_as_pointer(typingctx, address, token):
-    """Typed pointer to the element at byte ``address``; the element type is ``token``'s.
-
-    ``token`` is any array whose dtype names the storage format (an empty view serves):
-    the kernels receive tensors as addresses in a chunk table and their formats as tokens,
-    so each combination of formats is a compile-time specialisation.
-    """
-    if not isinstance(address, types.Integer) or not isinstance(token, types.Array):
-        return None
-    pointer = types.CPointer(token.dtype)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(pointer))
-
-    return pointer(address, token), codegen
 
 
 # ---------------------------------------------------------------- decode (exact)
@@ -437,11 +416,12 @@ def split_remainder(master):
 # * moments: ``store_moment(array, i, value, key, element) -> float32`` writes the encoding
 #   of ``value`` and returns the stored value decoded (telemetry's underflow test);
 #   ``key``/``element`` name the random stream and the element for stochastic rounding.
-# * weights: ``load_weights(param, master, extra, i) -> w0`` reads the master value;
-#   ``store_weights(param, master, extra, i, w0, w, key, element) -> bool`` stores the
+# * weights: ``load_weights(param, companion, i) -> w0`` reads the master value;
+#   ``store_weights(param, companion, i, w0, w, key, element) -> bool`` stores the
 #   updated master ``w`` and returns True when the bits that hold the master did not
-#   change (telemetry's swallowed-update test).  ``extra`` is the Kahan compensation or
-#   the int16 remainder.
+#   change (telemetry's swallowed-update test).  ``companion`` is the master policy's
+#   array: the float32 copy, the Kahan compensation or the int16 remainder (unused by
+#   "param").  Policy names are ``KernelConfig.weights`` (bf16opt/algorithms.py).
 #
 # Results that a configuration does not use (random bits, the returned flags when
 # telemetry is off) are dead code that LLVM removes.
@@ -460,32 +440,32 @@ def store_moment_stochastic(array, i, value, key, element):
 
 
 @njit
-def load_weights_master(param, master, extra, i):
-    return load(master, i)
+def load_weights_copy(param, companion, i):
+    return load(companion, i)
 
 
 @njit
-def load_weights_param(param, master, extra, i):
+def load_weights_param(param, companion, i):
     return load(param, i)
 
 
 @njit
-def load_weights_remainder(param, master, extra, i):
-    return join_remainder(param[i], extra[i])
+def load_weights_remainder(param, companion, i):
+    return join_remainder(param[i], companion[i])
 
 
 @njit
-def store_weights_master(param, master, extra, i, w0, w, key, element):
+def store_weights_copy(param, companion, i, w0, w, key, element):
     """float32 master copy, param = its round to nearest even."""
-    encoded = encode_for(master, w)
-    same = same_bits(master[i], encoded)
-    master[i] = encoded
+    encoded = encode_for(companion, w)
+    same = same_bits(companion[i], encoded)
+    companion[i] = encoded
     param[i] = encode_for(param, w)
     return same
 
 
 @njit
-def store_weights_param(param, master, extra, i, w0, w, key, element):
+def store_weights_param(param, companion, i, w0, w, key, element):
     """The param is the master: round to nearest even."""
     encoded = encode_for(param, w)
     same = same_bits(param[i], encoded)
@@ -494,7 +474,7 @@ def store_weights_param(param, master, extra, i, w0, w, key, element):
 
 
 @njit
-def store_weights_stochastic(param, master, extra, i, w0, w, key, element):
+def store_weights_stochastic(param, companion, i, w0, w, key, element):
     """The param is the master: stochastic rounding (stream WEIGHTS)."""
     encoded = encode_stochastic_for(param, w, random_bits(key, element))
     same = same_bits(param[i], encoded)
@@ -503,36 +483,36 @@ def store_weights_stochastic(param, master, extra, i, w0, w, key, element):
 
 
 @njit
-def store_weights_kahan(param, master, extra, i, w0, w, key, element):
-    """16-bit master with Kahan compensation ``extra`` (reference.py's formula)."""
+def store_weights_kahan(param, companion, i, w0, w, key, element):
+    """16-bit master with Kahan compensation ``companion`` (reference.py's formula)."""
     y = w - w0
-    y = y + load(extra, i)
+    y = y + load(companion, i)
     s = w0 + y
     encoded = encode_for(param, s)
     same = same_bits(param[i], encoded)
     param[i] = encoded
     t = decode_for(param, encoded) - w0
-    store(extra, i, y - t)
+    store(companion, i, y - t)
     return same
 
 
 @njit
-def store_weights_remainder(param, master, extra, i, w0, w, key, element):
-    """Exact float32 master as bfloat16 param + int16 remainder ``extra``."""
+def store_weights_remainder(param, companion, i, w0, w, key, element):
+    """Exact float32 master as bfloat16 param + int16 remainder ``companion``."""
     high = split_param(w)
     low = split_remainder(w)
-    same = (param[i] == high) & (extra[i] == low)
+    same = (param[i] == high) & (companion[i] == low)
     param[i] = high
-    extra[i] = low
+    companion[i] = low
     return same
 
 
 #: weights policy name -> (load_weights, store_weights); moment rounding -> store_moment.
 #: A new way to hold the master or to round is one entry here.
 WEIGHT_POLICIES = {
-    "master": (load_weights_master, store_weights_master),
+    "copy": (load_weights_copy, store_weights_copy),
     "param": (load_weights_param, store_weights_param),
-    "stochastic": (load_weights_param, store_weights_stochastic),
+    "param-stochastic": (load_weights_param, store_weights_stochastic),
     "kahan": (load_weights_param, store_weights_kahan),
     "remainder": (load_weights_remainder, store_weights_remainder),
 }
@@ -542,12 +522,12 @@ MOMENT_ROUNDINGS = {"nearest": store_moment_nearest, "stochastic": store_moment_
 # The kernels name their policies with string constants (closure variables, which Numba
 # types as string literals): the implementation is picked at compile time, and the
 # on-disk cache key (which includes closure values) stays the same across processes.
-def load_weights(policy, param, master, extra, i):
+def load_weights(policy, param, companion, i):
     """Master value of element ``i`` under ``policy`` (a key of WEIGHT_POLICIES)."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
-def store_weights(policy, param, master, extra, i, w0, w, key, element):
+def store_weights(policy, param, companion, i, w0, w, key, element):
     """Store the updated master ``w`` under ``policy``; True when its bits did not change."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
@@ -564,23 +544,23 @@ def _literal(policy, table):
 
 
 @overload(load_weights)
-def _load_weights_impl(policy, param, master, extra, i):
+def _load_weights_impl(policy, param, companion, i):
     chosen = _literal(policy, WEIGHT_POLICIES)
     if chosen is None:
         return None
     load_impl = chosen[0]
-    return lambda policy, param, master, extra, i: load_impl(param, master, extra, i)
+    return lambda policy, param, companion, i: load_impl(param, companion, i)
 
 
 @overload(store_weights)
-def _store_weights_impl(policy, param, master, extra, i, w0, w, key, element):
+def _store_weights_impl(policy, param, companion, i, w0, w, key, element):
     chosen = _literal(policy, WEIGHT_POLICIES)
     if chosen is None:
         return None
     store_impl = chosen[1]
 
-    def impl(policy, param, master, extra, i, w0, w, key, element):
-        return store_impl(param, master, extra, i, w0, w, key, element)
+    def impl(policy, param, companion, i, w0, w, key, element):
+        return store_impl(param, companion, i, w0, w, key, element)
 
     return impl
 

@@ -1,8 +1,8 @@
 """Backend registry: one picker chooses the implementation for a device.
 
-``"reference"`` is plain torch (the specification).  ``"numba"`` (CPU kernels from
-``cpu_src/``) and ``"cupy"`` (CUDA kernels from ``cuda_src/``) are added by later
-releases; ``"auto"`` picks the fastest available one for the device.
+``"reference"`` is plain torch (the specification), ``"numba"`` runs the CPU kernels of
+``cpu_src/``, ``"cupy"`` the CUDA kernels of ``cuda_src/``; ``"auto"`` picks the fastest
+one available for the device and falls back to the reference.
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .base import AdamScalars, Backend, Bucket, LionScalars, f32
+from .base import Backend, Bucket, f32
 
-__all__ = ["BACKEND_NAMES", "AdamScalars", "Backend", "Bucket", "LionScalars", "f32",
-           "check_backend_name", "resolve_backend"]
+__all__ = ["BACKEND_NAMES", "Backend", "Bucket", "f32", "check_backend_name", "resolve_backend"]
 
 BACKEND_NAMES = ("auto", "reference", "numba", "cupy")
 

@@ -1,20 +1,20 @@
-"""What every backend receives: buckets of tensors and per-step float32 scalars.
+"""What every backend receives: a bucket of tensors and the step's float32 scalars.
 
-The optimizer groups the params of one param group by (device, StoragePlan, step);
-one bucket is one call into a backend, so a kernel backend can update all tensors of a
-bucket in a single launch.  Scalars are computed once on the host in float64 and
-rounded to float32 once (``f32``); every backend gets the same values.
+The optimizer groups the params of one param group by (device, KernelConfig, step); one
+bucket is one call into a backend, so a kernel backend updates all tensors of a bucket in
+a single launch.  Scalars are computed once on the host in float64 and rounded to float32
+once (``f32``); every backend gets the same values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Protocol
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
 
-from ..precision import StoragePlan
+from ..algorithms import KernelConfig
 
 
 def f32(value: float) -> float:
@@ -22,73 +22,65 @@ def f32(value: float) -> float:
     return float(np.float32(value))
 
 
-def same_dense_layout(buffers: list[torch.Tensor]) -> bool:
-    """True when the tensors each fill one gap-free block of memory and map every index to
-    the same position in it (equal strides over the dims longer than 1).
-
-    The buffers of one param (param, grad, master, moments...) laid out like this can be
-    updated in memory order in place -- e.g. ``channels_last`` conv weights, whose states
-    ``preserve_format`` keeps in the same layout -- as long as the update does not depend on
-    the element's logical index (stochastic rounding does)."""
-    layout = [(size, stride) for size, stride in zip(buffers[0].shape, buffers[0].stride()) if size > 1]
-    expected = 1
-    for size, stride in sorted(layout, key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return all([(n, st) for n, st in zip(b.shape, b.stride()) if n > 1] == layout for b in buffers[1:])
-
-
-class AdamScalars(NamedTuple):
-    beta1: float
-    beta2: float
-    one_minus_beta1: float
-    one_minus_beta2: float
-    step_size: float                  # lr / (1 - beta1**step)
-    inv_sqrt_bias_correction2: float  # 1 / sqrt(1 - beta2**step)
-    eps: float
-    weight_decay: float               # L2 coefficient (Adam); 0.0 when decay is decoupled
-    decay: float                      # 1 - lr * weight_decay (AdamW); 1.0 for Adam
-
-
-class LionScalars(NamedTuple):
-    beta1: float
-    beta2: float
-    one_minus_beta1: float
-    one_minus_beta2: float
-    lr: float
-    decay: float                      # 1 - lr * weight_decay
-
-
 @dataclass
 class Bucket:
-    """Tensors of one (device, plan, step) set; list entries line up by param."""
+    """The tensors of one kernel call: ``tensors[k][i]`` is role ``k`` (the order of
+    ``config.algorithm.roles``) of param ``i``, None where the configuration has no such
+    role.  ``bucket["exp_avg"]`` is one role's list."""
 
-    plan: StoragePlan
-    params: list[torch.Tensor] = field(default_factory=list)
-    grads: list[torch.Tensor] = field(default_factory=list)
-    masters: list[Optional[torch.Tensor]] = field(default_factory=list)
-    exp_avgs: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)       # Adam only
-    max_exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)   # amsgrad only
-    compensations: list[Optional[torch.Tensor]] = field(default_factory=list)  # Kahan buffers
-    remainders: list[Optional[torch.Tensor]] = field(default_factory=list)     # int16 remainders
-    indices: list[int] = field(default_factory=list)  # each param's index in the optimizer
-    maximize: bool = False
-    amsgrad: bool = False
-    l2: bool = False  # Adam: add weight_decay * param to the gradient
+    config: KernelConfig
+    tensors: list = field(default_factory=list)
+    indices: list = field(default_factory=list)  # each param's index in the optimizer
     seed: int = 0     # stochastic rounding: stream_key(seed, step, index, buffer)
     step: int = 0
-    # Telemetry: when set, the backend writes per param [swallowed updates,
-    # exp_avg underflows, exp_avg_sq underflows] into this int64 (len(params), 3) tensor.
+    # Telemetry: when set, the backend writes each param's counters (the algorithm's
+    # ``counters`` columns) into this int64 (len(params), 3) tensor.
     counts: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if not self.tensors:
+            self.tensors = [[] for _ in self.config.algorithm.roles]
+
+    @classmethod
+    def of(cls, config: KernelConfig, columns: dict, **fields) -> "Bucket":
+        """A bucket from ``{role name: list of tensors}``; roles not given are None."""
+        names = [role.name for role in config.algorithm.roles]
+        unknown = set(columns) - set(names)
+        if unknown:
+            raise ValueError(f"{config.algorithm.name} has no role {sorted(unknown)}")
+        n = len(columns["param"])
+        return cls(config, [list(columns.get(name, [None] * n)) for name in names], **fields)
+
+    def __getitem__(self, role: str) -> list:
+        return self.tensors[self.config.algorithm.roles.index(self._role(role))]
+
+    def _role(self, name: str):
+        for role in self.config.algorithm.roles:
+            if role.name == name:
+                return role
+        raise KeyError(f"{self.config.algorithm.name} has no role {name!r}")
+
+    def append(self, tensors: list, index: int) -> None:
+        """Add one param's tensors (one per role, kernel order) and its optimizer index."""
+        for column, tensor in zip(self.tensors, tensors):
+            column.append(tensor)
+        self.indices.append(index)
+
+    @property
+    def plan(self):
+        return self.config.plan
+
+    @property
+    def params(self) -> list:
+        return self.tensors[0]
+
+    def written(self) -> list:
+        """Every tensor the update writes (for autograd's version counters)."""
+        return [t for role, column in zip(self.config.algorithm.roles, self.tensors) if role.written
+                for t in column if t is not None]
 
 
 class Backend(Protocol):
     name: str
 
-    def supports(self, plan: StoragePlan) -> bool: ...
-
-    def adam(self, bucket: Bucket, scalars: AdamScalars) -> None: ...
-
-    def lion(self, bucket: Bucket, scalars: LionScalars) -> None: ...
+    def run(self, bucket: Bucket, scalars) -> None: ...

@@ -1,7 +1,7 @@
 """Reference backend: the executable specification of every update, in plain torch.
 
 The Numba kernels (``cpu_src/``) and CUDA kernels (``cuda_src/``) must produce the same
-bits.  Rules that make that possible (DESIGN.md section 3):
+bits.  Rules that make that possible (``docs/numerics.md``):
 
 * every stored value is decoded to float32 (``storage.decode``), the update is
   computed in float32, and results are encoded back (``storage.encode``);
@@ -41,6 +41,19 @@ Lion (Chen et al. 2023), per element::
     m  = decode(exp_avg) * beta2;  t = g * one_minus_beta2;  m = m + t
     store m; store_weights(w0, w).
 
+SGD (torch.optim.SGD's order), per element::
+
+    g  = decode(grad);  if maximize: g = -g
+    w  = decode(master or param)
+    if l2:  t = w * weight_decay;  g = g + t           # only if wd != 0
+    if momentum:                                       # momentum != 0: a momentum buffer
+        if first: b = g                                # the buffer's first step (torch clones g)
+        else:     b = decode(momentum_buffer) * momentum;  t = g * one_minus_dampening;  b = b + t
+        if nesterov: t = b * momentum;  g = g + t
+        else:        g = b
+    u  = g * lr;  w = w - u
+    store b (stream EXP_AVG); store_weights(w0, w).
+
 ``w0`` is the master value before the step: decode(master copy), decode(param), or
 join_remainder(param, remainder).  The moments used in an update are the float32
 results before encoding; what is stored is their encoding: round to nearest even, or
@@ -72,31 +85,29 @@ import torch
 from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, decode, encode,
                        encode_stochastic, join_remainder, random_bits, split_remainder,
                        stream_key)
-from .base import AdamScalars, Bucket, LionScalars
+from .base import Bucket
 
 name = "reference"
 
 
-def supports(plan) -> bool:
-    return True
-
-
 def _master_value(bucket: Bucket, i: int) -> torch.Tensor:
-    if bucket.plan.compensation == "remainder":
-        return join_remainder(bucket.params[i], bucket.remainders[i])
-    master = bucket.masters[i]
-    return decode(master if master is not None else bucket.params[i])
+    weights = bucket.config.weights
+    param = bucket.params[i]
+    if weights == "remainder":
+        return join_remainder(param, bucket["companion"][i])
+    return decode(bucket["companion"][i] if weights == "copy" else param)
 
 
 def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer: int) -> torch.Tensor:
     """Encode with the plan's rounding; ``buffer`` names the random stream."""
-    if bucket.plan.rounding == "stochastic" and dtype != torch.float32:
+    if bucket.config.stochastic and dtype != torch.float32:
         key = stream_key(bucket.seed, bucket.step, bucket.indices[i], buffer)
         return encode_stochastic(x, dtype, random_bits(key, x.shape, x.device))
     return encode(x, dtype)
 
 
-def _store_moment(bucket: Bucket, i: int, target: torch.Tensor, value: torch.Tensor, buffer: int):
+def _store_moment(bucket: Bucket, i: int, role: str, value: torch.Tensor, buffer: int):
+    target = bucket[role][i]
     encoded = _encode(bucket, i, value, target.dtype, buffer)
     target.copy_(encoded)
     return encoded
@@ -104,10 +115,10 @@ def _store_moment(bucket: Bucket, i: int, target: torch.Tensor, value: torch.Ten
 
 def _stored_master_bits(bucket: Bucket, i: int) -> list:
     """Copies of what holds the master, for telemetry's "unchanged" test."""
-    plan = bucket.plan
-    held = [bucket.masters[i] if plan.master is not None else bucket.params[i]]
-    if plan.compensation == "remainder":
-        held.append(bucket.remainders[i])
+    weights = bucket.config.weights
+    held = [bucket["companion"][i] if weights == "copy" else bucket.params[i]]
+    if weights == "remainder":
+        held.append(bucket["companion"][i])
     return [t.detach().clone() for t in held]
 
 
@@ -117,20 +128,20 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _store_weights(bucket: Bucket, i: int, w0: torch.Tensor, w: torch.Tensor) -> None:
-    plan, param = bucket.plan, bucket.params[i]
-    if plan.compensation == "remainder":
+    weights, param = bucket.config.weights, bucket.params[i]
+    companion = bucket["companion"][i]
+    if weights == "remainder":
         new_param, remainder = split_remainder(w)
         param.copy_(new_param)
-        bucket.remainders[i].copy_(remainder)
-    elif plan.compensation == "kahan":
-        compensation = bucket.compensations[i]
-        y = torch.add(torch.sub(w, w0), decode(compensation))
+        companion.copy_(remainder)
+    elif weights == "kahan":
+        y = torch.add(torch.sub(w, w0), decode(companion))
         new_param = encode(torch.add(w0, y), param.dtype)
         c = torch.sub(y, torch.sub(decode(new_param), w0))
         param.copy_(new_param)
-        compensation.copy_(encode(c, compensation.dtype))
-    elif plan.master is not None:
-        bucket.masters[i].copy_(encode(w, plan.master))
+        companion.copy_(encode(c, companion.dtype))
+    elif weights == "copy":
+        companion.copy_(encode(w, companion.dtype))
         param.copy_(encode(w, param.dtype))
     else:
         param.copy_(_encode(bucket, i, w, param.dtype, WEIGHTS))
@@ -169,47 +180,82 @@ def _sign(c: torch.Tensor) -> torch.Tensor:
     return torch.where(c > 0, ones, torch.where(c < 0, -ones, torch.add(c, 0.0)))
 
 
-def _gradient(grad: torch.Tensor, maximize: bool) -> torch.Tensor:
-    g = decode(grad)
-    return torch.neg(g) if maximize else g
+def _gradient(bucket: Bucket, i: int) -> torch.Tensor:
+    g = decode(bucket["grad"][i])
+    return torch.neg(g) if bucket.config.flag("maximize") else g
 
 
-def adam(bucket: Bucket, s: AdamScalars) -> None:
+def adam(bucket: Bucket, s) -> None:
+    amsgrad, l2 = bucket.config.flag("amsgrad"), bucket.config.flag("l2")
     for i in range(len(bucket.params)):
         before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
-        g = _gradient(bucket.grads[i], bucket.maximize)
+        g = _gradient(bucket, i)
         w0 = w = _master_value(bucket, i)
-        if bucket.l2:
+        if l2:
             g = torch.add(g, torch.mul(w, s.weight_decay))
         w = torch.mul(w, s.decay)
-        m = torch.add(torch.mul(decode(bucket.exp_avgs[i]), s.beta1), torch.mul(g, s.one_minus_beta1))
-        v = torch.add(torch.mul(decode(bucket.exp_avg_sqs[i]), s.beta2),
+        m = torch.add(torch.mul(decode(bucket["exp_avg"][i]), s.beta1), torch.mul(g, s.one_minus_beta1))
+        v = torch.add(torch.mul(decode(bucket["exp_avg_sq"][i]), s.beta2),
                       torch.mul(torch.mul(g, g), s.one_minus_beta2))
-        v_hat = _maximum(decode(bucket.max_exp_avg_sqs[i]), v) if bucket.amsgrad else v
+        v_hat = _maximum(decode(bucket["max_exp_avg_sq"][i]), v) if amsgrad else v
         d = torch.add(torch.mul(_sqrt(v_hat), s.inv_sqrt_bias_correction2), s.eps)
         u = torch.mul(torch.div(m, d), s.step_size)
         w = torch.sub(w, u)
-        stored_m = _store_moment(bucket, i, bucket.exp_avgs[i], m, EXP_AVG)
-        stored_v = _store_moment(bucket, i, bucket.exp_avg_sqs[i], v, EXP_AVG_SQ)
-        if bucket.amsgrad:
-            _store_moment(bucket, i, bucket.max_exp_avg_sqs[i], v_hat, MAX_EXP_AVG_SQ)
+        stored_m = _store_moment(bucket, i, "exp_avg", m, EXP_AVG)
+        stored_v = _store_moment(bucket, i, "exp_avg_sq", v, EXP_AVG_SQ)
+        if amsgrad:
+            _store_moment(bucket, i, "max_exp_avg_sq", v_hat, MAX_EXP_AVG_SQ)
         _store_weights(bucket, i, w0, w)
         if before is not None:
             _count(bucket, i, before, u, [(m, stored_m), (v, stored_v)])
 
 
-def lion(bucket: Bucket, s: LionScalars) -> None:
+def lion(bucket: Bucket, s) -> None:
     for i in range(len(bucket.params)):
         before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
-        g = _gradient(bucket.grads[i], bucket.maximize)
+        g = _gradient(bucket, i)
         w0 = _master_value(bucket, i)
         w = torch.mul(w0, s.decay)
-        m_old = decode(bucket.exp_avgs[i])
+        m_old = decode(bucket["exp_avg"][i])
         c = torch.add(torch.mul(m_old, s.beta1), torch.mul(g, s.one_minus_beta1))
         u = torch.mul(_sign(c), s.lr)
         w = torch.sub(w, u)
         m = torch.add(torch.mul(m_old, s.beta2), torch.mul(g, s.one_minus_beta2))
-        stored_m = _store_moment(bucket, i, bucket.exp_avgs[i], m, EXP_AVG)
+        stored_m = _store_moment(bucket, i, "exp_avg", m, EXP_AVG)
         _store_weights(bucket, i, w0, w)
         if before is not None:
             _count(bucket, i, before, u, [(m, stored_m)])
+
+
+def sgd(bucket: Bucket, s) -> None:
+    config = bucket.config
+    momentum, l2 = config.flag("momentum"), config.flag("l2")
+    nesterov, first = config.flag("nesterov"), config.flag("first")
+    for i in range(len(bucket.params)):
+        before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
+        g = _gradient(bucket, i)
+        w0 = w = _master_value(bucket, i)
+        if l2:
+            g = torch.add(g, torch.mul(w, s.weight_decay))
+        moments = []
+        if momentum:
+            if first:
+                b = g
+            else:
+                b = torch.add(torch.mul(decode(bucket["momentum_buffer"][i]), s.momentum),
+                              torch.mul(g, s.one_minus_dampening))
+            g = torch.add(g, torch.mul(b, s.momentum)) if nesterov else b
+            moments.append((b, _store_moment(bucket, i, "momentum_buffer", b, EXP_AVG)))
+        u = torch.mul(g, s.lr)
+        w = torch.sub(w, u)
+        _store_weights(bucket, i, w0, w)
+        if before is not None:
+            _count(bucket, i, before, u, moments)
+
+
+UPDATES = {"adam": adam, "lion": lion, "sgd": sgd}
+
+
+def run(bucket: Bucket, scalars) -> None:
+    """Update every param of ``bucket`` with its algorithm's math."""
+    UPDATES[bucket.config.algorithm.name](bucket, scalars)

@@ -1,0 +1,247 @@
+"""What each optimizer's kernels read and write, declared once as data.
+
+An :class:`Algorithm` is one update rule's description: its buffer **roles in kernel
+order** (the columns of the chunk table both kernel backends build), its per-step float32
+**scalars** (kernel argument order), its **flags** and its telemetry **counters**.  A
+param's :class:`~bf16opt.precision.StoragePlan` says how each role is stored; the two meet
+in :func:`kernel_config`, the one place that turns (algorithm, plan, flags) into what a
+backend runs: each role's dtype (``None``: absent), the state key that holds it and how
+the master weights are held.  The Numba and CuPy adapters, the staging of a bucket, state
+creation, the state-dict code and ``memory_report`` all read a :class:`KernelConfig`; none
+of them names a buffer.
+
+Roles every algorithm has, first and in this order: ``param``, ``grad`` and
+``companion`` -- the master policy's array: the float32 master copy, the Kahan
+compensation or the int16 remainder (a plan has at most one of them; see
+``StoragePlan.weights``).  Then the algorithm's state buffers (moments), each with its
+stochastic-rounding stream number (``storage.stream_key``'s ``buffer`` word).
+
+Adding an optimizer: a description here, its math in ``backends/reference.py``, a Numba
+chunk function ``cpu_src/<name>.py`` and a CUDA kernel ``cuda_src/<name>.cu`` whose role
+and flag enums follow the description (``tests/test_algorithms.py`` checks them), and the
+``torch.optim`` subclass with its hyper-parameter checks and ``scalars``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from .precision import StoragePlan
+from .storage import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS
+
+__all__ = ["ADAM", "ALGORITHMS", "LION", "SGD", "AdamScalars", "Algorithm", "KernelConfig",
+           "LionScalars", "Role", "SGDScalars", "kernel_config"]
+
+
+# ---------------------------------------------------------------- per-step scalars
+class AdamScalars(NamedTuple):
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    step_size: float                  # lr / (1 - beta1**step)
+    inv_sqrt_bias_correction2: float  # 1 / sqrt(1 - beta2**step)
+    eps: float
+    weight_decay: float               # L2 coefficient (Adam); 0.0 when decay is decoupled
+    decay: float                      # 1 - lr * weight_decay (AdamW); 1.0 for Adam
+
+
+class LionScalars(NamedTuple):
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    lr: float
+    decay: float                      # 1 - lr * weight_decay
+
+
+class SGDScalars(NamedTuple):
+    momentum: float
+    one_minus_dampening: float
+    lr: float
+    weight_decay: float               # L2 coefficient (torch.optim.SGD's weight_decay)
+
+
+# ---------------------------------------------------------------- descriptions
+@dataclass(frozen=True)
+class Role:
+    """One array of the update, per param.
+
+    ``storage``: the StoragePlan field giving its dtype (``"param"``, ``"companion"`` or a
+    moment field such as ``"exp_avg"``); ``stream``: its stochastic-rounding stream;
+    ``when``: a flag that must be set for the role to exist (amsgrad's maximum).
+    """
+
+    name: str
+    storage: str
+    written: bool = True
+    stream: Optional[int] = None
+    when: Optional[str] = None
+
+
+PARAM = Role("param", "param", stream=WEIGHTS)
+GRAD = Role("grad", "param", written=False)
+COMPANION = Role("companion", "companion")
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An update rule's kernel description.
+
+    ``template_flags`` are compiled into each kernel (a CUDA template parameter, a Numba
+    constant); ``runtime_flags`` are bits of the kernels' ``flags`` argument, bit k for
+    the k-th.  ``storage_parameters``: the moment fields whose storage type is a template
+    parameter of the CUDA kernel, in template order.  ``counters``: telemetry columns.
+    ``required_state``: keys every saved state of this algorithm has (torch.optim's too).
+    """
+
+    name: str
+    roles: tuple
+    scalars: type
+    template_flags: tuple
+    runtime_flags: tuple
+    storage_parameters: tuple
+    counters: tuple
+    required_state: tuple = ()
+
+    @property
+    def flags(self) -> tuple:
+        return self.template_flags + self.runtime_flags
+
+    @property
+    def state_roles(self) -> tuple:
+        """Roles held in the optimizer's state (all but param and grad)."""
+        return tuple(r for r in self.roles if r.name not in ("param", "grad"))
+
+    @property
+    def moment_roles(self) -> tuple:
+        return tuple(r for r in self.roles if r.name not in ("param", "grad", "companion"))
+
+    def flag_bits(self, flags: dict) -> int:
+        """The kernels' run-time ``flags`` argument."""
+        return sum(1 << k for k, name in enumerate(self.runtime_flags) if flags.get(name))
+
+
+ADAM = Algorithm(
+    name="adam",
+    roles=(PARAM, GRAD, COMPANION,
+           Role("exp_avg", "exp_avg", stream=EXP_AVG),
+           Role("exp_avg_sq", "exp_avg_sq", stream=EXP_AVG_SQ),
+           Role("max_exp_avg_sq", "exp_avg_sq", stream=MAX_EXP_AVG_SQ, when="amsgrad")),
+    scalars=AdamScalars,
+    template_flags=("amsgrad",),
+    runtime_flags=("maximize", "l2"),
+    storage_parameters=("exp_avg", "exp_avg_sq"),
+    counters=("swallowed", "exp_avg_underflow", "exp_avg_sq_underflow"),
+    required_state=("step", "exp_avg", "exp_avg_sq"),
+)
+
+LION = Algorithm(
+    name="lion",
+    roles=(PARAM, GRAD, COMPANION, Role("exp_avg", "exp_avg", stream=EXP_AVG)),
+    scalars=LionScalars,
+    template_flags=(),
+    runtime_flags=("maximize",),
+    storage_parameters=("exp_avg",),
+    counters=("swallowed", "exp_avg_underflow"),
+    required_state=("step", "exp_avg"),
+)
+
+# The momentum buffer is SGD's first moment: stored as Precision.exp_avg, stream EXP_AVG.
+SGD = Algorithm(
+    name="sgd",
+    roles=(PARAM, GRAD, COMPANION,
+           Role("momentum_buffer", "exp_avg", stream=EXP_AVG, when="momentum")),
+    scalars=SGDScalars,
+    template_flags=("momentum",),
+    runtime_flags=("maximize", "l2", "nesterov", "first"),
+    storage_parameters=("exp_avg",),
+    counters=("swallowed", "momentum_buffer_underflow"),
+)
+
+ALGORITHMS = {a.name: a for a in (ADAM, LION, SGD)}
+
+
+# ---------------------------------------------------------------- (description, plan) -> kernel
+@dataclass(frozen=True)
+class KernelConfig:
+    """What one kernel call runs: an algorithm on one StoragePlan with fixed flags.
+
+    ``dtypes[k]`` is the storage dtype of ``algorithm.roles[k]`` (None: the role does not
+    exist here); ``state_keys[k]`` the optimizer-state key holding it (``"master"``,
+    ``"compensation"`` or ``"remainder"`` for the companion).  ``weights`` is how the
+    master is held: ``"copy"`` (float32 copy), ``"param"`` (the param, round to nearest),
+    ``"param-stochastic"``, ``"kahan"`` or ``"remainder"``.
+    """
+
+    algorithm: Algorithm
+    plan: StoragePlan
+    flags: tuple          # (name, bool) for every flag of the algorithm, in its order
+    track: bool
+    dtypes: tuple
+    state_keys: tuple
+    weights: str
+
+    def flag(self, name: str) -> bool:
+        return dict(self.flags)[name]
+
+    @property
+    def template_flags(self) -> tuple:
+        return tuple(self.flag(name) for name in self.algorithm.template_flags)
+
+    @property
+    def flag_bits(self) -> int:
+        return self.algorithm.flag_bits(dict(self.flags))
+
+    @property
+    def stochastic(self) -> bool:
+        return self.plan.rounding == "stochastic"
+
+    def present(self) -> list:
+        """(role position, role, dtype, state key) of the roles that exist, kernel order."""
+        return [(k, role, dtype, key) for k, (role, dtype, key)
+                in enumerate(zip(self.algorithm.roles, self.dtypes, self.state_keys)) if dtype is not None]
+
+    def state_buffers(self) -> dict:
+        """state key -> dtype of every state buffer this configuration keeps."""
+        return {key: dtype for k, role, dtype, key in self.present() if role.name not in ("param", "grad")}
+
+
+def _weights(plan: StoragePlan) -> str:
+    if plan.weights == "param" and plan.rounding == "stochastic":
+        return "param-stochastic"
+    return plan.weights
+
+
+@functools.lru_cache(maxsize=None)  # pure; asked for every bucket of every step
+def kernel_config(algorithm: Algorithm, plan: StoragePlan, flags: tuple = (),
+                  track: bool = False) -> KernelConfig:
+    """The one translation of (description, plan, flags) into a kernel configuration.
+
+    ``flags``: (name, value) pairs; flags not named are False.
+    """
+    given = dict(flags)
+    unknown = set(given) - set(algorithm.flags)
+    if unknown:
+        raise ValueError(f"{algorithm.name} has no flag {sorted(unknown)}")
+    flags = tuple((name, bool(given.get(name, False))) for name in algorithm.flags)
+    on = dict(flags)
+    dtypes, keys = [], []
+    for role in algorithm.roles:
+        if role.when is not None and not on[role.when]:
+            dtype, key = None, None
+        elif role.storage == "companion":
+            dtype, key = plan.companion, plan.companion_key
+        else:
+            dtype, key = getattr(plan, role.storage), role.name
+        dtypes.append(dtype)
+        keys.append(key)
+    return KernelConfig(algorithm, plan, flags, bool(track), tuple(dtypes), tuple(keys), _weights(plan))
+
+
+#: element bytes of each storage dtype as the kernels see it
+ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int16: 2}

@@ -1,0 +1,112 @@
+"""Staging a bucket for a kernel: each role's memory, its address, and how long it must live.
+
+Both kernel backends (Numba and CuPy) address tensors by raw pointers in a chunk table,
+so every array of one element must sit at the element's row-major index -- or, when the
+result does not depend on the index, at the same position in one common memory layout.
+:func:`stage` decides per param:
+
+* **contiguous** buffers are used as they are;
+* buffers that all share one gap-free layout (``channels_last`` conv weights, whose
+  states ``preserve_format`` keeps in the same layout) are walked in memory order in
+  place -- unless stochastic rounding is on, whose random bits hash the row-major index;
+* anything else is staged through a contiguous copy; copies of written roles are copied
+  back by :meth:`Staged.finish`.
+
+Lifetime rule: the table points into the staged copies, read-only ones (grads) included,
+so a :class:`Staged` must stay referenced until the kernel has been launched (on a CUDA
+stream, work queued later on the same stream is ordered after it, so the caching
+allocator may reuse the memory only then).  It is also where the checks live that make a
+raw-pointer launch safe: every present role has the configuration's dtype, the param's
+element count and the param's device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import Bucket
+
+__all__ = ["Staged", "same_dense_layout", "stage"]
+
+
+def same_dense_layout(buffers: list) -> bool:
+    """True when the tensors each fill one gap-free block of memory and map every index to
+    the same position in it (equal strides over the dims longer than 1)."""
+    layout = [(size, stride) for size, stride in zip(buffers[0].shape, buffers[0].stride()) if size > 1]
+    expected = 1
+    for size, stride in sorted(layout, key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return all([(n, st) for n, st in zip(b.shape, b.stride()) if n > 1] == layout for b in buffers[1:])
+
+
+class Staged:
+    """A bucket's arrays as a kernel addresses them.
+
+    ``pointers``: int64 (params, roles), 0 for absent roles; ``numels``: elements per
+    param; ``tensors[k][i]``: what role k of param i is read from (the original or its
+    staged copy), kept alive with this object.
+    """
+
+    def __init__(self, bucket: Bucket, tensors: list, pointers: np.ndarray, numels: list, write_back: list):
+        self.bucket = bucket
+        self.tensors = tensors
+        self.pointers = pointers
+        self.numels = numels
+        self.write_back = write_back
+
+    def finish(self) -> None:
+        """Copy staged results back and tell autograd the written tensors changed (the
+        kernels wrote through raw pointers)."""
+        for original, copy in self.write_back:
+            original.copy_(copy)
+        written = self.bucket.written()
+        if written:
+            torch.autograd.graph.increment_version(written)
+
+
+def _check(role, tensor, dtype, param, i: int, backend: str) -> None:
+    if tensor is None:
+        raise ValueError(f"{backend} backend: {role.name} of param {i} is missing; the "
+                         f"configuration needs a {dtype} tensor")
+    if tensor.dtype != dtype or tensor.numel() != param.numel() or tensor.device != param.device:
+        raise ValueError(f"{backend} backend: {role.name} of param {i} is {tensor.dtype} with "
+                         f"{tensor.numel()} elements on {tensor.device}; the configuration needs "
+                         f"{dtype} with {param.numel()} on {param.device}")
+
+
+def stage(bucket: Bucket, backend: str) -> Staged:
+    """Check and lay out every array of ``bucket`` for one kernel launch (see module doc)."""
+    config = bucket.config
+    present = config.present()
+    roles = config.algorithm.roles
+    for k, role in enumerate(roles):
+        if config.dtypes[k] is None and any(t is not None for t in bucket.tensors[k]):
+            raise ValueError(f"{backend} backend: {role.name} is not part of this configuration")
+    n = len(bucket.params)
+    any_memory_order = not config.stochastic
+    tensors = [list(column) for column in bucket.tensors]
+    rows, write_back, numels = [], [], []
+    for i in range(n):
+        param = bucket.tensors[0][i]
+        row = [0] * len(roles)
+        in_place = None  # decided at the first non-contiguous buffer (rare: checked lazily)
+        for k, role, dtype, _ in present:
+            tensor = bucket.tensors[k][i]
+            _check(role, tensor, dtype, param, i, backend)
+            if not tensor.is_contiguous():
+                if in_place is None:
+                    in_place = any_memory_order and same_dense_layout(
+                        [bucket.tensors[j][i] for j, *_ in present])
+                if not in_place:
+                    copy = tensor.contiguous()
+                    if role.written:
+                        write_back.append((tensor, copy))
+                    tensor = tensors[k][i] = copy
+            row[k] = tensor.data_ptr()
+        rows.append(row)
+        numels.append(param.numel())
+    pointers = np.array(rows, dtype=np.int64).reshape(n, len(roles))
+    return Staged(bucket, tensors, pointers, numels, write_back)

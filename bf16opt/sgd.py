@@ -1,0 +1,80 @@
+"""SGD with momentum (torch.optim.SGD's arguments and math) with configurable storage precision."""
+
+from __future__ import annotations
+
+import math
+
+from .algorithms import SGD as SGD_ALGORITHM
+from .algorithms import SGDScalars
+from .backends import f32
+from .checks import check_flag, check_number, default_seed
+from .optimizer import MixedPrecisionOptimizer
+
+__all__ = ["SGD", "sgd_scalars"]
+
+
+def sgd_scalars(group: dict) -> SGDScalars:
+    """The float32 scalars of one SGD step (host float64 math, one rounding each)."""
+    return SGDScalars(
+        momentum=f32(float(group["momentum"])),
+        one_minus_dampening=f32(1.0 - float(group["dampening"])),
+        lr=f32(float(group["lr"])),
+        weight_decay=f32(float(group["weight_decay"])),
+    )
+
+
+class SGD(MixedPrecisionOptimizer):
+    r"""Stochastic gradient descent with momentum, a drop-in for :class:`torch.optim.SGD`.
+
+    .. math::
+        g_t &= \pm\nabla_\theta f_t(\theta_{t-1})\ (- \text{ if maximize})
+              + \lambda\theta_{t-1}\\
+        b_t &= g_t \text{ at the buffer's first step, else } \mu b_{t-1} + (1-\tau) g_t\\
+        g_t &\leftarrow g_t + \mu b_t \text{ (nesterov) else } b_t \quad (\mu \ne 0)\\
+        \theta_t &= \theta_{t-1} - \gamma g_t
+
+    Args: ``params``, ``lr`` (1e-3), ``momentum`` :math:`\mu` (0), ``dampening``
+    :math:`\tau` (0), ``weight_decay`` :math:`\lambda` (0, L2 as in torch), ``nesterov``,
+    ``maximize``, plus ``precision``, ``backend``, ``seed`` and ``track_precision`` as in
+    :class:`bf16opt.Adam`.  The momentum buffer is stored as ``Precision.exp_avg`` (so
+    ``"bf16"`` keeps it in bfloat16); ``exp_avg_sq`` is unused.  Without momentum no
+    buffer exists, as in torch.  ``foreach``/``fused`` are accepted and have no effect;
+    ``differentiable=True`` is rejected.  The exact float32 operation order is specified
+    in ``bf16opt/backends/reference.py``.
+    """
+
+    algorithm = SGD_ALGORITHM
+    _SAVED_GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    _FOREIGN_GROUP_KEYS = ("betas",)  # Adam's and Lion's
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                 *, maximize=False, foreach=None, differentiable=False, fused=None, precision="fp32",
+                 backend="auto", seed=None, track_precision=False):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=foreach,
+                        differentiable=differentiable, fused=fused, precision=precision,
+                        backend=backend, seed=default_seed() if seed is None else seed,
+                        track_precision=track_precision)
+        self._check_hyperparameters(dict(defaults))
+        super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_number(group["lr"], "learning rate (lr)")
+        momentum = check_number(group["momentum"], "momentum value (momentum)")
+        dampening = check_number(group["dampening"], "dampening value (dampening)", low=-math.inf)
+        check_number(group["weight_decay"], "weight_decay value (weight_decay)")
+        for flag in ("nesterov", "maximize"):
+            check_flag(group[flag], flag)
+        if group["nesterov"] and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def _flags(self, group: dict) -> dict:
+        return {"momentum": float(group["momentum"]) != 0.0, "maximize": group["maximize"],
+                "l2": float(group["weight_decay"]) != 0.0, "nesterov": group["nesterov"]}
+
+    def _fresh_flags(self, created: set) -> dict:
+        # torch clones the gradient into a new momentum buffer instead of decaying it
+        return {"first": "momentum_buffer" in created}
+
+    def _scalars(self, group: dict, step: int) -> SGDScalars:
+        return sgd_scalars(group)
