@@ -93,6 +93,41 @@ def test_adam_follows_torch(name, kwargs):
     assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"]
 
 
+SGD_CASES = [
+    dict(),
+    dict(momentum=0.9),
+    dict(momentum=0.9, dampening=0.5),
+    dict(momentum=0.9, nesterov=True, weight_decay=0.05),
+    dict(momentum=0.5, maximize=True),
+]
+
+
+@pytest.mark.parametrize("kwargs,backend", [(kw, "numba") for kw in SGD_CASES] + [(SGD_CASES[3], "reference")],
+                         ids=lambda v: v if isinstance(v, str) else ",".join(v) or "defaults")
+def test_sgd_follows_torch(kwargs, backend):
+    x, y = data()
+    if kwargs.get("maximize"):
+        y = -y
+    theirs_model = small_network()
+    ours_model = copy.deepcopy(theirs_model)
+    theirs = torch.optim.SGD(theirs_model.parameters(), lr=0.05, foreach=False, **kwargs)
+    ours = bf16opt.SGD(ours_model.parameters(), lr=0.05, precision="fp32", backend=backend, **kwargs)
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS) for o in (theirs, ours)]
+    sign = -1.0 if kwargs.get("maximize") else 1.0
+    for i in range(STEPS):
+        for model, opt, scheduler in zip((theirs_model, ours_model), (theirs, ours), schedulers):
+            opt.zero_grad()
+            (sign * nn.functional.mse_loss(model(x[i]), y[i])).backward()
+            opt.step()
+            scheduler.step()
+    assert_params_close(ours_model, theirs_model)
+    if kwargs.get("momentum"):
+        for p, q in zip(theirs_model.parameters(), ours_model.parameters()):
+            scale = theirs.state[p]["momentum_buffer"].abs().max()
+            assert torch.all((theirs.state[p]["momentum_buffer"] - ours.state[q]["momentum_buffer"]).abs()
+                             <= 1e-5 * scale)
+
+
 def test_lion_follows_float64_formula():
     x, y = data()
     model = small_network()

@@ -47,8 +47,9 @@ TABLE = {
 # The README's "optimizer B/param (Adam)" column (bf16 params, without amsgrad).
 README_ADAM_BYTES = {"fp32": 12, "fp32-remainder": 10, "fp32-remainder-bf16-states": 6, "bf16-states": 8,
                      "bf16-master": 8, "bf16": 4, "bf16-kahan": 6, "bf16-sr": 4}
-# optimizer, amsgrad: Lion has no exp_avg_sq, amsgrad adds one exp_avg_sq-sized buffer
-CONFIGS = [("AdamW", False), ("AdamW", True), ("Lion", False)]
+# optimizer, amsgrad: Lion has no exp_avg_sq, amsgrad adds one exp_avg_sq-sized buffer; SGD's
+# momentum buffer is stored like exp_avg
+CONFIGS = [("AdamW", False), ("AdamW", True), ("Lion", False), ("SGD", False)]
 CASES = [(preset, dtype) for preset in bf16opt.PRESETS for dtype in DTYPES]
 
 
@@ -67,11 +68,17 @@ def stepped(opt_class, preset, dtype, **kwargs):
 def expected_buffers(preset, dtype, opt_name, amsgrad) -> dict:
     """Bytes per param of each optimizer buffer (and amsgrad's max_exp_avg_sq) from TABLE."""
     expected = dict(zip(BUFFERS, TABLE[preset, dtype]))
-    exp_avg_sq = expected["exp_avg_sq"]
-    if opt_name == "Lion":
-        expected["exp_avg_sq"] = 0
-    expected["max_exp_avg_sq"] = exp_avg_sq if amsgrad else 0
+    exp_avg_sq = expected.pop("exp_avg_sq")
+    if opt_name == "SGD":
+        expected["momentum_buffer"] = expected.pop("exp_avg")
+    elif opt_name != "Lion":
+        expected["exp_avg_sq"] = exp_avg_sq
+        expected["max_exp_avg_sq"] = exp_avg_sq if amsgrad else 0
     return expected
+
+
+def kwargs_of(opt_name, amsgrad) -> dict:
+    return {"Lion": {}, "SGD": dict(momentum=0.9)}.get(opt_name, dict(amsgrad=amsgrad))
 
 
 def test_table_covers_every_preset_and_agrees_with_the_readme():
@@ -87,7 +94,7 @@ def test_table_covers_every_preset_and_agrees_with_the_readme():
 @pytest.mark.parametrize("preset,dtype", CASES, ids=case_id)
 def test_memory_report_matches_storage_table(preset, dtype, opt_name, amsgrad):
     """Every buffer's bytes per param, and nothing else but torch's 4-byte `step` per tensor."""
-    kwargs = {} if opt_name == "Lion" else dict(amsgrad=amsgrad)
+    kwargs = kwargs_of(opt_name, amsgrad)
     model, opt = stepped(getattr(bf16opt, opt_name), preset, dtype, **kwargs)
     report = bf16opt.memory_report(opt)
     per_param = report.bytes_per_param
@@ -96,6 +103,8 @@ def test_memory_report_matches_storage_table(preset, dtype, opt_name, amsgrad):
     assert per_param["params"] == size and per_param["grads"] == size
     expected = expected_buffers(preset, dtype, opt_name, amsgrad)
     assert {name: per_param[name] for name in expected} == expected
+    # the report lists exactly the algorithm's buffers (and torch's step scalars)
+    assert set(report.bytes) - {"params", "grads", "step"} == set(expected)
     others = {name: nbytes for name, nbytes in report.bytes.items()
               if name not in expected and name not in ("params", "grads") and nbytes}
     assert others == {"step": 4 * len(list(model.parameters()))}
@@ -104,13 +113,13 @@ def test_memory_report_matches_storage_table(preset, dtype, opt_name, amsgrad):
 @pytest.mark.parametrize("opt_name,amsgrad", CONFIGS)
 @pytest.mark.parametrize("preset", list(bf16opt.PRESETS))
 def test_bf16_optimizer_bytes_match_the_readme_table(preset, opt_name, amsgrad):
-    """Optimizer bytes per bf16 param: the README's Adam column, minus exp_avg_sq for Lion, plus
-    one exp_avg_sq for amsgrad (per-tensor `step` scalars aside)."""
-    kwargs = {} if opt_name == "Lion" else dict(amsgrad=amsgrad)
+    """Optimizer bytes per bf16 param: the README's Adam column, minus exp_avg_sq for Lion and
+    SGD, plus one exp_avg_sq for amsgrad (per-tensor `step` scalars aside)."""
+    kwargs = kwargs_of(opt_name, amsgrad)
     model, opt = stepped(getattr(bf16opt, opt_name), preset, torch.bfloat16, **kwargs)
     report = bf16opt.memory_report(opt)
     exp_avg_sq = bf16opt.PRESETS[preset].exp_avg_sq.itemsize
-    expected = README_ADAM_BYTES[preset] - (exp_avg_sq if opt_name == "Lion" else 0)
+    expected = README_ADAM_BYTES[preset] - (exp_avg_sq if opt_name in ("Lion", "SGD") else 0)
     expected += exp_avg_sq if amsgrad else 0
     steps = 4 * len(list(model.parameters()))
     assert (report.optimizer_bytes - steps) / report.num_params == expected
@@ -119,7 +128,7 @@ def test_bf16_optimizer_bytes_match_the_readme_table(preset, opt_name, amsgrad):
 @pytest.mark.parametrize("opt_name,amsgrad", CONFIGS)
 @pytest.mark.parametrize("preset,dtype", CASES, ids=case_id)
 def test_total_is_the_sum_of_live_tensors(preset, dtype, opt_name, amsgrad):
-    kwargs = {} if opt_name == "Lion" else dict(amsgrad=amsgrad)
+    kwargs = kwargs_of(opt_name, amsgrad)
     model, opt = stepped(getattr(bf16opt, opt_name), preset, dtype, **kwargs)
     live = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
     live += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
@@ -127,8 +136,18 @@ def test_total_is_the_sum_of_live_tensors(preset, dtype, opt_name, amsgrad):
     assert report.total == sum(t.numel() * t.element_size() for t in live)
     assert report.optimizer_bytes == report.total - report.bytes["params"] - report.bytes["grads"]
     text = str(report)
-    for component in ("params", "grads", "master", "exp_avg", "exp_avg_sq", "Total"):
+    for component in ("params", "grads", "master", *expected_buffers(preset, dtype, opt_name, amsgrad),
+                      "Total"):
         assert component in text
+
+
+def test_sgd_without_momentum_keeps_no_buffer():
+    """As torch.optim.SGD: no momentum, no momentum buffer (only the master policy's buffer)."""
+    model, opt = stepped(bf16opt.SGD, "fp32", torch.bfloat16)
+    report = bf16opt.memory_report(opt)
+    assert report.bytes["momentum_buffer"] == 0
+    assert report.bytes_per_param["master"] == 4
+    assert all("momentum_buffer" not in state for state in opt.state.values())
 
 
 def test_report_before_first_step_counts_only_params():

@@ -41,7 +41,8 @@ def save_and_load(state_dict):
     return torch.load(buffer, weights_only=True)
 
 
-OPTIMIZERS = [(bf16opt.AdamW, {}), (bf16opt.Adam, {"amsgrad": True, "weight_decay": 0.1}), (bf16opt.Lion, {})]
+OPTIMIZERS = [(bf16opt.AdamW, {}), (bf16opt.Adam, {"amsgrad": True, "weight_decay": 0.1}), (bf16opt.Lion, {}),
+              (bf16opt.SGD, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01})]
 
 
 @pytest.mark.parametrize("opt_class,kwargs", OPTIMIZERS, ids=lambda x: getattr(x, "__name__", ""))
@@ -268,3 +269,66 @@ def test_adam_state_dict_does_not_load_into_lion():
     with pytest.raises(ValueError, match="Adam"):
         lion.load_state_dict(adam.state_dict())
     assert_unchanged(lion, before)
+
+
+SGD_KWARGS = dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True)
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_torch_sgd_state_dict_loads_into_sgd(preset):
+    """torch.optim.SGD's momentum buffers convert with round to nearest even; the loaded
+    buffer is continued (not re-initialised from the next gradient)."""
+    model, batches = model_and_batches(torch.float32)
+    theirs = torch.optim.SGD(model.parameters(), **SGD_KWARGS)
+    train(model, theirs, batches[:2])
+    ours_model = copy.deepcopy(model).to(torch.bfloat16)
+    ours = bf16opt.SGD(ours_model.parameters(), lr=0.5, precision=preset)
+    ours.load_state_dict(save_and_load(theirs.state_dict()))
+    assert ours.param_groups[0]["nesterov"] and ours.param_groups[0]["momentum"] == 0.9
+    for p, q in zip(model.parameters(), ours_model.parameters()):
+        dtype = plan_for(PRESETS[preset], q.dtype).exp_avg
+        buffer = ours.state[q]["momentum_buffer"]
+        np.testing.assert_array_equal(bits(buffer), encode_bits(to_numpy_f32(theirs.state[p]["momentum_buffer"]),
+                                                                dtype))
+    train(ours_model, ours, [x.to(torch.bfloat16) for x in batches[2:]])
+
+
+def test_sgd_and_torch_sgd_continue_each_others_state_dicts():
+    """fp32 preset on fp32 params: a bf16opt.SGD checkpoint continued by torch.optim.SGD and a
+    torch checkpoint continued by bf16opt.SGD both track torch's uninterrupted run (within the
+    drop-in tolerance: torch's add(alpha=...) may fuse, the spec rounds each operation)."""
+    model, batches = model_and_batches(torch.float32, steps=8)
+    reference_model = copy.deepcopy(model)
+    reference = torch.optim.SGD(reference_model.parameters(), **SGD_KWARGS)
+    train(reference_model, reference, batches)
+
+    ours_model = copy.deepcopy(model)
+    ours = bf16opt.SGD(ours_model.parameters(), precision="fp32", **SGD_KWARGS)
+    train(ours_model, ours, batches[:4])
+    theirs = torch.optim.SGD(ours_model.parameters(), lr=1.0)
+    theirs.load_state_dict(save_and_load(ours.state_dict()))
+    train(ours_model, theirs, batches[4:])
+
+    torch_model = copy.deepcopy(model)
+    torch_first = torch.optim.SGD(torch_model.parameters(), **SGD_KWARGS)
+    train(torch_model, torch_first, batches[:4])
+    ours_second = bf16opt.SGD(torch_model.parameters(), lr=1.0, precision="fp32")
+    ours_second.load_state_dict(save_and_load(torch_first.state_dict()))
+    train(torch_model, ours_second, batches[4:])
+    for a, b, c in zip(reference_model.parameters(), ours_model.parameters(), torch_model.parameters()):
+        scale = a.detach().abs().max()
+        assert torch.all((a - b).abs() <= 1e-6 * scale) and torch.all((a - c).abs() <= 1e-6 * scale)
+
+
+def test_other_optimizers_state_dicts_do_not_load_into_sgd():
+    model, batches = model_and_batches(torch.float32)
+    sgd = bf16opt.SGD(model.parameters(), momentum=0.9)
+    train(model, sgd, batches[:1])
+    before = snapshot(sgd)
+    for other in (bf16opt.AdamW, bf16opt.Lion):
+        with pytest.raises(ValueError, match=other.__name__):
+            sgd.load_state_dict(trained(other)[1].state_dict())
+        assert_unchanged(sgd, before)
+    with pytest.raises(ValueError, match="momentum"):
+        sgd.load_state_dict(unstepped_state_dict(torch.optim.Adam))
+    assert_unchanged(sgd, before)
