@@ -1,0 +1,104 @@
+"""The kernel descriptions of bf16opt/algorithms.py are the one source of roles, scalars and flags.
+
+The CUDA kernels name their chunk-table roles and flag bits in enums; these tests parse
+``cuda_src/<algorithm>.cu`` and fail when an enum, or the kernel's scalar parameters, drift
+from the description.  The configuration derived from (description, plan, flags) is checked
+against the precision rules for every allowed plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from bf16opt.algorithms import ALGORITHMS, kernel_config
+from bf16opt.precision import all_plans
+
+CUDA_SRC = Path(__file__).resolve().parent.parent / "cuda_src"
+
+
+def camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def enum_entries(source: str, enum: str) -> dict:
+    match = re.search(r"enum\s+" + enum + r"\s*\{([^}]*)\}", source)
+    assert match, f"enum {enum} not found"
+    entries = {}
+    for item in match.group(1).split(","):
+        if item.strip():
+            key, value = (part.strip() for part in item.split("="))
+            entries[key] = int(value, 0)
+    return entries
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_cuda_role_and_flag_enums_follow_the_description(name):
+    algorithm = ALGORITHMS[name]
+    source = (CUDA_SRC / f"{name}.cu").read_text()
+    prefix = "k" + camel(name)
+    roles = {f"{prefix}{camel(role.name)}": k for k, role in enumerate(algorithm.roles)}
+    roles[f"{prefix}Roles"] = len(algorithm.roles)
+    assert enum_entries(source, camel(name) + "Role") == roles
+    flags = {f"{prefix}{camel(flag)}": 1 << k for k, flag in enumerate(algorithm.runtime_flags)}
+    assert enum_entries(source, camel(name) + "Flag") == flags
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_cuda_kernel_takes_the_description_scalars_in_order(name):
+    algorithm = ALGORITHMS[name]
+    source = (CUDA_SRC / f"{name}.cu").read_text()
+    match = re.search(r"__global__\s+void\s+" + name + r"_kernel\s*\(([^)]*)\)", source)
+    assert match, f"{name}_kernel not found"
+    parameters = [p.split()[-1] for p in match.group(1).replace("\n", " ").split(",")]
+    assert parameters[parameters.index("flags") + 1:] == list(algorithm.scalars._fields)
+    template = re.search(r"template\s*<([^>]*)>\s*__global__\s+void\s+" + name + "_kernel", source)
+    flags = [p.split()[-1] for p in template.group(1).split(",") if p.split()[0] == "bool"]
+    assert flags == [flag.upper() for flag in algorithm.template_flags] + ["TRACK"]
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_kernel_config_follows_the_plan(name):
+    """For every allowed plan and flag set: the companion is the plan's one master-policy
+    buffer, moments take their plan field's dtype, conditional roles exist only with their flag."""
+    algorithm = ALGORITHMS[name]
+    for plan, values in itertools.product(all_plans(quality=True),
+                                          itertools.product((False, True), repeat=len(algorithm.flags))):
+        flags = tuple(zip(algorithm.flags, values))
+        config = kernel_config(algorithm, plan, flags)
+        assert config is kernel_config(algorithm, plan, flags)  # memoised: identity is a cache key
+        by_name = {role.name: (dtype, key) for role, dtype, key
+                   in zip(algorithm.roles, config.dtypes, config.state_keys)}
+        assert by_name["param"][0] == by_name["grad"][0] == plan.param
+        companion = {"copy": plan.master, "kahan": plan.compensation_dtype, "remainder": torch.int16,
+                     "param": None}[plan.weights]
+        assert by_name["companion"][0] == companion
+        assert (config.weights == "param-stochastic") == (plan.weights == "param" and plan.rounding == "stochastic")
+        for role in algorithm.moment_roles:
+            present = role.when is None or dict(flags)[role.when]
+            assert by_name[role.name] == ((getattr(plan, role.storage), role.name) if present else (None, None))
+        assert set(config.state_buffers()) == {key for _, _, _, key in config.present()} - {"param", "grad"}
+
+
+def test_unknown_flag_is_refused():
+    with pytest.raises(ValueError, match="nesterov"):
+        kernel_config(ALGORITHMS["adam"], all_plans()[0], (("nesterov", True),))
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_numba_chunk_function_reads_every_role(name):
+    """cpu_src/<name>.py's chunk_function takes one format per role and the description's
+    flags (maximize excepted: a run-time sign), so a role added to the description
+    without the kernel fails here."""
+    import inspect
+
+    module = pytest.importorskip(f"bf16opt._cpu.{name}")
+    parameters = list(inspect.signature(module.chunk_function).parameters)
+    assert parameters[:4] == ["formats", "weights", "moments", "track"]
+    assert set(parameters[4:]) == set(ALGORITHMS[name].flags) - {"maximize"}
+    source = inspect.getsource(module.chunk_function)
+    assert f"row[{len(ALGORITHMS[name].roles)}]" in source  # the element count follows the roles
