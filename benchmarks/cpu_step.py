@@ -10,7 +10,7 @@ medians are reported):
 * ``limit``: a trivial parallel Numba kernel that reads and writes the same arrays in the
   same dtypes (``p += g; master += g; m += g; v += g``; the Kahan compensation or int16
   remainder in the master's place), the memory-bound limit of the configuration
-  (DESIGN.md section 6), and bf16opt's fraction of it;
+  (the memory floor: no implementation can move less data), and bf16opt's fraction of it;
 * ``in cache``: bf16opt's own kernel doing the same number of element updates on a small
   block per thread that stays in cache, i.e. the kernel's compute time with memory taken
   out.  A kernel whose in-cache time is near or above the limit is compute-bound (exactly
