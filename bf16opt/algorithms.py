@@ -113,11 +113,6 @@ class Algorithm:
         return self.template_flags + self.runtime_flags
 
     @property
-    def state_roles(self) -> tuple:
-        """Roles held in the optimizer's state (all but param and grad)."""
-        return tuple(r for r in self.roles if r.name not in ("param", "grad"))
-
-    @property
     def moment_roles(self) -> tuple:
         return tuple(r for r in self.roles if r.name not in ("param", "grad", "companion"))
 

@@ -139,10 +139,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         created = set()
-        for key, dtype in config.state_buffers().items():
+        for _, role, dtype, key in config.present()[2:]:  # after param and grad
             if key in state:
                 continue
-            if key == "master":
+            if role.storage == "companion" and config.weights == "copy":  # the master starts as the param
                 state[key] = param.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
             else:  # moments and Kahan compensation start at 0; a bf16 param is an exact
                 # float32 master with remainder 0

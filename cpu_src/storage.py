@@ -316,12 +316,6 @@ def _random_bits_i32(typingctx, key, element):
 
 
 @njit
-def fmix32(h):
-    """MurmurHash3's 32-bit finaliser (arithmetic modulo 2**32)."""
-    return _random_bits_i32(np.uint32(h), np.uint32(0))
-
-
-@njit
 def random_bits(key, element):
     """32 random bits of element ``element`` (row-major index in its tensor) of stream ``key``:
     ``fmix32(key ^ (element * 0x9E3779B9 mod 2**32))``."""

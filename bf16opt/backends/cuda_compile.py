@@ -9,19 +9,36 @@ appends ``-ftz=true`` to every compilation, and NVRTC lets the last option win.
 Flush-to-zero changes results on subnormal values, so the kernels would no longer be
 bit-identical to the reference backend.  The instantiations are requested by name
 expression (``nvrtcAddNameExpression``).
+
+Compiled programs are kept on disk across processes (:func:`cached_nvrtc_compile`), one
+file per (source, options, architecture, NVRTC version, name expressions), in
+``$BF16OPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/bf16opt/nvrtc``, else
+``~/.cache/bf16opt/nvrtc``.  Entries are written to a temporary file and renamed into
+place, so concurrent processes never read a partial entry; an unreadable or damaged entry
+is compiled again, and a cache that cannot be written only costs the compile.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
+import hashlib
+import json
+import logging
+import os
 import re
+import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from ..algorithms import ALGORITHMS
 
 KINDS = tuple(ALGORITHMS)
+
+log = logging.getLogger(__name__)
+
 
 def source_dir() -> Path:
     """Directory of the shipped CUDA sources (``cuda_src/`` in a checkout)."""
@@ -58,7 +75,7 @@ def kernel_source(kind: str) -> str:
     return "\n".join(_inline(path, {path})) + "\n"
 
 
-# IEEE float32 arithmetic, each operation rounded on its own (DESIGN.md section 3).
+# IEEE float32 arithmetic, each operation rounded on its own (docs/numerics.md).
 BASE_COMPILE_OPTIONS = ("--std=c++17", "--fmad=false", "--prec-div=true", "--prec-sqrt=true",
                         "--ftz=false")
 
@@ -116,3 +133,138 @@ def device_arch(compute_capability: int) -> str:
     return f"compute_{lower[-1]}"
 
 
+
+
+# ---------------------------------------------------------------- on-disk cache
+#: bump when the entry layout or what the key covers changes
+CACHE_FORMAT = 1
+_MAGIC = b"bf16opt-nvrtc-cache\n"
+
+# hits, misses, corrupt (an entry was there but unusable), stores, store_failures
+_stats: collections.Counter = collections.Counter()
+
+
+def cache_stats() -> dict:
+    """This process's cache counters (hits, misses, corrupt, stores, store_failures)."""
+    return dict(_stats)
+
+
+def cache_dir() -> Path:
+    """Where compiled programs are kept (see the module doc)."""
+    explicit = os.environ.get("BF16OPT_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "bf16opt" / "nvrtc"
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc_version() -> tuple:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def _arch(options: Sequence[str]) -> str:
+    archs = [str(o).split("=", 1)[-1] for o in options
+             if str(o).startswith(("--gpu-architecture=", "-arch="))]
+    return archs[-1] if archs else ""  # NVRTC lets the last option win
+
+
+def cache_key(source: str, names: Sequence[str], options: Sequence[str],
+              filename: str = "bf16opt.cu") -> str:
+    """Hex digest naming the cache entry of one compilation."""
+    described = json.dumps({
+        "format": CACHE_FORMAT,
+        "nvrtc": list(_nvrtc_version()),
+        "arch": _arch(options),
+        "options": [str(o) for o in options],
+        "names": list(names),
+        "filename": filename,  # appears in diagnostics and debug info
+        "source": hashlib.sha256(source.encode()).hexdigest(),
+    }, sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
+def _encode_entry(key: str, compiled: CompiledModule) -> bytes:
+    header = json.dumps({"key": key, "lowered": compiled.lowered, "log": compiled.log,
+                         "size": len(compiled.binary),
+                         "sha256": hashlib.sha256(compiled.binary).hexdigest()})
+    return _MAGIC + header.encode() + b"\n" + compiled.binary
+
+
+def _decode_entry(data: bytes, key: str, names: Sequence[str]) -> Optional[CompiledModule]:
+    """The entry's module, or None if it is not a complete entry for ``key``."""
+    if not data.startswith(_MAGIC):
+        return None
+    header, _, binary = data[len(_MAGIC):].partition(b"\n")
+    try:
+        fields = json.loads(header)
+        valid = (fields["key"] == key and fields["size"] == len(binary)
+                 and fields["sha256"] == hashlib.sha256(binary).hexdigest()
+                 and all(isinstance(fields["lowered"].get(n), str) for n in names))
+        return CompiledModule(binary, {n: fields["lowered"][n] for n in names}, str(fields["log"])) \
+            if valid else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _read_entry(path: Path, key: str, names: Sequence[str]) -> Optional[CompiledModule]:
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory)
+        return None
+    except OSError as exc:  # unreadable: compile instead
+        log.debug("NVRTC cache entry %s unreadable: %s", path, exc)
+        _stats["corrupt"] += 1
+        return None
+    compiled = _decode_entry(data, key, names)
+    if compiled is None:
+        log.debug("NVRTC cache entry %s is damaged; compiling again", path)
+        _stats["corrupt"] += 1
+    return compiled
+
+
+def _write_entry(path: Path, data: bytes) -> None:
+    """Atomically (temporary file in the same directory, then rename); never raises."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+    except OSError as exc:
+        log.debug("NVRTC cache not written (%s): %s", path, exc)
+        _stats["store_failures"] += 1
+        return
+    _stats["stores"] += 1
+
+
+def cached_nvrtc_compile(source: str, names: Sequence[str], options: Sequence[str],
+                         filename: str = "bf16opt.cu") -> CompiledModule:
+    """:func:`nvrtc_compile`, served from the on-disk cache when this exact compilation
+    (:func:`cache_key`) was done before, by this or any other process."""
+    names, options = tuple(names), tuple(str(o) for o in options)
+    try:
+        key = cache_key(source, names, options, filename)
+        path = cache_dir() / f"{key}.nvrtc"
+    except (OSError, RuntimeError, KeyError) as exc:  # no home directory: no cache
+        log.debug("NVRTC cache unavailable: %s", exc)
+        path = None
+    if path is not None:
+        compiled = _read_entry(path, key, names)
+        if compiled is not None:
+            _stats["hits"] += 1
+            log.debug("NVRTC cache hit %s", path)
+            return compiled
+    _stats["misses"] += 1
+    compiled = nvrtc_compile(source, names, options, filename=filename)
+    if path is not None:
+        _write_entry(path, _encode_entry(key, compiled))
+    return compiled

@@ -66,6 +66,7 @@ def check_device(device: torch.device) -> None:
 
 
 def _chunks():
+    # cpu_src/ is installed inside the package as bf16opt._cpu (setup.cfg's package_dir)
     from .._cpu import chunks  # noqa: PLC0415  (lazy: importing compiles nothing)
     return chunks
 
@@ -74,7 +75,7 @@ def chunk_function(config: KernelConfig):
     """The compiled chunk function of ``config``: ``cpu_src/<algorithm>.py``'s
     ``chunk_function`` with the roles' element classes, the master policy, the rounding,
     telemetry and every flag but ``maximize`` (a run-time scalar, ``sign``) as constants."""
-    module = importlib.import_module(f"bf16opt._cpu.{config.algorithm.name}")
+    module = importlib.import_module(f"bf16opt._cpu.{config.algorithm.name}")  # cpu_src/<name>.py
     formats = tuple(np.float32 if dtype is None else _VIEW_DTYPES[dtype] for dtype in config.dtypes)
     flags = {name: value for name, value in config.flags if name != "maximize"}
     return module.chunk_function(formats, config.weights, config.plan.rounding, config.track, **flags)
