@@ -6,7 +6,8 @@ import math
 
 from .algorithms import ADAM, AdamScalars
 from .backends import f32
-from .checks import check_betas, check_flag, check_number, default_seed
+from .checks import (check_betas, check_flag, check_number, check_tensor_hyperparameters_without_foreach,
+                     default_seed)
 from .optimizer import MixedPrecisionOptimizer
 
 __all__ = ["Adam", "AdamW", "adam_scalars"]
@@ -79,10 +80,11 @@ class Adam(MixedPrecisionOptimizer):
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
-        check_number(group["lr"], "learning rate (lr)")
-        check_number(group["eps"], "epsilon value (eps)")
-        check_number(group["weight_decay"], "weight_decay value (weight_decay)")
+        check_number(group["lr"], "lr", "learning rate")
+        check_number(group["eps"], "eps", "epsilon value")
+        check_number(group["weight_decay"], "weight_decay", "weight_decay value")
         check_betas(group["betas"])
+        check_tensor_hyperparameters_without_foreach(group, ("lr", "betas"))
         for flag in ("amsgrad", "maximize", "decoupled_weight_decay"):
             check_flag(group[flag], flag)
 

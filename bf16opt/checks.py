@@ -11,29 +11,53 @@ import torch
 
 from .precision import PARAM_DTYPES
 
-def check_number(value, name: str, *, low: float = 0.0, high: Optional[float] = None,
-                 high_inclusive: bool = False) -> float:
-    """``value`` as a float in [low, high); TypeError/ValueError naming ``name`` otherwise."""
+def check_number(value, argument: str, label: Optional[str] = None, *, low: float = 0.0,
+                 high: Optional[float] = None, high_inclusive: bool = False) -> float:
+    """``value`` as a float in [low, high); TypeError/ValueError naming ``argument`` otherwise.
+
+    ``label`` is torch.optim's word for the argument ("learning rate"), so messages contain
+    torch's ("Invalid learning rate: -1").  A one-element tensor is taken by value.
+    """
+    label = label or argument
+    shown = value
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex():
-            raise TypeError(f"{name} must be a real number or a one-element tensor, got a tensor "
-                            f"of shape {tuple(value.shape)}")
-        value = value.item()
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {argument} must be 1-element, got a tensor of shape "
+                             f"{tuple(value.shape)}")
+        if value.is_complex():
+            raise TypeError(f"{argument} must be a real number, got a complex tensor")
+        shown = value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        raise TypeError(f"{argument} must be a real number, got {type(value).__name__}")
     value = float(value)
     upper_ok = high is None or value < high or (high_inclusive and value == high)
     if math.isnan(value) or value < low or not upper_ok or math.isinf(value):
-        bound = "" if high is None else (f", <= {high}" if high_inclusive else f", < {high}")
-        raise ValueError(f"Invalid {name}: {value} (expected a finite value >= {low}{bound})")
+        bound = "" if high is None else (f" and <= {high}" if high_inclusive else f" and < {high}")
+        lower = "" if low == -math.inf else f" >= {low}"
+        raise ValueError(f"Invalid {label}: {shown} ({argument} must be a finite number{lower}{bound})")
     return value
 
 
 def check_betas(betas, count: int = 2) -> tuple:
     if not isinstance(betas, (tuple, list)) or len(betas) != count:
         raise TypeError(f"betas must be a tuple of {count} numbers, got {betas!r}")
-    return tuple(check_number(b, f"beta parameter at index {i} (betas[{i}])", high=1.0)
+    if len({isinstance(b, torch.Tensor) for b in betas}) > 1:
+        raise ValueError("betas must be either both floats or both Tensors")
+    return tuple(check_number(b, f"betas[{i}]", f"beta parameter at index {i}", high=1.0)
                  for i, b in enumerate(betas))
+
+
+def check_tensor_hyperparameters_without_foreach(group: dict, names: tuple) -> None:
+    """torch.optim refuses tensor hyper-parameters with foreach=True (capturable=False);
+    bf16opt accepts foreach and ignores it, but refuses the same inputs as torch."""
+    if not group.get("foreach"):
+        return
+    if isinstance(group.get("lr"), torch.Tensor) and "lr" in names:
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    for i, beta in enumerate(group.get("betas", ()) if "betas" in names else ()):
+        if isinstance(beta, torch.Tensor):
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and "
+                             f"foreach=True")
 
 
 def check_flag(value, name: str, *, allow_none: bool = False) -> None:
@@ -59,11 +83,14 @@ def check_implementation_flags(group: dict) -> None:
                          "differentiable (it writes rounded results in place)")
 
 
-def check_seed(seed) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int):
+def check_seed(seed) -> int:
+    """The seed as an int: any integer type (numpy's included), never a bool."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    seed = int(seed)
     if not 0 <= seed < 2 ** 64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return seed
 
 
 def default_seed() -> int:
@@ -71,15 +98,58 @@ def default_seed() -> int:
     return torch.initial_seed() % 2 ** 64
 
 
-def check_param(param, index: int) -> None:
+def check_param(param, name: str) -> None:
+    """Everything that makes a tensor impossible to update in place, refused before any
+    state exists (``name``: e.g. "params[3]" or the param's name)."""
     if not isinstance(param, torch.Tensor):
-        raise TypeError(f"params[{index}] must be a torch.Tensor, got {type(param).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(param).__name__}")
     if param.is_sparse or param.layout != torch.strided:
-        raise TypeError(f"params[{index}] has layout {param.layout}; only dense (strided) params "
+        raise TypeError(f"{name} has layout {param.layout}; only dense (strided) params "
                         f"are supported")
     if param.dtype not in PARAM_DTYPES:
-        raise TypeError(f"params[{index}] has dtype {param.dtype}; bf16opt optimizes float32, "
+        raise TypeError(f"{name} has dtype {param.dtype}; bf16opt optimizes float32, "
                         f"bfloat16 and float16 params (complex, integer and float64 params are "
                         f"not supported)")
     if not param.is_leaf:
-        raise ValueError(f"params[{index}] is not a leaf tensor; can't optimize a non-leaf Tensor")
+        raise ValueError(f"{name} is not a leaf tensor; can't optimize a non-leaf Tensor")
+    if param.is_meta:
+        raise ValueError(f"{name} is on the meta device and holds no data to update; build the "
+                         f"optimizer after materialising the model (e.g. module.to_empty(device=...) "
+                         f"and loading its weights)")
+    if param.is_inference():
+        raise ValueError(f"{name} was created under torch.inference_mode() and cannot be updated "
+                         f"in place outside it; create it (or clone it) outside inference mode")
+    if param.numel() > 1 and torch._debug_has_internal_overlap(param) == 1:
+        raise ValueError(f"{name} has elements that share memory (an expanded, stride-0 view?); "
+                         f"an in-place update would write each location several times; pass a "
+                         f"materialised tensor (.clone())")
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple:
+    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
+    start = tensor.data_ptr()
+    return start, start + (extent + 1) * tensor.element_size()
+
+
+def check_no_aliasing(tensors: list, names: list) -> None:
+    """ValueError naming two params that are the same tensor or whose memory overlaps (views
+    of one buffer): their in-place updates would race, differently with every thread count."""
+    seen = {}
+    for tensor, name in zip(tensors, names):
+        if id(tensor) in seen:
+            raise ValueError(f"{seen[id(tensor)]} and {name} are the same tensor; each param may "
+                             f"appear once in an optimizer (torch.optim: some parameters appear in "
+                             f"more than one parameter group)")
+        seen[id(tensor)] = name
+    by_storage: dict = {}
+    for tensor, name in zip(tensors, names):
+        if tensor.numel() == 0:
+            continue
+        key = (tensor.device, tensor.untyped_storage().data_ptr())
+        by_storage.setdefault(key, []).append((_byte_range(tensor), name))
+    for spans in by_storage.values():
+        spans.sort()
+        for ((_, end), first), ((start, _), second) in zip(spans, spans[1:]):
+            if start < end:
+                raise ValueError(f"{first} and {second} share memory (views of one buffer); their "
+                                 f"in-place updates would race: give each param its own storage")

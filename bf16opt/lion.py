@@ -52,8 +52,8 @@ class Lion(MixedPrecisionOptimizer):
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
-        check_number(group["lr"], "learning rate (lr)")
-        check_number(group["weight_decay"], "weight_decay value (weight_decay)")
+        check_number(group["lr"], "lr", "learning rate")
+        check_number(group["weight_decay"], "weight_decay", "weight_decay value")
         check_betas(group["betas"])
         check_flag(group["maximize"], "maximize")
 

@@ -17,6 +17,8 @@ Everything is checked first, and only then mutated.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -24,8 +26,21 @@ import torch
 from . import state_dict as state_dicts
 from .algorithms import Algorithm, KernelConfig, kernel_config
 from .backends import Bucket, check_backend_name, resolve_backend
-from .checks import check_flag, check_implementation_flags, check_param, check_seed
+from .checks import check_flag, check_implementation_flags, check_no_aliasing, check_param, check_seed
 from .precision import Precision, as_precision, plan_for
+
+
+@dataclass
+class _StepPlan:
+    """What phase one of a step prepared for phase two to install and run."""
+
+    precisions: list = field(default_factory=list)     # (group, checked Precision)
+    states: dict = field(default_factory=dict)         # param -> new or converted state
+    buffers: dict = field(default_factory=dict)        # param -> {key: new buffer}
+    param_writes: list = field(default_factory=list)   # (param, new bits): remainder conversions
+    counters: list = field(default_factory=list)       # step tensors to advance
+    known: dict = field(default_factory=dict)          # param -> config its state now fits
+    launches: list = field(default_factory=list)       # (bucket, prepared launch)
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -78,11 +93,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                             "but the ordering of tensors in sets will change between runs. "
                             "Please use a list instead.")
         params = list(params)
-        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # named params
+        named = [isinstance(p, tuple) and len(p) == 2 for p in params]
+        tensors = [p[1] if is_named else p for p, is_named in zip(params, named)]
+        names = [f"params[{i}] ({p[0]!r})" if is_named else f"params[{i}]"
+                 for i, (p, is_named) in enumerate(zip(params, named))]
         for key, default in self.defaults.items():
             group.setdefault(key, default)
-        for index, param in enumerate(tensors):
-            check_param(param, index)
+        for param, name in zip(tensors, names):
+            check_param(param, name)
+        existing = [p for g in getattr(self, "param_groups", []) for p in g["params"]]
+        check_no_aliasing(existing + tensors,
+                          [f"a param of group {i}" for i, g in enumerate(getattr(self, "param_groups", []))
+                           for _ in g["params"]] + [f"{name} of the new group" if existing else name
+                                                    for name in names])
         devices = {p.device for p in tensors}
         if len(devices) > 1:
             raise ValueError(f"params of one param group must be on one device, got "
@@ -110,7 +133,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         check_implementation_flags(group)
         check_flag(group.get("track_precision", False), "track_precision")
         if "seed" in group:
-            check_seed(group["seed"])
+            group["seed"] = check_seed(group["seed"])  # numpy integers become ints
         self._check_hyperparameters(group)
         return precision
 
@@ -133,22 +156,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         again on first use."""
         return self.__dict__.setdefault(name, {})
 
-    def _init_state(self, param: torch.Tensor, config: KernelConfig) -> tuple:
-        """(state, keys of the buffers made now): missing state entries in the config's dtypes."""
-        state = self.state[param]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        created = set()
+    def _new_buffers(self, param: torch.Tensor, state: dict, config: KernelConfig) -> dict:
+        """The state buffers ``config`` needs that ``state`` lacks, made aside (not installed):
+        moments and Kahan compensation start at 0, a master copy as the param, a remainder
+        at 0 (a bf16 value is an exact float32 master with remainder 0)."""
+        made = {}
         for _, role, dtype, key in config.present()[2:]:  # after param and grad
             if key in state:
                 continue
-            if role.storage == "companion" and config.weights == "copy":  # the master starts as the param
-                state[key] = param.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
-            else:  # moments and Kahan compensation start at 0; a bf16 param is an exact
-                # float32 master with remainder 0
-                state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-            created.add(key)
-        return state, created
+            if role.storage == "companion" and config.weights == "copy":
+                made[key] = param.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
+            else:
+                made[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+        return made
 
     # ---- step
     def _params_with_grad(self, group: dict) -> list:
@@ -168,39 +188,78 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             params.append(param)
         return params
 
-    def _prepare_step(self) -> list:
-        """Check everything a step needs and compute what must change before the update,
-        without changing anything: a step that raises leaves the optimizer as it was.
+    @staticmethod
+    def _step_count(state: dict, number: int) -> int:
+        step = state.get("step")
+        if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex():
+            raise ValueError(f"state['step'] of param {number} must be a one-element tensor, got {step!r:.60}")
+        return step
 
-        Returns one entry per group with work: (group, precision, params, configs,
-        {device: backend}, [(param, converted state, new param bits or None)]).
-        States made for another configuration (the group's precision, or a param's dtype,
-        was changed since the last step) are converted into the new one, as
+    def _prepare_step(self) -> "_StepPlan":
+        """Phase one of a step: check everything and make everything the step needs -- converted
+        or new state (aside, not installed), each bucket's tensors, scalars and launch (the
+        backends check dtypes, shapes, devices and compile their kernels here) -- without
+        changing any param, state or group.  A step that raises here leaves the optimizer as
+        it was.  States made for another configuration (the group's precision, or a param's
+        dtype, was changed since the last step) are converted into the new one, as
         ``load_state_dict`` converts a state dict saved with another preset.
         """
-        work, known = [], self._state_configs
+        plan = _StepPlan()
+        known = self._state_configs
         index = 0
-        for group in self.param_groups:
+        for group_number, group in enumerate(self.param_groups):
             precision = self._checked_precision(group)
             params = self._params_with_grad(group)
             first_index, index = index, index + len(group["params"])
             if not params:
                 continue
-            configs = [self._config(group, precision, param) for param in params]
+            plan.precisions.append((group, precision))
             backends = {device: resolve_backend(group["backend"], device)
                         for device in {param.device for param in params}}
-            conversions = []
-            for param, config in zip(params, configs):
-                if known.get(param) is config:
-                    continue
+            position = {id(p): first_index + i for i, p in enumerate(group["params"])}
+            entries = []
+            for param in params:
+                number = position[id(param)]
+                config = self._config(group, precision, param)
                 state = self.state.get(param)
-                if state and not state_dicts.state_fits(state, config):
-                    number = first_index + next(i for i, p in enumerate(group["params"]) if p is param)
-                    converted, new_param = state_dicts.convert_state(config, state, param, number,
-                                                                     type(self).__name__)
-                    conversions.append((param, converted, new_param))
-            work.append((group, precision, params, configs, backends, conversions))
-        return work
+                if not state:  # first step: a new state, installed in phase two
+                    state = plan.states[param] = {"step": torch.tensor(0.0, dtype=torch.float64)}
+                elif known.get(param) is not config and not state_dicts.state_fits(state, config):
+                    state, new_param = state_dicts.convert_state(config, state, param, number,
+                                                                 type(self).__name__)
+                    plan.states[param] = state
+                    if new_param is not None:
+                        plan.param_writes.append((param, new_param))
+                counter = self._step_count(state, number)
+                made = self._new_buffers(param, state, config)
+                if made:
+                    plan.buffers[param] = made
+                plan.known[param] = config
+                fresh = self._fresh_flags(set(made))
+                if fresh:
+                    config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
+                                           config.track)
+                entries.append((param, config, {**state, **made}, counter, number))
+            plan.counters.extend(entry[3] for entry in entries)
+            steps = [int(s) + 1 for s in torch.stack([e[3].double() for e in entries]).tolist()]
+            buckets = {}
+            for (param, config, state, _, number), step in zip(entries, steps):
+                key = (param.device, config, step)
+                bucket = buckets.get(key)
+                if bucket is None:
+                    bucket = buckets[key] = Bucket(config, seed=group["seed"], step=step)
+                bucket.append([param, param.grad] + [None if state_key is None else state[state_key]
+                                                     for state_key in config.state_keys[2:]], number)
+            for (device, config, step), bucket in buckets.items():
+                scalars = self._scalars(group, step)
+                bad = [name for name, value in zip(scalars._fields, scalars) if not math.isfinite(value)]
+                if bad:
+                    raise ValueError(f"param group {group_number}: its hyper-parameters give non-finite "
+                                     f"float32 {', '.join(bad)} at step {step}; lower lr or weight_decay")
+                if config.track:
+                    bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
+                plan.launches.append((bucket, backends[device].prepare(bucket, scalars)))
+        return plan
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -209,44 +268,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = self._prepare_step()
-        # ---- nothing has changed so far; from here on the step commits
-        known = self._state_configs
-        for group, precision, _, _, _, conversions in work:
+        plan = self._prepare_step()
+        # ---- phase two: nothing has changed so far, and nothing below raises on user input
+        for group, precision in plan.precisions:
             group["precision"] = precision
-            for param, converted, new_param in conversions:
-                self.state[param] = converted
-                if new_param is not None:
-                    param.copy_(new_param)
-        index_of = None
-        for group, _, params, configs, backends, _ in work:
-            if index_of is None:  # a param's index names its random streams
-                index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-            buckets: dict = {}
-            made = [self._init_state(param, config) for param, config in zip(params, configs)]
-            counters = [state["step"] for state, _ in made]
-            torch._foreach_add_(counters, 1)  # one call, not one per param (hundreds in a model)
-            steps = torch.stack(counters).tolist()
-            for param, config, (state, created), step in zip(params, configs, made, steps):
-                known[param] = config
-                fresh = self._fresh_flags(created)
-                if fresh:
-                    config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
-                                           config.track)
-                key = (param.device, config, int(step))
-                bucket = buckets.get(key)
-                if bucket is None:
-                    bucket = buckets[key] = Bucket(config, seed=group["seed"], step=key[2])
-                bucket.append([param, param.grad] + [None if state_key is None else state[state_key]
-                                                     for state_key in config.state_keys[2:]],
-                              index_of[id(param)])
-            for (device, config, step), bucket in buckets.items():
-                if config.track:
-                    bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
-                backends[device].run(bucket, self._scalars(group, step))
-                if bucket.counts is not None:
-                    for param, counts in zip(bucket.params, bucket.counts.tolist()):
-                        self._precision_counts[param] = (param.numel(), counts)
+        for param, state in plan.states.items():
+            self.state[param] = state
+        for param, buffers in plan.buffers.items():
+            self.state[param].update(buffers)
+        for param, new_param in plan.param_writes:
+            param.copy_(new_param)
+        if plan.counters:
+            torch._foreach_add_(plan.counters, 1)  # one call, not one per param (hundreds in a model)
+        self._state_configs.update(plan.known)
+        for bucket, launch in plan.launches:
+            launch()
+            if bucket.counts is not None:
+                for param, counts in zip(bucket.params, bucket.counts.tolist()):
+                    self._precision_counts[param] = (param.numel(), counts)
         return loss
 
     @property

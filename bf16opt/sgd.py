@@ -59,10 +59,10 @@ class SGD(MixedPrecisionOptimizer):
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
-        check_number(group["lr"], "learning rate (lr)")
-        momentum = check_number(group["momentum"], "momentum value (momentum)")
-        dampening = check_number(group["dampening"], "dampening value (dampening)", low=-math.inf)
-        check_number(group["weight_decay"], "weight_decay value (weight_decay)")
+        check_number(group["lr"], "lr", "learning rate")
+        momentum = check_number(group["momentum"], "momentum", "momentum value")
+        dampening = check_number(group["dampening"], "dampening", "dampening value", low=-math.inf)
+        check_number(group["weight_decay"], "weight_decay", "weight_decay value")
         for flag in ("nesterov", "maximize"):
             check_flag(group[flag], flag)
         if group["nesterov"] and (momentum <= 0 or dampening != 0):

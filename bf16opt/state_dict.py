@@ -17,10 +17,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections import defaultdict
+from collections.abc import Hashable, Mapping
 
 import torch
 
 from .algorithms import KernelConfig
+from .precision import as_precision
 from .storage import decode, encode, join_remainder, split_remainder
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "convert_state", "load", "save", "state_fits"]
@@ -36,7 +38,8 @@ COMPANION_KEYS = ("master", "compensation", "remainder")
 def save(optimizer, state_dict: dict) -> dict:
     """torch's state dict of ``optimizer`` with plain-type ``precision`` entries and a tag."""
     for group in state_dict["param_groups"]:
-        group["precision"] = group["precision"].to_dict()
+        # as_precision: a precision edited by hand since the last step may still be a name
+        group["precision"] = as_precision(group["precision"]).to_dict()
     state_dict["bf16opt"] = {"format": STATE_DICT_FORMAT, "family": optimizer.algorithm.name,
                              "optimizer": type(optimizer).__name__}
     return state_dict
@@ -58,8 +61,14 @@ def load(optimizer, state_dict: dict) -> None:
         result = hook(optimizer, state_dict)
         if result is not None:
             state_dict = result
-    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' entries")
+    if not isinstance(state_dict["state"], Mapping):
+        raise TypeError(f"state_dict['state'] must be a dict of param index -> state, got "
+                        f"{type(state_dict['state']).__name__}")
+    if not isinstance(state_dict["param_groups"], (list, tuple)):
+        raise TypeError(f"state_dict['param_groups'] must be a list of dicts, got "
+                        f"{type(state_dict['param_groups']).__name__}")
     name = type(optimizer).__name__
     meta = state_dict.get("bf16opt")
     if isinstance(meta, dict) and meta.get("family") != optimizer.algorithm.name:
@@ -85,11 +94,14 @@ def load(optimizer, state_dict: dict) -> None:
         group["params"] = live["params"]
         new_groups.append(group)
         for index, param in zip(saved["params"], live["params"]):
+            if not isinstance(index, Hashable):
+                raise TypeError(f"param group {number} of the state dict lists a param index of "
+                                f"type {type(index).__name__}")
             param_of_index[index] = (param, group)
 
     new_state, param_writes = defaultdict(dict), []
     for index, saved_state in state_dict["state"].items():
-        if index not in param_of_index:
+        if not isinstance(index, Hashable) or index not in param_of_index:
             raise ValueError(f"loaded state dict holds state for param index {index!r}, "
                              f"which none of its param groups lists")
         param, group = param_of_index[index]
@@ -109,7 +121,7 @@ def load(optimizer, state_dict: dict) -> None:
 
 
 def _check_saved_group(optimizer, saved, number: int) -> None:
-    if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
         raise ValueError(f"param group {number} of the state dict must be a dict with a "
                          f"'params' list")
     missing = [key for key in optimizer._SAVED_GROUP_KEYS if key not in saved]
@@ -130,6 +142,8 @@ def _checked_step(saved: dict, index) -> float:
     if isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step) \
             or step < 0 or step != int(step):
         raise ValueError(f"step of param {index} must be a whole number >= 0, got {step!r}")
+    if step >= 2 ** 53:
+        raise ValueError(f"step of param {index} is {step!r}; bf16opt counts steps exactly up to 2**53")
     return float(step)
 
 
@@ -142,7 +156,7 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
     a master into it rewrites the param as the master's ties-away rounding (it differs from
     the round-to-nearest-even param only on exact ties).
     """
-    if not isinstance(saved, dict):
+    if not isinstance(saved, Mapping):
         raise ValueError(f"state of param {index} must be a dict, got {type(saved).__name__}")
     algorithm = config.algorithm
     moments = [role.name for role in algorithm.moment_roles]
@@ -163,7 +177,8 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
         if value.shape != param.shape:
             raise ValueError(f"{key} of param {index} has shape {tuple(value.shape)}, but the "
                              f"param has shape {tuple(param.shape)}")
-    state = {"step": torch.tensor(_checked_step(saved, index), dtype=torch.float32)}
+    # float64: exact far beyond float32's 2**24 (torch keeps float32 and stops counting there)
+    state = {"step": torch.tensor(_checked_step(saved, index), dtype=torch.float64)}
     needed = config.state_buffers()
     for key in moments:
         if key in saved and key in needed:

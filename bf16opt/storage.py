@@ -22,7 +22,7 @@ and launch shape draws the same bits:
 * ``stream_key(seed, step, tensor_index, buffer)`` (host, once per tensor and step)::
 
       k = 0
-      for word in (seed & M, seed >> 32 & M, step & M, tensor_index & M, buffer):
+      for word in (seed & M, (seed >> 32 ^ step >> 32) & M, step & M, tensor_index & M, buffer):
           k = fmix32((k ^ word) + 0x9E3779B9)
 
 * per element ``i`` (the row-major index in the tensor):
@@ -114,7 +114,10 @@ def fmix32_int(h: int) -> int:
 def stream_key(seed: int, step: int, tensor_index: int, buffer: int) -> int:
     """32-bit key of one (seed, step, tensor, buffer) random stream."""
     key = 0
-    for word in (seed & MASK32, (seed >> 32) & MASK32, step & MASK32, tensor_index & MASK32, buffer):
+    # the step's high word shares a slot with the seed's: for steps below 2**32 (every
+    # practical run) the key is as it always was, and no two steps of one run share a key
+    for word in (seed & MASK32, ((seed >> 32) ^ (step >> 32)) & MASK32, step & MASK32, tensor_index & MASK32,
+                 buffer):
         key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
     return key
 

@@ -1,8 +1,8 @@
 // Adam / AdamW, multi-tensor: one launch updates every tensor of a bucket.
 //
-// Per element, in exactly the float32 operation order of
-// bf16opt/backends/reference.py (each line one IEEE-rounded operation; the loader
-// compiles with --fmad=false, IEEE division and square root, no flush-to-zero):
+// Per element, in exactly the float32 operation order of bf16opt/backends/reference.py
+// (each line one IEEE-rounded operation, docs/numerics.md; the loader compiles with
+// --fmad=false, IEEE division and square root, no flush-to-zero):
 //
 //   g = decode(grad);  if maximize: g = -g
 //   w0 = w = master value (the master policy's read)
@@ -29,8 +29,8 @@
 
 namespace bf16opt {
 
-// Roles of the chunk table (bf16opt.backends.cupy.ADAM_ROLES lists the same order).
-// The companion is the master policy's array: master copy, compensation or remainder.
+// Roles of the chunk table, in bf16opt/algorithms.py's ADAM.roles order.  The
+// companion is the master policy's array: master copy, compensation or remainder.
 enum AdamRole {
   kAdamParam = 0,
   kAdamGrad = 1,
@@ -41,7 +41,7 @@ enum AdamRole {
   kAdamRoles = 6
 };
 
-// Bits of the kernel argument ``flags`` (bf16opt.backends.cupy.FLAG_BITS).
+// Bits of the kernel argument ``flags``: bit k is ADAM.runtime_flags[k].
 enum AdamFlag { kAdamMaximize = 1, kAdamL2 = 2 };
 
 struct AdamCoefficients {
@@ -50,21 +50,29 @@ struct AdamCoefficients {
       eps, weight_decay, decay;
 };
 
+// One tensor's Adam update (the Update interface of update_chunks, multi_tensor.cuh).
 template <class P, class M, class EA, class EAS, bool AMSGRAD, bool TRACK>
 struct AdamUpdate {
-  static constexpr int kMinBytes0 = P::kBytes < EA::kBytes ? P::kBytes : EA::kBytes;
-  static constexpr int kMinBytes1 = kMinBytes0 < EAS::kBytes ? kMinBytes0 : EAS::kBytes;
-  static constexpr int kMinBytes =
-      (M::kCompanion && M::kBytes < kMinBytes1) ? M::kBytes : kMinBytes1;
-  static constexpr int kVec = VectorWidth<kMinBytes>::value;
+  static constexpr int kRoles = kAdamRoles;
+  static constexpr int kVec = VectorWidth<min_bytes(
+      min_bytes(min_bytes(P::kBytes, EA::kBytes), EAS::kBytes), M::kCompanion ? M::kBytes : 16)>::value;
   static constexpr bool kStochastic = P::kStochastic || EA::kStochastic || EAS::kStochastic;
+  static constexpr bool kTrack = TRACK;
 
   const void* grad;
   void* param;
   void* companion;
   void* exp_avg;
   void* exp_avg_sq;
-  void* max_exp_avg_sq;
+  void* max_exp_avg_sq;  // 0 without AMSGRAD
+
+  __device__ __forceinline__ AdamUpdate(const ChunkTable<kRoles>& tab, int tensor)
+      : grad(tab.pointer(kAdamGrad, tensor)),
+        param(tab.pointer(kAdamParam, tensor)),
+        companion(tab.pointer(kAdamCompanion, tensor)),
+        exp_avg(tab.pointer(kAdamExpAvg, tensor)),
+        exp_avg_sq(tab.pointer(kAdamExpAvgSq, tensor)),
+        max_exp_avg_sq(tab.pointer(kAdamMaxExpAvgSq, tensor)) {}
 
   __device__ __forceinline__ bool vector_ok(i64 start) const {
     bool ok = aligned16(grad, P::kBytes, start) && aligned16(param, P::kBytes, start) &&
@@ -140,33 +148,11 @@ __global__ void adam_kernel(const i64* table, int n_tensors, i64 n_chunks, int c
                             float one_minus_beta1, float one_minus_beta2, float step_size,
                             float inv_sqrt_bias_correction2, float eps, float weight_decay,
                             float decay) {
-  typedef AdamUpdate<P, M, EA, EAS, AMSGRAD, TRACK> Update;
-  constexpr int kVec = Update::kVec;
   const AdamCoefficients c{(flags & kAdamMaximize) != 0, (flags & kAdamL2) != 0, beta1, beta2,
                            one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2,
                            eps, weight_decay, decay};
-  const ChunkTable<kAdamRoles> tab{table, n_tensors};
-  for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
-    const Update up{tab.pointer(kAdamGrad, tensor),
-                    const_cast<void*>(tab.pointer(kAdamParam, tensor)),
-                    const_cast<void*>(tab.pointer(kAdamCompanion, tensor)),
-                    const_cast<void*>(tab.pointer(kAdamExpAvg, tensor)),
-                    const_cast<void*>(tab.pointer(kAdamExpAvgSq, tensor)),
-                    const_cast<void*>(tab.pointer(kAdamMaxExpAvgSq, tensor))};
-    const Streams streams = make_streams<Update::kStochastic>(seed, step, tab.index(tensor));
-    Tally<TRACK> tally;
-    const i64 stride = blockDim.x;
-    i64 scalar_from = 0;
-    if (up.vector_ok(start)) {
-      const i64 vector_end = start + (count / kVec) * kVec;
-      for (i64 i = start + threadIdx.x * static_cast<i64>(kVec); i < vector_end; i += stride * kVec)
-        up.template run<kVec, true>(i, streams, c, tally);
-      scalar_from = vector_end - start;
-    }
-    for (i64 i = start + scalar_from + threadIdx.x; i < start + count; i += stride)
-      up.template run<1, false>(i, streams, c, tally);
-    tally.flush(counts, tensor);
-  });
+  update_chunks<AdamUpdate<P, M, EA, EAS, AMSGRAD, TRACK>>(table, n_tensors, n_chunks, chunk_size,
+                                                           seed, step, counts, c);
 }
 
 }  // namespace bf16opt

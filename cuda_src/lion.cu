@@ -1,7 +1,7 @@
 // Lion (Chen et al. 2023), multi-tensor: one launch updates every tensor of a bucket.
 //
-// Per element, in exactly the float32 operation order of
-// bf16opt/backends/reference.py:
+// Per element, in exactly the float32 operation order of bf16opt/backends/reference.py
+// (each line one IEEE-rounded operation, docs/numerics.md):
 //
 //   g = decode(grad);  if maximize: g = -g
 //   w0 = master value (the master policy's read);  w = w0 * decay
@@ -20,10 +20,10 @@
 
 namespace bf16opt {
 
-// Roles of the chunk table (bf16opt.backends.cupy.LION_ROLES lists the same order).
+// Roles of the chunk table, in bf16opt/algorithms.py's LION.roles order.
 enum LionRole { kLionParam = 0, kLionGrad = 1, kLionCompanion = 2, kLionExpAvg = 3, kLionRoles = 4 };
 
-// Bits of the kernel argument ``flags`` (bf16opt.backends.cupy.FLAG_BITS).
+// Bits of the kernel argument ``flags``: bit k is LION.runtime_flags[k].
 enum LionFlag { kLionMaximize = 1 };
 
 struct LionCoefficients {
@@ -31,18 +31,25 @@ struct LionCoefficients {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay;
 };
 
+// One tensor's Lion update (the Update interface of update_chunks, multi_tensor.cuh).
 template <class P, class M, class EA, bool TRACK>
 struct LionUpdate {
-  static constexpr int kMinBytes0 = P::kBytes < EA::kBytes ? P::kBytes : EA::kBytes;
-  static constexpr int kMinBytes =
-      (M::kCompanion && M::kBytes < kMinBytes0) ? M::kBytes : kMinBytes0;
-  static constexpr int kVec = VectorWidth<kMinBytes>::value;
+  static constexpr int kRoles = kLionRoles;
+  static constexpr int kVec =
+      VectorWidth<min_bytes(min_bytes(P::kBytes, EA::kBytes), M::kCompanion ? M::kBytes : 16)>::value;
   static constexpr bool kStochastic = P::kStochastic || EA::kStochastic;
+  static constexpr bool kTrack = TRACK;
 
   const void* grad;
   void* param;
   void* companion;
   void* exp_avg;
+
+  __device__ __forceinline__ LionUpdate(const ChunkTable<kRoles>& tab, int tensor)
+      : grad(tab.pointer(kLionGrad, tensor)),
+        param(tab.pointer(kLionParam, tensor)),
+        companion(tab.pointer(kLionCompanion, tensor)),
+        exp_avg(tab.pointer(kLionExpAvg, tensor)) {}
 
   __device__ __forceinline__ bool vector_ok(i64 start) const {
     bool ok = aligned16(grad, P::kBytes, start) && aligned16(param, P::kBytes, start) &&
@@ -93,30 +100,10 @@ template <class P, class M, class EA, bool TRACK>
 __global__ void lion_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
                             i64 step, u64* counts, int flags, float beta1, float beta2,
                             float one_minus_beta1, float one_minus_beta2, float lr, float decay) {
-  typedef LionUpdate<P, M, EA, TRACK> Update;
-  constexpr int kVec = Update::kVec;
   const LionCoefficients c{(flags & kLionMaximize) != 0, beta1, beta2, one_minus_beta1,
                            one_minus_beta2, lr, decay};
-  const ChunkTable<kLionRoles> tab{table, n_tensors};
-  for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
-    const Update up{tab.pointer(kLionGrad, tensor),
-                    const_cast<void*>(tab.pointer(kLionParam, tensor)),
-                    const_cast<void*>(tab.pointer(kLionCompanion, tensor)),
-                    const_cast<void*>(tab.pointer(kLionExpAvg, tensor))};
-    const Streams streams = make_streams<Update::kStochastic>(seed, step, tab.index(tensor));
-    Tally<TRACK> tally;
-    const i64 stride = blockDim.x;
-    i64 scalar_from = 0;
-    if (up.vector_ok(start)) {
-      const i64 vector_end = start + (count / kVec) * kVec;
-      for (i64 i = start + threadIdx.x * static_cast<i64>(kVec); i < vector_end; i += stride * kVec)
-        up.template run<kVec, true>(i, streams, c, tally);
-      scalar_from = vector_end - start;
-    }
-    for (i64 i = start + scalar_from + threadIdx.x; i < start + count; i += stride)
-      up.template run<1, false>(i, streams, c, tally);
-    tally.flush(counts, tensor);
-  });
+  update_chunks<LionUpdate<P, M, EA, TRACK>>(table, n_tensors, n_chunks, chunk_size, seed, step,
+                                             counts, c);
 }
 
 }  // namespace bf16opt

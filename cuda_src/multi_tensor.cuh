@@ -1,5 +1,8 @@
 // Multi-tensor launch machinery: one launch updates every tensor of a bucket.
 //
+// update_chunks (the end of this file) is the one chunk loop of every kernel; an
+// algorithm's .cu file holds only its math (an Update struct) and a thin __global__.
+//
 // The chunk table is one int64 array in device memory, built on the host by
 // bf16opt.backends.cupy.build_launch_plan (pure Python/numpy; the CPU emulation tests
 // use the same function).  For n tensors and R roles (arrays per element, e.g.
@@ -22,7 +25,8 @@
 // Precision telemetry (a TRACK kernel): each thread counts its hits per chunk in
 // registers and adds them to counts[3 * t + column] (unsigned 64-bit) with one
 // atomicAdd per non-zero counter at the end of the chunk; Tally<false> is empty, so
-// untracked kernels carry no counting code.
+// untracked kernels carry no counting code.  Columns are the algorithm's counters
+// (bf16opt/algorithms.py): swallowed updates, then one underflow count per moment.
 #pragma once
 
 #include "storage.cuh"
@@ -34,8 +38,8 @@ struct ChunkTable {
   const i64* table;
   int n_tensors;
 
-  __device__ __forceinline__ const void* pointer(int role, int tensor) const {
-    return reinterpret_cast<const void*>(static_cast<u64>(table[role * n_tensors + tensor]));
+  __device__ __forceinline__ void* pointer(int role, int tensor) const {
+    return reinterpret_cast<void*>(static_cast<u64>(table[role * n_tensors + tensor]));
   }
   __device__ __forceinline__ i64 size(int tensor) const { return table[R * n_tensors + tensor]; }
   __device__ __forceinline__ i64 index(int tensor) const { return table[(R + 1) * n_tensors + tensor]; }
@@ -115,6 +119,9 @@ struct VectorWidth {
   static constexpr int value = 16 / MinBytes;
 };
 
+// (host too: it sizes the vector step in static constexpr members)
+__host__ __device__ constexpr int min_bytes(int a, int b) { return a < b ? a : b; }
+
 // Per-thread telemetry counters of one chunk (see the top of this file).
 template <bool TRACK>
 struct Tally {
@@ -124,7 +131,7 @@ struct Tally {
 
 template <>
 struct Tally<true> {
-  static constexpr int kColumns = 3;  // swallowed updates, exp_avg and exp_avg_sq underflows
+  static constexpr int kColumns = 3;  // the widest algorithm's (Adam's) counters
   u32 hits[kColumns] = {0u, 0u, 0u};  // a chunk has fewer than 2^31 elements
   __device__ __forceinline__ void count(int column, bool hit) { hits[column] += hit ? 1u : 0u; }
   __device__ __forceinline__ void flush(u64* counts, int tensor) {
@@ -147,6 +154,40 @@ __device__ __forceinline__ void for_each_chunk(const ChunkTable<R>& tab, i64 n_c
     const i64 count = left < chunk_size ? left : static_cast<i64>(chunk_size);
     body(tensor, start, count);
   }
+}
+
+// The chunk loop of every kernel.  Update is one algorithm's math on one tensor:
+//   kRoles, kVec, kStochastic, kTrack   chunk-table roles, vector width, whether any
+//                                       storage rounds stochastically, telemetry
+//   Update(const ChunkTable<kRoles>&, int tensor)    the tensor's arrays
+//   vector_ok(start)                    every array it touches 16-byte aligned at start
+//   run<N, VEC>(index, streams, c, tally)
+//                                       N elements from index: N == kVec with packed
+//                                       accesses (VEC) or N == 1
+// Per chunk, the threads of the block stride over its vector steps, then over the
+// elements the vector path left (all of them when a pointer is misaligned).
+template <class Update, class Coefficients>
+__device__ __forceinline__ void update_chunks(const i64* table, int n_tensors, i64 n_chunks,
+                                              int chunk_size, u64 seed, i64 step, u64* counts,
+                                              const Coefficients& c) {
+  constexpr int kVec = Update::kVec;
+  const ChunkTable<Update::kRoles> tab{table, n_tensors};
+  for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
+    const Update up(tab, tensor);
+    const Streams streams = make_streams<Update::kStochastic>(seed, step, tab.index(tensor));
+    Tally<Update::kTrack> tally;
+    const i64 stride = blockDim.x;
+    i64 scalar_from = 0;
+    if (up.vector_ok(start)) {
+      const i64 vector_end = start + (count / kVec) * kVec;
+      for (i64 i = start + threadIdx.x * static_cast<i64>(kVec); i < vector_end; i += stride * kVec)
+        up.template run<kVec, true>(i, streams, c, tally);
+      scalar_from = vector_end - start;
+    }
+    for (i64 i = start + scalar_from + threadIdx.x; i < start + count; i += stride)
+      up.template run<1, false>(i, streams, c, tally);
+    tally.flush(counts, tensor);
+  });
 }
 
 }  // namespace bf16opt

@@ -38,7 +38,9 @@ typedef unsigned long long u64;
 // every backend, launch shape and thread count draws the same bits.
 //   key = stream_key(seed, step, tensor index, buffer)       once per tensor and buffer
 //   r   = fmix32(key ^ (element index * 0x9E3779B9 mod 2^32))  per element
-static constexpr u32 kGolden = 0x9E3779B9u;
+// inline, not static: NVRTC salts the PTX names of internal-linkage globals (process
+// id and more), so the same compile would not give the same bytes twice.
+inline constexpr u32 kGolden = 0x9E3779B9u;
 
 // Buffer numbers in the hash (storage.WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ).
 enum Buffer { kWeights = 0, kExpAvg = 1, kExpAvgSq = 2, kMaxExpAvgSq = 3, kBuffers = 4 };
@@ -53,10 +55,13 @@ __device__ __forceinline__ u32 fmix32(u32 h) {
   return h;
 }
 
-// storage.stream_key: the words (seed low, seed high, step, tensor index, buffer),
+// storage.stream_key: the words (seed low, seed high ^ step high, step, tensor index, buffer),
 // each folded in as k = fmix32((k ^ word) + golden).
 __device__ __forceinline__ u32 stream_key(u64 seed, i64 step, i64 tensor_index, u32 buffer) {
-  const u32 words[5] = {static_cast<u32>(seed), static_cast<u32>(seed >> 32),
+  // the step's high word shares the seed's slot: unchanged keys below 2^32 steps, and no
+  // two steps of one run share a key
+  const u32 words[5] = {static_cast<u32>(seed),
+                        static_cast<u32>(seed >> 32) ^ static_cast<u32>(static_cast<u64>(step) >> 32),
                         static_cast<u32>(step), static_cast<u32>(tensor_index), buffer};
   u32 key = 0;
 #pragma unroll

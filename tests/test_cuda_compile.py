@@ -1,19 +1,21 @@
 """Every CUDA kernel instantiation the CuPy adapter can request compiles with NVRTC.
 
 No GPU needed: NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel and is driven through
-``cupy_backends``.  The source, name expressions and options are produced by the same
-functions the adapter's loader (``bf16opt.backends.cupy.load_kernel``) uses at run time;
-only the target differs (PTX for compute_80 and compute_90 here, a cubin for the
-device's sm_XX there; ``test_cubin_sample`` covers that path for sm_90).
+``cupy_backends``.  The source, options and compiler (``bf16opt.backends.cuda_compile``)
+and the name expressions (``bf16opt.backends.cupy.all_kernel_names``) are what the
+adapter's loader uses at run time; only the target differs (PTX for compute_80 and
+compute_90 here, a cubin for the device's sm_XX there; ``test_cubin_sample`` covers that
+path for sm_90).
 
-The instantiations are all plans of ``all_plans(quality=True)`` x amsgrad (Adam) x
-telemetry on/off (``all_kernel_names``: 228 Adam + 54 Lion; maximize and L2 are
+The instantiations are all plans of ``all_plans(quality=True)`` x each algorithm's
+template flags (Adam's amsgrad, SGD's momentum) x telemetry on/off
+(``all_kernel_names``: 228 Adam + 54 Lion + 78 SGD; maximize, L2, nesterov, ... are
 run-time flags), each compiled for both archs.  NVRTC takes ~0.1 s per instantiation
 and grows faster than linearly with the number of name expressions in one program
 (160 names: 16.6 s in one program, 8.8 s in programs of 16), so they are compiled in
 programs of ``BATCH`` names, two worker processes at a time.
 
-The PTX is also checked for the numerics contract (DESIGN.md section 3): no fused
+The PTX is also checked for the numerics contract (docs/numerics.md): no fused
 multiply-add, no flush-to-zero, IEEE-rounded division and square root; and for the
 telemetry contract: kernels without tracking contain no atomics.
 
@@ -28,6 +30,8 @@ import re
 
 import pytest
 
+from bf16opt.algorithms import ALGORITHMS, LION, SGD, kernel_config
+from bf16opt.backends import cuda_compile
 from bf16opt.backends import cupy as cuda_backend
 from bf16opt.precision import all_plans
 
@@ -59,8 +63,8 @@ BATCH = 16
 def compile_all(kind: str, arch: str, names=None):
     """What the loader would compile for every (or the given) instantiation of ``kind``."""
     names = cuda_backend.all_kernel_names(kind) if names is None else names
-    compiled = cuda_backend.nvrtc_compile(cuda_backend.kernel_source(kind), names,
-                                          cuda_backend.compile_options(arch), filename=f"{kind}.cu")
+    compiled = cuda_compile.nvrtc_compile(cuda_compile.kernel_source(kind), names,
+                                          cuda_compile.compile_options(arch), filename=f"{kind}.cu")
     return names, compiled
 
 
@@ -79,6 +83,7 @@ def ptx_facts(kind: str, arch: str, names: list) -> dict:
         v4=bool(re.search(r"\bld(\.global)?\.v4\.", ptx) and re.search(r"\bst(\.global)?\.v4\.", ptx)),
         atomics=bool(re.search(r"\batom\.", ptx)),
         atomic_add_u64=bool(re.search(r"\b(atom|red)(\.global)?\.add\.u64", ptx)),
+        internal=[line for line in ptx.splitlines() if "_INTERNAL_" in line],
         log=compiled.log,
     )
 
@@ -86,10 +91,10 @@ def ptx_facts(kind: str, arch: str, names: list) -> dict:
 def jobs() -> list:
     """(kind, arch, names): programs of BATCH names with one telemetry setting each."""
     work = []
-    for kind in cuda_backend.KINDS:
+    for kind in ALGORITHMS:
         configs = cuda_backend.kernel_configs(kind)
         for track in (False, True):
-            names = [n for n, (_, flags) in configs.items() if flags["track"] == track]
+            names = [n for n, config in configs.items() if config.track == track]
             for arch in ARCHS:
                 for start in range(0, len(names), BATCH):
                     work.append((kind, arch, names[start:start + BATCH]))
@@ -105,18 +110,40 @@ def compiled_ptx():
         return [(job, future.result()) for job, future in futures]
 
 
+def template_arguments(name: str) -> list:
+    """``bf16opt::x_kernel<A, B<C>, ...>`` -> ["A", "B<C>", ...]."""
+    return [a.strip() for a in re.findall(r"(?:[^,<>]|<[^<>]*>)+", name[name.index("<") + 1:-1])]
+
+
 def test_instantiation_count():
     plans = all_plans(quality=True)
     assert len(plans) == 57
     # every plan x amsgrad x telemetry for Adam
     assert len(cuda_backend.all_kernel_names("adam")) == 57 * 4
     # Lion ignores exp_avg_sq: one kernel per distinct (param, master policy, exp_avg)
-    lion_plans = {cuda_backend.kernel_name("lion", p) for p in plans}
+    lion_plans = {cuda_backend.kernel_name(kernel_config(LION, p)) for p in plans}
     assert len(cuda_backend.all_kernel_names("lion")) == len(lion_plans) * 2 == 54
-    for kind in cuda_backend.KINDS:
-        assert all(cuda_backend.supports(p) for p in plans)
+    # SGD: with momentum one kernel per distinct (param, master policy, momentum buffer)
+    # -- Lion's set --, without one per (param, master policy); x telemetry
+    sgd_momentum = {cuda_backend.kernel_name(kernel_config(SGD, p, (("momentum", True),))) for p in plans}
+    sgd_plain = {cuda_backend.kernel_name(kernel_config(SGD, p)) for p in plans}
+    assert len(sgd_momentum) == len(lion_plans)
+    assert len(cuda_backend.all_kernel_names("sgd")) == (len(sgd_momentum) + len(sgd_plain)) * 2 == 78
+    for kind, algorithm in ALGORITHMS.items():
         names = cuda_backend.all_kernel_names(kind)
         assert len(set(names)) == len(names)
+        # <param, master policy, storage parameters..., template flags..., track>
+        arity = 2 + len(algorithm.storage_parameters) + len(algorithm.template_flags) + 1
+        for name in names:
+            assert name.startswith(f"bf16opt::{kind}_kernel<") and name.endswith(">")
+            assert len(template_arguments(name)) == arity, name
+
+
+def test_sgd_without_momentum_names_an_fp32_buffer():
+    """The unused momentum buffer's storage is Fp32, so such configurations share kernels."""
+    plain = [template_arguments(n) for n in cuda_backend.all_kernel_names("sgd")]
+    plain = [arguments for arguments in plain if arguments[3] == "false"]  # MOMENTUM
+    assert plain and all(arguments[2] == "bf16opt::Fp32" for arguments in plain)
 
 
 def test_every_instantiation_compiles(compiled_ptx):
@@ -127,6 +154,8 @@ def test_every_instantiation_compiles(compiled_ptx):
         assert not facts["ftz"], f"flush-to-zero arithmetic in the PTX: {context}"
         assert not facts["fma"], f"fused multiply-add in the PTX: {context}"
         assert not facts["approx"], f"approximate div/sqrt in the PTX: {context}"
+        # internal-linkage globals get a per-compile hash in their names (see test_reproducible)
+        assert not facts["internal"], f"{facts['internal'][:3]}: {context}"
         if kind == "adam":
             assert facts["ieee_div_sqrt"], context
         # 16-byte vector accesses are there (the aligned path)
@@ -137,7 +166,7 @@ def test_every_instantiation_compiles(compiled_ptx):
         assert facts["atomics"] == tracked and facts["atomic_add_u64"] == tracked, context
         for name in names:
             compiled.setdefault(name, set()).add(arch)
-    expected = set(cuda_backend.all_kernel_names("adam")) | set(cuda_backend.all_kernel_names("lion"))
+    expected = {name for kind in ALGORITHMS for name in cuda_backend.all_kernel_names(kind)}
     assert set(compiled) == expected
     assert all(found == set(ARCHS) for found in compiled.values())
 
@@ -145,7 +174,7 @@ def test_every_instantiation_compiles(compiled_ptx):
 def test_cubin_sample():
     """sm_90 cubins (what load_kernel builds on an H100): a plain kernel, and one per
     stochastic, Kahan and remainder policy with telemetry."""
-    for kind in cuda_backend.KINDS:
+    for kind in ALGORITHMS:
         all_names = cuda_backend.all_kernel_names(kind)
         names = [all_names[0]] + [next(n for n in all_names if word in n and n.endswith("true>"))
                                   for word in ("Stochastic<bf16opt::Fp16>", "Kahan", "Remainder")]
@@ -154,20 +183,38 @@ def test_cubin_sample():
         assert set(compiled.lowered) == set(names)
 
 
+def compiled_bytes(kind: str, names: list) -> bytes:
+    return compile_all(kind, "compute_90", names)[1].binary
+
+
+def test_reproducible():
+    """Two processes compiling the same program get the same bytes (what the on-disk
+    NVRTC cache and its tests expect): the sources declare no internal-linkage globals,
+    whose PTX names NVRTC salts with the process id."""
+    context = multiprocessing.get_context("spawn")
+    results = []
+    for _ in range(2):
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            results.append([pool.submit(compiled_bytes, kind, cuda_backend.all_kernel_names(kind)[:2])
+                            for kind in ALGORITHMS])
+    for kind, first, second in zip(ALGORITHMS, *results):
+        assert first.result() == second.result(), kind
+
+
 def test_compile_errors_point_at_the_real_file(tmp_path, monkeypatch):
     """#line markers: a broken header is reported at its own path and line."""
-    for source in cuda_backend.source_dir().iterdir():
+    for source in cuda_compile.source_dir().iterdir():
         if source.suffix in (".cu", ".cuh"):
             (tmp_path / source.name).write_text(source.read_text())
     broken = (tmp_path / "multi_tensor.cuh").read_text().splitlines()
     line = next(i for i, text in enumerate(broken) if "struct ChunkTable" in text)
     broken.insert(line, "this is not C++;")
     (tmp_path / "multi_tensor.cuh").write_text("\n".join(broken) + "\n")
-    monkeypatch.setattr(cuda_backend, "source_dir", lambda: tmp_path)
-    cuda_backend.kernel_source.cache_clear()
+    monkeypatch.setattr(cuda_compile, "source_dir", lambda: tmp_path)
+    cuda_compile.kernel_source.cache_clear()
     try:
-        with pytest.raises(cuda_backend.CompileError) as error:
+        with pytest.raises(cuda_compile.CompileError) as error:
             compile_all("lion", "compute_90", cuda_backend.all_kernel_names("lion")[:1])
     finally:
-        cuda_backend.kernel_source.cache_clear()
+        cuda_compile.kernel_source.cache_clear()
     assert f'{(tmp_path / "multi_tensor.cuh").as_posix()}({line + 1})' in str(error.value)

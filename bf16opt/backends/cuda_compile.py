@@ -201,12 +201,11 @@ def _decode_entry(data: bytes, key: str, names: Sequence[str]) -> Optional[Compi
     header, _, binary = data[len(_MAGIC):].partition(b"\n")
     try:
         fields = json.loads(header)
-        valid = (fields["key"] == key and fields["size"] == len(binary)
-                 and fields["sha256"] == hashlib.sha256(binary).hexdigest()
-                 and all(isinstance(fields["lowered"].get(n), str) for n in names))
-        return CompiledModule(binary, {n: fields["lowered"][n] for n in names}, str(fields["log"])) \
-            if valid else None
-    except (ValueError, KeyError, TypeError, AttributeError):
+        if (fields["key"] != key or fields["size"] != len(binary)
+                or fields["sha256"] != hashlib.sha256(binary).hexdigest()):
+            return None
+        return CompiledModule(binary, {n: str(fields["lowered"][n]) for n in names}, str(fields["log"]))
+    except (ValueError, KeyError, TypeError):  # not JSON, not a dict, a field missing
         return None
 
 

@@ -14,7 +14,8 @@ kernel from the seed, the step and each tensor's optimizer index (a row of the c
 table), so the table of a training loop stays the same from step to step.
 
 Compilation (``cuda_compile.py``): :func:`load_kernel` is the one loader, memoised per
-(device, kernel name).  CuPy is imported lazily: ``import bf16opt`` and this module work
+(device, kernel name); NVRTC's output is cached on disk across processes (keyed by source,
+options, architecture and NVRTC version), so a second process does not recompile.  CuPy is imported lazily: ``import bf16opt`` and this module work
 without it; :func:`check_available` raises a ValueError naming the extra to install.
 """
 
@@ -33,8 +34,8 @@ import torch
 from ..algorithms import ALGORITHMS, KernelConfig, kernel_config
 from ..precision import all_plans
 from .base import Bucket
-from .cuda_compile import compile_options, device_arch, kernel_source, nvrtc_compile
-from .staging import Staged, stage
+from .cuda_compile import cached_nvrtc_compile, compile_options, device_arch, kernel_source
+from .staging import Staged, check, stage
 
 name = "cupy"
 
@@ -160,8 +161,8 @@ def _load_module(device_index: int, kind: str, expression: str) -> tuple:
 
     with cupy.cuda.Device(device_index):
         arch = device_arch(int(cupy.cuda.Device(device_index).compute_capability))
-        compiled = nvrtc_compile(kernel_source(kind), [expression], compile_options(arch),
-                                 filename=f"{kind}.cu")
+        compiled = cached_nvrtc_compile(kernel_source(kind), [expression], compile_options(arch),
+                                        filename=f"{kind}.cu")
         module = cupy.cuda.function.Module()
         module.load(compiled.binary)
         return module, module.get_function(compiled.lowered[expression])
@@ -317,30 +318,57 @@ def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
             kernel((plan.grid,), (plan.block,), args)
 
 
-def run(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch], None]] = None,
-        **plan_options) -> None:
-    """Prepare and launch one bucket.
+def prepare(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch], None]] = None,
+            **plan_options):
+    """Everything that can fail, done now: checks, device availability, the kernel
+    (compiled or loaded).  Returns the launch, which cannot fail on user input.
 
     ``execute`` replaces the GPU launch (the CPU emulation passes its own);
     ``plan_options`` (chunk_size, block, max_grid) go to :func:`build_launch_plan`.
     """
+    config = bucket.config
+    if not isinstance(scalars, config.algorithm.scalars):
+        raise TypeError(f"{config.algorithm.name} needs {config.algorithm.scalars.__name__}, "
+                        f"got {type(scalars).__name__}")
     if not bucket.params:
-        return
-    columns = len(bucket.config.algorithm.counters)
-    prepared = prepare_launch(bucket, scalars, **plan_options)
-    if prepared is None:  # every param is empty
-        if bucket.counts is not None:
-            bucket.counts[:, :columns] = 0
-        return
+        return lambda: None
+    check(bucket, "cupy")
+    for field, value in zip(scalars._fields, scalars):
+        if float(np.float32(value)) != float(value) and not np.isnan(value):
+            raise ValueError(f"scalar {field}={value!r} is not a float32 value")
+    if config.stochastic and len(bucket.indices) != len(bucket.params):
+        raise ValueError("stochastic rounding needs bucket.indices (each param's index in the "
+                         "optimizer names its random streams)")
+    if not 0 <= bucket.seed < 2 ** 64:
+        raise ValueError(f"bucket.seed must be in [0, 2**64), got {bucket.seed}")
     if execute is None:
         device = bucket.params[0].device
         check_available(device)
-        _run_on_gpu(prepared, device)
-    else:
-        execute(prepared)
-    prepared.staged.finish()
-    if prepared.counts is not None:
-        # the reference writes every param's row (empty params count nothing)
-        counts = prepared.counts[:, :columns].to(bucket.counts.device)
-        bucket.counts[:, :columns] = 0
-        bucket.counts[list(prepared.plan.columns), :columns] = counts
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        load_kernel(index, config.algorithm.name, kernel_name(config))
+
+    def launch() -> None:
+        columns = len(config.algorithm.counters)
+        prepared = prepare_launch(bucket, scalars, **plan_options)
+        if prepared is None:  # every param is empty
+            if bucket.counts is not None:
+                bucket.counts[:, :columns] = 0
+            return
+        if execute is None:
+            _run_on_gpu(prepared, bucket.params[0].device)
+        else:
+            execute(prepared)
+        prepared.staged.finish()
+        if prepared.counts is not None:
+            # the reference writes every param's row (empty params count nothing)
+            counts = prepared.counts[:, :columns].to(bucket.counts.device)
+            bucket.counts[:, :columns] = 0
+            bucket.counts[list(prepared.plan.columns), :columns] = counts
+
+    return launch
+
+
+def run(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch], None]] = None,
+        **plan_options) -> None:
+    """Prepare and launch one bucket (see :func:`prepare`)."""
+    prepare(bucket, scalars, execute, **plan_options)()

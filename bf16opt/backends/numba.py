@@ -39,7 +39,7 @@ import torch
 from ..algorithms import ELEMENT_BYTES, KernelConfig
 from ..storage import GOLDEN, MASK32, fmix32_int
 from .base import Bucket
-from .staging import stage
+from .staging import check, stage
 
 name = "numba"
 
@@ -111,7 +111,7 @@ def stream_keys(seed: int, step: int, indices: list) -> np.ndarray:
     """uint32 (len(indices), 4): ``storage.stream_key(seed, step, index, buffer)`` for the
     buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), vectorised over tensors."""
     key = 0
-    for word in (seed & MASK32, (seed >> 32) & MASK32, step & MASK32):
+    for word in (seed & MASK32, ((seed >> 32) ^ (step >> 32)) & MASK32, step & MASK32):
         key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
     golden, mask = np.uint64(GOLDEN), np.uint64(MASK32)
     tensor = np.asarray(indices, dtype=np.int64).astype(np.uint64) & mask
@@ -121,36 +121,45 @@ def stream_keys(seed: int, step: int, indices: list) -> np.ndarray:
     return np.ascontiguousarray(keys.astype(np.uint32))
 
 
-def run(bucket: Bucket, scalars) -> None:
-    """One parallel kernel call over every tensor of the bucket."""
-    if not bucket.params:
-        return
+def prepare(bucket: Bucket, scalars):
+    """Everything that can fail, done now: checks, the chunk function (compiled or loaded),
+    the stream keys.  Returns the launch, which cannot fail on user input."""
     config = bucket.config
     if not isinstance(scalars, config.algorithm.scalars):
         raise TypeError(f"{config.algorithm.name} needs {config.algorithm.scalars.__name__}, "
                         f"got {type(scalars).__name__}")
+    if not bucket.params:
+        return lambda: None
     for param in bucket.params:
         if not param.is_cpu:  # (is_cpu, not device.type: asked for every param of every step)
             raise ValueError(f"numba backend: expected CPU tensors, got a param on {param.device}")
-    chunks = _chunks()
-    staged = stage(bucket, "numba")
-    chunk = chunk_function(config)
-    itemsizes = np.array([0 if d is None else ELEMENT_BYTES[d] for d in config.dtypes], dtype=np.int64)
-    table, bounds = _table(staged.pointers, staged.numels, itemsizes, chunks)
     n = len(bucket.params)
-    if config.stochastic:
-        if len(bucket.indices) != n:
-            raise ValueError(f"numba backend: stochastic rounding needs each param's index "
-                             f"(bucket.indices has {len(bucket.indices)} entries for {n} params)")
-        keys = stream_keys(bucket.seed, bucket.step, bucket.indices)
-    else:
-        keys = np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
+    if config.stochastic and len(bucket.indices) != n:
+        raise ValueError(f"numba backend: stochastic rounding needs each param's index "
+                         f"(bucket.indices has {len(bucket.indices)} entries for {n} params)")
+    check(bucket, "numba")
+    chunks = _chunks()
+    chunk = chunk_function(config)
+    keys = stream_keys(bucket.seed, bucket.step, bucket.indices) if config.stochastic else \
+        np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
     values = np.array([*scalars, -1.0 if config.flag("maximize") else 1.0], dtype=np.float32)
-    row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
-    with _KERNEL_LOCK:
-        chunks.run_chunks(chunk.address, table, values, keys, row_counts, bounds)
-    staged.finish()
-    if bucket.counts is not None:
-        columns = len(config.algorithm.counters)
-        totals = chunks.tensor_counts(table, row_counts, n)
-        bucket.counts[:, :columns] = torch.from_numpy(totals[:, :columns])
+    itemsizes = np.array([0 if d is None else ELEMENT_BYTES[d] for d in config.dtypes], dtype=np.int64)
+
+    def launch() -> None:
+        staged = stage(bucket, "numba", checked=True)
+        table, bounds = _table(staged.pointers, staged.numels, itemsizes, chunks)
+        row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
+        with _KERNEL_LOCK:
+            chunks.run_chunks(chunk.address, table, values, keys, row_counts, bounds)
+        staged.finish()
+        if bucket.counts is not None:
+            columns = len(config.algorithm.counters)
+            totals = chunks.tensor_counts(table, row_counts, n)
+            bucket.counts[:, :columns] = torch.from_numpy(totals[:, :columns])
+
+    return launch
+
+
+def run(bucket: Bucket, scalars) -> None:
+    """One parallel kernel call over every tensor of the bucket."""
+    prepare(bucket, scalars)()

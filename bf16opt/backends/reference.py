@@ -86,6 +86,7 @@ from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, decode, enc
                        encode_stochastic, join_remainder, random_bits, split_remainder,
                        stream_key)
 from .base import Bucket
+from .staging import check
 
 name = "reference"
 
@@ -256,6 +257,16 @@ def sgd(bucket: Bucket, s) -> None:
 UPDATES = {"adam": adam, "lion": lion, "sgd": sgd}
 
 
+def prepare(bucket: Bucket, scalars):
+    """Check the bucket (as the kernel backends do: dtypes, shapes, devices); returns the update."""
+    if not isinstance(scalars, bucket.config.algorithm.scalars):
+        raise TypeError(f"{bucket.config.algorithm.name} needs {bucket.config.algorithm.scalars.__name__}, "
+                        f"got {type(scalars).__name__}")
+    check(bucket, "reference")
+    update = UPDATES[bucket.config.algorithm.name]
+    return lambda: update(bucket, scalars)
+
+
 def run(bucket: Bucket, scalars) -> None:
     """Update every param of ``bucket`` with its algorithm's math."""
-    UPDATES[bucket.config.algorithm.name](bucket, scalars)
+    prepare(bucket, scalars)()

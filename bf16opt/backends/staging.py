@@ -27,7 +27,7 @@ import torch
 
 from .base import Bucket
 
-__all__ = ["Staged", "same_dense_layout", "stage"]
+__all__ = ["Staged", "check", "same_dense_layout", "stage"]
 
 
 def same_dense_layout(buffers: list) -> bool:
@@ -71,20 +71,38 @@ def _check(role, tensor, dtype, param, i: int, backend: str) -> None:
     if tensor is None:
         raise ValueError(f"{backend} backend: {role.name} of param {i} is missing; the "
                          f"configuration needs a {dtype} tensor")
-    if tensor.dtype != dtype or tensor.numel() != param.numel() or tensor.device != param.device:
-        raise ValueError(f"{backend} backend: {role.name} of param {i} is {tensor.dtype} with "
-                         f"{tensor.numel()} elements on {tensor.device}; the configuration needs "
-                         f"{dtype} with {param.numel()} on {param.device}")
+    if tensor.dtype != dtype or tensor.shape != param.shape or tensor.device != param.device:
+        raise ValueError(f"{backend} backend: {role.name} of param {i} is {tensor.dtype} of shape "
+                         f"{tuple(tensor.shape)} on {tensor.device}; the configuration needs "
+                         f"{dtype} of shape {tuple(param.shape)} on {param.device}")
+    if tensor.numel() and not tensor.data_ptr():
+        raise TypeError(f"{backend} backend: {role.name} of param {i} has no data pointer "
+                        f"({type(tensor).__name__}); the kernels address plain dense tensors")
 
 
-def stage(bucket: Bucket, backend: str) -> Staged:
-    """Check and lay out every array of ``bucket`` for one kernel launch (see module doc)."""
+def check(bucket: Bucket, backend: str) -> None:
+    """Raise ValueError unless every present role of every param has the configuration's
+    dtype and the param's shape and device, and absent roles are absent: what makes a
+    raw-pointer launch safe.  Changes nothing (the step's check phase calls it)."""
     config = bucket.config
-    present = config.present()
     roles = config.algorithm.roles
     for k, role in enumerate(roles):
         if config.dtypes[k] is None and any(t is not None for t in bucket.tensors[k]):
             raise ValueError(f"{backend} backend: {role.name} is not part of this configuration")
+    present = config.present()
+    for i, param in enumerate(bucket.tensors[0]):
+        for k, role, dtype, _ in present:
+            _check(role, bucket.tensors[k][i], dtype, param, i, backend)
+
+
+def stage(bucket: Bucket, backend: str, checked: bool = False) -> Staged:
+    """Lay out every array of ``bucket`` for one kernel launch (see module doc); ``checked``:
+    :func:`check` has passed already and nothing changed since."""
+    if not checked:
+        check(bucket, backend)
+    config = bucket.config
+    present = config.present()
+    roles = config.algorithm.roles
     n = len(bucket.params)
     any_memory_order = not config.stochastic
     tensors = [list(column) for column in bucket.tensors]
@@ -95,7 +113,6 @@ def stage(bucket: Bucket, backend: str) -> Staged:
         in_place = None  # decided at the first non-contiguous buffer (rare: checked lazily)
         for k, role, dtype, _ in present:
             tensor = bucket.tensors[k][i]
-            _check(role, tensor, dtype, param, i, backend)
             if not tensor.is_contiguous():
                 if in_place is None:
                     in_place = any_memory_order and same_dense_layout(

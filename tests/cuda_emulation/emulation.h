@@ -4,9 +4,9 @@
 // __global__/__device__ become plain inline functions, blockIdx/threadIdx/blockDim/
 // gridDim are globals that the generated launch wrappers set while looping over every
 // block and thread of the grid, and the bit-cast intrinsics go through memcpy.
-// Compile with -O2 -ffp-contract=off (no -ffast-math), so every float operation is
-// one IEEE-rounded operation as with NVRTC's --fmad=false, and -fno-strict-aliasing
-// (the kernels reinterpret arrays as 16-byte packs, as CUDA code does).
+// Compile with -ffp-contract=off (no -ffast-math), so every float operation is one
+// IEEE-rounded operation as with NVRTC's --fmad=false, and -fno-strict-aliasing (the
+// kernels reinterpret arrays as 16-byte packs, as CUDA code does); emulator.py's CXXFLAGS.
 #pragma once
 
 #include <math.h>

@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bf16opt.algorithms import ALGORITHMS
 from bf16opt.backends import cupy as cuda_backend
+from bf16opt.backends.cuda_compile import kernel_source
 
 HERE = Path(__file__).resolve().parent
 CXX = os.environ.get("CXX", "g++")
@@ -34,7 +36,6 @@ CXX = os.environ.get("CXX", "g++")
 # (SSE float math, no fast-math, no contraction); -O2 costs 4x the build time.
 CXXFLAGS = ("-std=c++17", "-O0", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing",
             "-fPIC", "-Wall", "-Wno-unknown-pragmas", "-Werror")
-SCALAR_COUNT = {"adam": 9, "lion": 6}
 PER_UNIT = 24  # instantiations per translation unit; units are compiled in parallel
 
 
@@ -45,19 +46,24 @@ def compiler_problem() -> str | None:
     return None
 
 
+def scalar_count(kind: str) -> int:
+    """Float scalars of ``kind``'s kernels (after ``flags``), from its description."""
+    return len(ALGORITHMS[kind].scalars._fields)
+
+
 def symbol(kind: str, index: int) -> str:
     return f"bf16opt_emulated_{kind}_{index}"
 
 
 def _translation_units() -> list:
     units = []
-    for kind in cuda_backend.KINDS:
+    for kind in ALGORITHMS:
         names = cuda_backend.all_kernel_names(kind)
-        scalars = ", ".join(f"s[{k}]" for k in range(SCALAR_COUNT[kind]))
+        scalars = ", ".join(f"s[{k}]" for k in range(scalar_count(kind)))
         parts = -(-len(names) // PER_UNIT)
         for part in range(parts):
             lines = [f'#include "{(HERE / "emulation.h").as_posix()}"',
-                     cuda_backend.kernel_source(kind)]
+                     kernel_source(kind)]
             for index in range(part, len(names), parts):
                 lines.append(
                     f'extern "C" void {symbol(kind, index)}(unsigned grid, unsigned block, '
@@ -68,7 +74,7 @@ def _translation_units() -> list:
                     f"n_chunks, chunk_size, seed, step, counts, flags, {scalars}); }});\n}}")
             units.append((f"{kind}_{part}.cpp", "\n".join(lines) + "\n"))
     units.append(("probe.cpp", f'#include "{(HERE / "emulation.h").as_posix()}"\n'
-                  + cuda_backend.kernel_source("lion") + PROBE_SOURCE))
+                  + kernel_source("lion") + PROBE_SOURCE))
     return units
 
 
@@ -178,7 +184,7 @@ def execute(prepared: cuda_backend.PreparedLaunch) -> None:
     plan = prepared.plan
     table = np.ascontiguousarray(plan.table, dtype=np.int64)
     scalars = np.asarray(prepared.scalars, dtype=np.float32)
-    assert scalars.size == SCALAR_COUNT[prepared.kind]
+    assert scalars.size == scalar_count(prepared.kind)
     counts = prepared.counts
     if counts is not None:
         assert counts.device.type == "cpu" and counts.dtype == torch.int64 and counts.is_contiguous()
