@@ -13,22 +13,23 @@ from .optimizer import MixedPrecisionOptimizer
 __all__ = ["Adam", "AdamW", "adam_scalars"]
 
 
-def adam_scalars(group: dict, step: int) -> AdamScalars:
-    """The float32 scalars of one Adam step (host float64 math, one rounding each)."""
+def adam_scalars(group: dict, step: int, rounded=f32) -> AdamScalars:
+    """The float32 scalars of one Adam step (host float64 math, one rounding each);
+    ``rounded=float`` keeps float64 scalars for float64 params."""
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
     weight_decay = float(group["weight_decay"])
     decoupled = group["decoupled_weight_decay"]
     return AdamScalars(
-        beta1=f32(beta1),
-        beta2=f32(beta2),
-        one_minus_beta1=f32(1.0 - beta1),
-        one_minus_beta2=f32(1.0 - beta2),
-        step_size=f32(lr / (1.0 - beta1 ** step)),
-        inv_sqrt_bias_correction2=f32(1.0 / math.sqrt(1.0 - beta2 ** step)),
-        eps=f32(float(group["eps"])),
-        weight_decay=0.0 if decoupled else f32(weight_decay),
-        decay=f32(1.0 - lr * weight_decay) if decoupled else 1.0,
+        beta1=rounded(beta1),
+        beta2=rounded(beta2),
+        one_minus_beta1=rounded(1.0 - beta1),
+        one_minus_beta2=rounded(1.0 - beta2),
+        step_size=rounded(lr / (1.0 - beta1 ** step)),
+        inv_sqrt_bias_correction2=rounded(1.0 / math.sqrt(1.0 - beta2 ** step)),
+        eps=rounded(float(group["eps"])),
+        weight_decay=0.0 if decoupled else rounded(weight_decay),
+        decay=rounded(1.0 - lr * weight_decay) if decoupled else 1.0,
     )
 
 
@@ -92,8 +93,8 @@ class Adam(MixedPrecisionOptimizer):
         l2 = (not group["decoupled_weight_decay"]) and float(group["weight_decay"]) != 0.0
         return {"amsgrad": group["amsgrad"], "maximize": group["maximize"], "l2": l2}
 
-    def _scalars(self, group: dict, step: int) -> AdamScalars:
-        return adam_scalars(group, step)
+    def _scalars(self, group: dict, step: int, rounded=f32) -> AdamScalars:
+        return adam_scalars(group, step, rounded)
 
 
 class AdamW(Adam):

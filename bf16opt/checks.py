@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .precision import PARAM_DTYPES
+from .precision import FLOAT64, PARAM_DTYPES
 
 def check_number(value, argument: str, label: Optional[str] = None, *, low: float = 0.0,
                  high: Optional[float] = None, high_inclusive: bool = False) -> float:
@@ -106,10 +106,10 @@ def check_param(param, name: str) -> None:
     if param.is_sparse or param.layout != torch.strided:
         raise TypeError(f"{name} has layout {param.layout}; only dense (strided) params "
                         f"are supported")
-    if param.dtype not in PARAM_DTYPES:
-        raise TypeError(f"{name} has dtype {param.dtype}; bf16opt optimizes float32, "
-                        f"bfloat16 and float16 params (complex, integer and float64 params are "
-                        f"not supported)")
+    if param.dtype not in PARAM_DTYPES + (FLOAT64, torch.complex64, torch.complex128):
+        raise TypeError(f"{name} has dtype {param.dtype}; bf16opt optimizes float64, float32, "
+                        f"bfloat16 and float16 params and complex64/complex128 ones (as real "
+                        f"views, like torch.optim)")
     if not param.is_leaf:
         raise ValueError(f"{name} is not a leaf tensor; can't optimize a non-leaf Tensor")
     if param.is_meta:

@@ -10,17 +10,18 @@ from .optimizer import MixedPrecisionOptimizer
 __all__ = ["Lion", "lion_scalars"]
 
 
-def lion_scalars(group: dict) -> LionScalars:
-    """The float32 scalars of one Lion step (host float64 math, one rounding each)."""
+def lion_scalars(group: dict, rounded=f32) -> LionScalars:
+    """The float32 scalars of one Lion step (host float64 math, one rounding each);
+    ``rounded=float`` keeps float64 scalars for float64 params."""
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
     return LionScalars(
-        beta1=f32(beta1),
-        beta2=f32(beta2),
-        one_minus_beta1=f32(1.0 - beta1),
-        one_minus_beta2=f32(1.0 - beta2),
-        lr=f32(lr),
-        decay=f32(1.0 - lr * float(group["weight_decay"])),
+        beta1=rounded(beta1),
+        beta2=rounded(beta2),
+        one_minus_beta1=rounded(1.0 - beta1),
+        one_minus_beta2=rounded(1.0 - beta2),
+        lr=rounded(lr),
+        decay=rounded(1.0 - lr * float(group["weight_decay"])),
     )
 
 
@@ -60,5 +61,5 @@ class Lion(MixedPrecisionOptimizer):
     def _flags(self, group: dict) -> dict:
         return {"maximize": group["maximize"]}
 
-    def _scalars(self, group: dict, step: int) -> LionScalars:
-        return lion_scalars(group)
+    def _scalars(self, group: dict, step: int, rounded=f32) -> LionScalars:
+        return lion_scalars(group, rounded)

@@ -25,9 +25,24 @@ import torch
 
 from . import state_dict as state_dicts
 from .algorithms import Algorithm, KernelConfig, kernel_config
-from .backends import Bucket, check_backend_name, resolve_backend
+from .backends import Bucket, check_backend_name, f32, reference, resolve_backend
 from .checks import check_flag, check_implementation_flags, check_no_aliasing, check_param, check_seed
 from .precision import Precision, as_precision, plan_for
+
+
+def real_view(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A complex tensor as the real tensor of its (re, im) pairs (torch.optim's treatment of
+    complex params: the update acts on each part); other tensors as they are."""
+    return torch.view_as_real(tensor) if tensor is not None and tensor.is_complex() else tensor
+
+
+def _float64_backend(name: str):
+    """float64 params are updated in float64 math by the reference backend: the kernels
+    compute in float32, which would silently lose the params' precision."""
+    if name in ("numba", "cupy"):
+        raise ValueError(f"backend={name!r} updates float32, bfloat16 and float16 params; float64 "
+                         f"params are updated in float64 math by backend='reference' (or 'auto')")
+    return reference
 
 
 @dataclass
@@ -118,7 +133,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Validate and normalise a group in place (precision, backend, hyper-parameters)."""
         group["precision"] = self._checked_precision(group)
         for param in params:
-            plan_for(group["precision"], param.dtype)  # rejects invalid dtype combinations
+            plan_for(group["precision"], real_view(param).dtype)  # rejects invalid dtype combinations
+            if real_view(param).dtype == torch.float64:
+                _float64_backend(group["backend"])
         for device in {p.device for p in params}:
             resolve_backend(group["backend"], device)
 
@@ -143,7 +160,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                              tuple(self._flags(group).items()), bool(group.get("track_precision")))
 
     def _state_config(self, group: dict, param: torch.Tensor) -> KernelConfig:
-        """The configuration a param's state is kept for (state_dict.py converts into it)."""
+        """The configuration a param's state is kept for (state_dict.py converts into it);
+        ``param``: its real view."""
         return self._config(group, as_precision(group["precision"]), param)
 
     @property
@@ -218,47 +236,50 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         for device in {param.device for param in params}}
             position = {id(p): first_index + i for i, p in enumerate(group["params"])}
             entries = []
-            for param in params:
-                number = position[id(param)]
+            for original in params:
+                number = position[id(original)]
+                param = real_view(original)  # complex params are updated as real views, like torch
                 config = self._config(group, precision, param)
-                state = self.state.get(param)
+                state = self.state.get(original)
                 if not state:  # first step: a new state, installed in phase two
-                    state = plan.states[param] = {"step": torch.tensor(0.0, dtype=torch.float64)}
-                elif known.get(param) is not config and not state_dicts.state_fits(state, config):
+                    state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
+                elif known.get(original) is not config and not state_dicts.state_fits(state, config):
                     state, new_param = state_dicts.convert_state(config, state, param, number,
                                                                  type(self).__name__)
-                    plan.states[param] = state
+                    plan.states[original] = state
                     if new_param is not None:
                         plan.param_writes.append((param, new_param))
                 counter = self._step_count(state, number)
                 made = self._new_buffers(param, state, config)
                 if made:
-                    plan.buffers[param] = made
-                plan.known[param] = config
+                    plan.buffers[original] = made
+                plan.known[original] = config
                 fresh = self._fresh_flags(set(made))
                 if fresh:
                     config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
                                            config.track)
-                entries.append((param, config, {**state, **made}, counter, number))
-            plan.counters.extend(entry[3] for entry in entries)
-            steps = [int(s) + 1 for s in torch.stack([e[3].double() for e in entries]).tolist()]
+                entries.append((param, real_view(original.grad), config, {**state, **made}, counter, number))
+            plan.counters.extend(entry[4] for entry in entries)
+            steps = [int(s) + 1 for s in torch.stack([e[4].double() for e in entries]).tolist()]
             buckets = {}
-            for (param, config, state, _, number), step in zip(entries, steps):
+            for (param, grad, config, state, _, number), step in zip(entries, steps):
                 key = (param.device, config, step)
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = Bucket(config, seed=group["seed"], step=step)
-                bucket.append([param, param.grad] + [None if state_key is None else state[state_key]
-                                                     for state_key in config.state_keys[2:]], number)
+                bucket.append([param, grad] + [None if state_key is None else state[state_key]
+                                               for state_key in config.state_keys[2:]], number)
             for (device, config, step), bucket in buckets.items():
-                scalars = self._scalars(group, step)
+                float64 = config.plan.param == torch.float64
+                scalars = self._scalars(group, step, float if float64 else f32)
+                backend = _float64_backend(group["backend"]) if float64 else backends[device]
                 bad = [name for name, value in zip(scalars._fields, scalars) if not math.isfinite(value)]
                 if bad:
                     raise ValueError(f"param group {group_number}: its hyper-parameters give non-finite "
                                      f"float32 {', '.join(bad)} at step {step}; lower lr or weight_decay")
                 if config.track:
                     bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
-                plan.launches.append((bucket, backends[device].prepare(bucket, scalars)))
+                plan.launches.append((bucket, backend.prepare(bucket, scalars)))
         return plan
 
     @torch.no_grad()

@@ -23,6 +23,8 @@ Rules that turn a request into a plan (documented in the README too):
 * ``compensation="kahan"`` adds a buffer (``compensation_dtype``, bfloat16 by default)
   that carries each step's rounding error of 16-bit master weights into the next step;
   with a float32 master there is nothing to compensate and no buffer is made.
+* float64 params are their own master (no preset is more precise) and are updated in
+  float64 math; their moments keep the preset's dtypes.
 * ``compensation="remainder"`` (requires ``master="fp32"``) stores the float32 master of
   bfloat16 params exactly as the param plus a 16-bit remainder.  The param is then the
   master rounded to nearest with ties away from zero (not to even): an even bfloat16
@@ -39,13 +41,16 @@ import torch
 
 __all__ = ["Precision", "PRESETS", "StoragePlan", "all_plans", "as_precision", "plan_for"]
 
+#: dtypes a Precision may name, and the params the kernels update
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: float64 params are updated too, in float64 math, by the reference backend (see plan_for)
+FLOAT64 = torch.float64
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 ROUNDINGS = ("nearest", "stochastic")
 COMPENSATIONS = (None, "kahan", "remainder")
 
 # significand bits, the order in which a master may replace a param
-_SIGNIFICAND_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+_SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
 _DTYPE_NAMES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -224,8 +229,8 @@ class StoragePlan:
 
 @functools.lru_cache(maxsize=None)  # pure, and called for every param at every step
 def plan_for(precision: Precision, param_dtype: torch.dtype) -> StoragePlan:
-    if param_dtype not in PARAM_DTYPES:
-        raise TypeError(f"params must be float32, bfloat16 or float16, got {param_dtype}")
+    if param_dtype not in PARAM_DTYPES and param_dtype != FLOAT64:
+        raise TypeError(f"params must be float64, float32, bfloat16 or float16, got {param_dtype}")
     if precision.master == torch.float16 and param_dtype == torch.bfloat16:
         raise ValueError(
             "Precision(master=float16) is invalid for bfloat16 params: float16 cannot hold "
@@ -235,10 +240,11 @@ def plan_for(precision: Precision, param_dtype: torch.dtype) -> StoragePlan:
     compensation = precision.compensation
     if compensation == "remainder" and param_dtype == torch.bfloat16:
         master = None  # the param and the remainder are the master
-    elif compensation == "remainder" or (compensation == "kahan" and (master or param_dtype) == torch.float32):
+    elif compensation == "remainder" or (compensation == "kahan" and (master or param_dtype) in (torch.float32,
+                                                                                                FLOAT64)):
         compensation = None  # float32 params are their own master; nothing to compensate
     master_dtype = master or param_dtype
-    sixteen_bit = {master_dtype, precision.exp_avg, precision.exp_avg_sq} - {torch.float32}
+    sixteen_bit = {master_dtype, precision.exp_avg, precision.exp_avg_sq} - {torch.float32, FLOAT64}
     return StoragePlan(
         param=param_dtype,
         master=master,

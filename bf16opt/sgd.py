@@ -13,13 +13,14 @@ from .optimizer import MixedPrecisionOptimizer
 __all__ = ["SGD", "sgd_scalars"]
 
 
-def sgd_scalars(group: dict) -> SGDScalars:
-    """The float32 scalars of one SGD step (host float64 math, one rounding each)."""
+def sgd_scalars(group: dict, rounded=f32) -> SGDScalars:
+    """The float32 scalars of one SGD step (host float64 math, one rounding each);
+    ``rounded=float`` keeps float64 scalars for float64 params."""
     return SGDScalars(
-        momentum=f32(float(group["momentum"])),
-        one_minus_dampening=f32(1.0 - float(group["dampening"])),
-        lr=f32(float(group["lr"])),
-        weight_decay=f32(float(group["weight_decay"])),
+        momentum=rounded(float(group["momentum"])),
+        one_minus_dampening=rounded(1.0 - float(group["dampening"])),
+        lr=rounded(float(group["lr"])),
+        weight_decay=rounded(float(group["weight_decay"])),
     )
 
 
@@ -76,5 +77,5 @@ class SGD(MixedPrecisionOptimizer):
         # torch clones the gradient into a new momentum buffer instead of decaying it
         return {"first": "momentum_buffer" in created}
 
-    def _scalars(self, group: dict, step: int) -> SGDScalars:
-        return sgd_scalars(group)
+    def _scalars(self, group: dict, step: int, rounded=f32) -> SGDScalars:
+        return sgd_scalars(group, rounded)

@@ -23,6 +23,11 @@ import torch
 
 from .algorithms import KernelConfig
 from .precision import as_precision
+
+
+def real_view(tensor):
+    from .optimizer import real_view as view  # (optimizer imports this module)
+    return view(tensor)
 from .storage import decode, encode, join_remainder, split_remainder
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "convert_state", "load", "save", "state_fits"]
@@ -105,10 +110,11 @@ def load(optimizer, state_dict: dict) -> None:
             raise ValueError(f"loaded state dict holds state for param index {index!r}, "
                              f"which none of its param groups lists")
         param, group = param_of_index[index]
-        config = optimizer._state_config(group, param)
-        new_state[param], new_param = convert_state(config, saved_state, param, index, name)
+        real = real_view(param)
+        config = optimizer._state_config(group, real)
+        new_state[param], new_param = convert_state(config, saved_state, real, index, name)
         if new_param is not None:
-            param_writes.append((param, new_param))
+            param_writes.append((real, new_param))
 
     optimizer.param_groups[:] = new_groups
     optimizer.state = new_state
@@ -158,6 +164,9 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
     """
     if not isinstance(saved, Mapping):
         raise ValueError(f"state of param {index} must be a dict, got {type(saved).__name__}")
+    # torch.optim keeps a complex param's state complex; bf16opt keeps its real view
+    saved = {key: torch.view_as_real(value) if isinstance(value, torch.Tensor) and value.is_complex()
+             and key != "step" else value for key, value in saved.items()}
     algorithm = config.algorithm
     moments = [role.name for role in algorithm.moment_roles]
     unknown = set(saved) - {"step", *COMPANION_KEYS, *moments}
@@ -210,7 +219,7 @@ def _saved_master(saved: dict, param: torch.Tensor, index) -> torch.Tensor:
             raise ValueError(f"remainder of param {index} must be an int16 tensor of shape "
                              f"{tuple(param.shape)}")
         return join_remainder(param.detach(), remainder.to(param.device))
-    return decode(param.detach()).clone()
+    return decode(param.detach()).float().clone()
 
 
 def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -220,7 +229,10 @@ def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str) -> tor
     if value.shape != param.shape:
         raise ValueError(f"{what} has shape {tuple(value.shape)}, but the param has shape "
                          f"{tuple(param.shape)}")
-    value_f32 = decode(value.detach().to(param.device))  # float64 states round here
+    value = value.detach().to(param.device)
+    if dtype == torch.float64:  # (no storage plan keeps float64 today; exact if one does)
+        return torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
+    value_f32 = decode(value)  # float64 states round here
     result = torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
     result.copy_(encode(value_f32, dtype))
     return result

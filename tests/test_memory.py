@@ -93,7 +93,7 @@ def test_table_covers_every_preset_and_agrees_with_the_readme():
 @pytest.mark.parametrize("opt_name,amsgrad", CONFIGS)
 @pytest.mark.parametrize("preset,dtype", CASES, ids=case_id)
 def test_memory_report_matches_storage_table(preset, dtype, opt_name, amsgrad):
-    """Every buffer's bytes per param, and nothing else but torch's 4-byte `step` per tensor."""
+    """Every buffer's bytes per param, and nothing else but an 8-byte (float64) `step` per tensor."""
     kwargs = kwargs_of(opt_name, amsgrad)
     model, opt = stepped(getattr(bf16opt, opt_name), preset, dtype, **kwargs)
     report = bf16opt.memory_report(opt)
@@ -107,7 +107,7 @@ def test_memory_report_matches_storage_table(preset, dtype, opt_name, amsgrad):
     assert set(report.bytes) - {"params", "grads", "step"} == set(expected)
     others = {name: nbytes for name, nbytes in report.bytes.items()
               if name not in expected and name not in ("params", "grads") and nbytes}
-    assert others == {"step": 4 * len(list(model.parameters()))}
+    assert others == {"step": 8 * len(list(model.parameters()))}  # float64 step counters
 
 
 @pytest.mark.parametrize("opt_name,amsgrad", CONFIGS)
@@ -121,7 +121,7 @@ def test_bf16_optimizer_bytes_match_the_readme_table(preset, opt_name, amsgrad):
     exp_avg_sq = bf16opt.PRESETS[preset].exp_avg_sq.itemsize
     expected = README_ADAM_BYTES[preset] - (exp_avg_sq if opt_name in ("Lion", "SGD") else 0)
     expected += exp_avg_sq if amsgrad else 0
-    steps = 4 * len(list(model.parameters()))
+    steps = 8 * len(list(model.parameters()))  # float64 step counters
     assert (report.optimizer_bytes - steps) / report.num_params == expected
 
 

@@ -54,6 +54,10 @@ SGD (torch.optim.SGD's order), per element::
     u  = g * lr;  w = w - u
     store b (stream EXP_AVG); store_weights(w0, w).
 
+float64 params run the same listings in float64 math with unrounded float64 scalars (torch
+keeps float64 params in float64 too); their float32 or bfloat16 moments are encoded from the
+float64 result rounded to float32.
+
 ``w0`` is the master value before the step: decode(master copy), decode(param), or
 join_remainder(param, remainder).  The moments used in an update are the float32
 results before encoding; what is stored is their encoding: round to nearest even, or
@@ -91,16 +95,26 @@ from .staging import check
 name = "reference"
 
 
+def _value(bucket: Bucket, x: torch.Tensor) -> torch.Tensor:
+    """A stored tensor's value in the bucket's compute dtype: float32 (``decode``), or
+    float64 for float64 params, whose update is the same listing in float64 math."""
+    return x.double() if bucket.plan.param == torch.float64 else decode(x)
+
+
 def _master_value(bucket: Bucket, i: int) -> torch.Tensor:
     weights = bucket.config.weights
     param = bucket.params[i]
     if weights == "remainder":
         return join_remainder(param, bucket["companion"][i])
-    return decode(bucket["companion"][i] if weights == "copy" else param)
+    return _value(bucket, bucket["companion"][i] if weights == "copy" else param)
 
 
 def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer: int) -> torch.Tensor:
-    """Encode with the plan's rounding; ``buffer`` names the random stream."""
+    """Encode with the plan's rounding; ``buffer`` names the random stream.  float64 results
+    are stored as they are (NaN canonical) or rounded to float32 first, then encoded."""
+    if dtype == torch.float64:
+        return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x)
+    x = x.float()  # a no-op for float32 math
     if bucket.config.stochastic and dtype != torch.float32:
         key = stream_key(bucket.seed, bucket.step, bucket.indices[i], buffer)
         return encode_stochastic(x, dtype, random_bits(key, x.shape, x.device))
@@ -124,7 +138,7 @@ def _stored_master_bits(bucket: Bucket, i: int) -> list:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    view = torch.int32 if a.element_size() == 4 else torch.int16
+    view = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
     return a.view(view) == b.view(view)
 
 
@@ -159,7 +173,9 @@ def _count(bucket: Bucket, i: int, before: list, u: torch.Tensor, moments: list)
 
 
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded float32 square root (see module doc)."""
+    """Correctly rounded float32 square root (see module doc); float64's is IEEE already."""
+    if x.dtype == torch.float64:
+        return torch.sqrt(x)
     root = torch.sqrt(x.double()).float()
     below = torch.nextafter(root, torch.zeros_like(root))
     above = torch.nextafter(root, torch.full_like(root, float("inf")))
@@ -182,7 +198,7 @@ def _sign(c: torch.Tensor) -> torch.Tensor:
 
 
 def _gradient(bucket: Bucket, i: int) -> torch.Tensor:
-    g = decode(bucket["grad"][i])
+    g = _value(bucket, bucket["grad"][i])
     return torch.neg(g) if bucket.config.flag("maximize") else g
 
 
@@ -195,10 +211,10 @@ def adam(bucket: Bucket, s) -> None:
         if l2:
             g = torch.add(g, torch.mul(w, s.weight_decay))
         w = torch.mul(w, s.decay)
-        m = torch.add(torch.mul(decode(bucket["exp_avg"][i]), s.beta1), torch.mul(g, s.one_minus_beta1))
-        v = torch.add(torch.mul(decode(bucket["exp_avg_sq"][i]), s.beta2),
+        m = torch.add(torch.mul(_value(bucket, bucket["exp_avg"][i]), s.beta1), torch.mul(g, s.one_minus_beta1))
+        v = torch.add(torch.mul(_value(bucket, bucket["exp_avg_sq"][i]), s.beta2),
                       torch.mul(torch.mul(g, g), s.one_minus_beta2))
-        v_hat = _maximum(decode(bucket["max_exp_avg_sq"][i]), v) if amsgrad else v
+        v_hat = _maximum(_value(bucket, bucket["max_exp_avg_sq"][i]), v) if amsgrad else v
         d = torch.add(torch.mul(_sqrt(v_hat), s.inv_sqrt_bias_correction2), s.eps)
         u = torch.mul(torch.div(m, d), s.step_size)
         w = torch.sub(w, u)
@@ -217,7 +233,7 @@ def lion(bucket: Bucket, s) -> None:
         g = _gradient(bucket, i)
         w0 = _master_value(bucket, i)
         w = torch.mul(w0, s.decay)
-        m_old = decode(bucket["exp_avg"][i])
+        m_old = _value(bucket, bucket["exp_avg"][i])
         c = torch.add(torch.mul(m_old, s.beta1), torch.mul(g, s.one_minus_beta1))
         u = torch.mul(_sign(c), s.lr)
         w = torch.sub(w, u)
@@ -243,7 +259,7 @@ def sgd(bucket: Bucket, s) -> None:
             if first:
                 b = g
             else:
-                b = torch.add(torch.mul(decode(bucket["momentum_buffer"][i]), s.momentum),
+                b = torch.add(torch.mul(_value(bucket, bucket["momentum_buffer"][i]), s.momentum),
                               torch.mul(g, s.one_minus_dampening))
             g = torch.add(g, torch.mul(b, s.momentum)) if nesterov else b
             moments.append((b, _store_moment(bucket, i, "momentum_buffer", b, EXP_AVG)))
