@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 __all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KEYS", "balanced_bounds", "build_chunk_table",
-           "run_chunks", "tensor_counts"]
+           "run_chunks", "run_chunks_serial", "tensor_counts"]
 
 #: elements per chunk: large enough for long vector loops, small enough to balance threads
 CHUNK = 1 << 15
@@ -129,6 +129,19 @@ def run_chunks(address, table, scalars, keys, row_counts, bounds):
     """
     width = table.shape[1]
     for part in prange(bounds.size - 1):
+        for row in range(bounds[part], bounds[part + 1]):
+            tensor = table[row, width - 1]
+            _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
+                        _element_pointer(keys, tensor * KEYS),
+                        _element_pointer(row_counts, row * COUNTERS))
+
+
+@njit(nogil=True, cache=True)
+def run_chunks_serial(address, table, scalars, keys, row_counts, bounds):
+    """:func:`run_chunks` on the calling thread only: for forked children, where the parent's
+    OpenMP thread pool (Numba's ``omp`` layer) is not usable.  Same rows, same bits."""
+    width = table.shape[1]
+    for part in range(bounds.size - 1):
         for row in range(bounds[part], bounds[part + 1]):
             tensor = table[row, width - 1]
             _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),

@@ -21,6 +21,13 @@ layer (the one left when neither TBB nor OpenMP is installed) aborts the process
 Python threads enter parallel code at once, and two parallel calls would only
 oversubscribe the cores anyway.
 
+Processes: in a child made by ``fork()`` (a DataLoader worker with the fork start method,
+a multiprocessing pool) the kernels run on the calling thread (``run_chunks_serial``): the
+parent's OpenMP pool, which Numba's ``omp`` threading layer uses, hangs in a forked child.
+Results are the same bits; for parallel updates in a subprocess use the spawn start method.
+(torch's own parallel ops have the same problem in a fork child unless it calls
+``torch.set_num_threads(1)``, as DataLoader workers do.)
+
 Non-contiguous tensors are laid out by ``staging.py`` (in place in memory order when
 every buffer shares one dense layout and no stochastic rounding is involved, otherwise
 through contiguous copies written back afterwards); both keep results identical to the
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import threading
 
 import numpy as np
@@ -48,6 +56,19 @@ _VIEW_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float
                 torch.int16: np.int16}
 
 _KERNEL_LOCK = threading.Lock()  # one parallel kernel at a time (see the module docstring)
+_FORKED = False                  # this process is a fork() child: kernels run serially
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the lock in whatever state a parent thread left it, and the
+    parent's OpenMP thread pool (Numba's ``omp`` layer; GNU OpenMP is not fork-safe): make
+    a new lock and run kernels on the child's one thread (same bits)."""
+    global _KERNEL_LOCK, _FORKED
+    _KERNEL_LOCK = threading.Lock()
+    _FORKED = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _TABLE_CACHE: dict = {}
 _TABLE_CACHE_SIZE = 16
 
@@ -150,7 +171,8 @@ def prepare(bucket: Bucket, scalars):
         table, bounds = _table(staged.pointers, staged.numels, itemsizes, chunks)
         row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
         with _KERNEL_LOCK:
-            chunks.run_chunks(chunk.address, table, values, keys, row_counts, bounds)
+            driver = chunks.run_chunks_serial if _FORKED else chunks.run_chunks
+            driver(chunk.address, table, values, keys, row_counts, bounds)
         staged.finish()
         if bucket.counts is not None:
             columns = len(config.algorithm.counters)
