@@ -111,8 +111,8 @@ class CopyEngine:
                 buf, pinned = torch.empty(shape, dtype=dtype, pin_memory=True), True
             except RuntimeError as exc:
                 self.pinned = False
-                warnings.warn(f"page-locked host memory unavailable ({exc}); using pageable memory, "
-                              "so host<->device copies will not overlap compute", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"page-locked host memory unavailable ({exc}); using pageable memory",
+                              RuntimeWarning, stacklevel=2)
         if buf is None:
             buf = torch.empty(shape, dtype=dtype)
         storage = buf.untyped_storage()  # one Python object per storage: dies with the last view
@@ -147,7 +147,7 @@ class CopyEngine:
         ``synchronize``)."""
 
     def close(self) -> None:
-        """Release background resources; pending copies complete first.  Idempotent."""
+        """Release background resources (pending copies still complete); idempotent."""
 
     def __enter__(self):
         return self
@@ -264,6 +264,7 @@ class ThreadedCopyEngine(CopyEngine):
         self.jitter, self._rng = jitter, random.Random(seed)
         self._lock = threading.Lock()
         self._pending: list[_Task] = []
+        self._prune_at = 64
         self._closed = False
         self._queues, self._threads = {}, []
         name = f"bf16opt-copy-{next(self._ids)}"
@@ -284,8 +285,9 @@ class ThreadedCopyEngine(CopyEngine):
                 raise RuntimeError("copy engine is closed")
             if self.jitter:
                 task.delay = self._rng.uniform(0.0, self.jitter)
-            if len(self._pending) >= 64:  # forget copies that finished without an error
+            if len(self._pending) >= self._prune_at:  # forget copies that finished without an error
                 self._pending = [t for t in self._pending if not t.done() or t.error is not None]
+                self._prune_at = max(64, 2 * len(self._pending))
             self._pending.append(task)
             self._queues[direction].put(task)
         return task
@@ -351,18 +353,20 @@ class CudaCopyEngine(CopyEngine):
             warnings.warn(f"page-locked host memory unavailable ({exc}); using pageable memory",
                           RuntimeWarning, stacklevel=2)
         self._streams = {d: torch.cuda.Stream(device=device) for d in ("d2h", "h2d")}
-        self._seq = itertools.count()
+        self._seq, self._lock = itertools.count(), threading.Lock()  # seq follows stream order
 
     def _submit(self, direction, dst, src, dst_device, src_device) -> Transfer:
         _check(dst, src, dst_device, src_device)
         side = self._streams[direction]
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
+        with self._lock:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            seq = next(self._seq)
         (src if direction == "d2h" else dst).record_stream(side)
-        return _CudaTransfer(event, side, next(self._seq), (dst, src))
+        return _CudaTransfer(event, side, seq, (dst, src))
 
     def to_host(self, dst, src) -> Transfer:
         return self._submit("d2h", dst, src, torch.device("cpu"), self.device)
