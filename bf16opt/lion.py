@@ -35,7 +35,7 @@ class Lion(MixedPrecisionOptimizer):
 
     Args: ``params``, ``lr`` (1e-4), ``betas`` ((0.9, 0.99)), ``weight_decay`` (0.0,
     decoupled), ``maximize``, plus ``precision``, ``backend``, ``seed`` and
-    ``track_precision`` as in :class:`bf16opt.Adam`.
+    ``track_precision`` and ``offload`` as in :class:`bf16opt.Adam`.
     Lion keeps one moment, so ``Precision.exp_avg_sq`` is unused.  The exact float32
     operation order is specified in ``bf16opt/backends/reference.py``.
     """
@@ -45,10 +45,11 @@ class Lion(MixedPrecisionOptimizer):
     _FOREIGN_GROUP_KEYS = ("eps", "amsgrad")  # Adam's
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
-                 precision="fp32", backend="auto", seed=None, track_precision=False):
+                 precision="fp32", backend="auto", seed=None, track_precision=False, offload=None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
                         precision=precision, backend=backend,
-                        seed=default_seed() if seed is None else seed, track_precision=track_precision)
+                        seed=default_seed() if seed is None else seed, track_precision=track_precision,
+                        offload=offload)
         self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 

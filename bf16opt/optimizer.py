@@ -17,6 +17,7 @@ Everything is checked first, and only then mutated.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -27,6 +28,7 @@ from . import state_dict as state_dicts
 from .algorithms import Algorithm, KernelConfig, kernel_config
 from .backends import Bucket, check_backend_name, f32, reference, resolve_backend
 from .checks import check_flag, check_implementation_flags, check_no_aliasing, check_param, check_seed
+from .offload import Offloader, check_offload
 from .precision import Precision, as_precision, plan_for
 
 
@@ -34,6 +36,15 @@ def real_view(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A complex tensor as the real tensor of its (re, im) pairs (torch.optim's treatment of
     complex params: the update acts on each part); other tensors as they are."""
     return torch.view_as_real(tensor) if tensor is not None and tensor.is_complex() else tensor
+
+
+HOST = torch.device("cpu")
+
+
+def _at_home(state: dict, device: torch.device) -> bool:
+    """True when every state buffer is on ``device`` (the step counter lives on the CPU)."""
+    return all(value.device == device for key, value in state.items()
+               if key != "step" and isinstance(value, torch.Tensor))
 
 
 def _float64_backend(name: str):
@@ -56,6 +67,7 @@ class _StepPlan:
     counters: list = field(default_factory=list)       # step tensors to advance
     known: dict = field(default_factory=dict)          # param -> config its state now fits
     launches: list = field(default_factory=list)       # (bucket, prepared launch)
+    offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -128,6 +140,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._check_group(group, tensors)
         group["params"] = params
         super().add_param_group(group)
+        if group.get("offload") == "cpu":  # grads start leaving during the first backward
+            for param in tensors:
+                self._offloader.record(param)
 
     def _check_group(self, group: dict, params: list) -> None:
         """Validate and normalise a group in place (precision, backend, hyper-parameters)."""
@@ -147,6 +162,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         precision = as_precision(group["precision"])
         check_backend_name(group["backend"])
+        check_offload(group.get("offload"))
+        if group.get("offload") == "cpu" and group["backend"] == "cupy":
+            raise ValueError("backend='cupy' updates state on the GPU; with offload='cpu' the state "
+                             "lives in host RAM and is updated by backend='numba' (or 'auto')")
         check_implementation_flags(group)
         check_flag(group.get("track_precision", False), "track_precision")
         if "seed" in group:
@@ -165,6 +184,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return self._config(group, as_precision(group["precision"]), param)
 
     @property
+    def _offloader(self) -> Offloader:
+        """The host side of the offloaded groups (made at the first one)."""
+        offloader = self.__dict__.get("_offloader_instance")
+        if offloader is None:
+            offloader = self.__dict__["_offloader_instance"] = Offloader(self)
+        return offloader
+
+    @property
     def _state_configs(self) -> dict:
         """param -> the KernelConfig its state was last made or checked for (a cache)."""
         return self._side_dict("_state_config_cache")
@@ -174,7 +201,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         again on first use."""
         return self.__dict__.setdefault(name, {})
 
-    def _new_buffers(self, param: torch.Tensor, state: dict, config: KernelConfig) -> dict:
+    def _new_buffers(self, param: torch.Tensor, state: dict, config: KernelConfig, offloader=None) -> dict:
         """The state buffers ``config`` needs that ``state`` lacks, made aside (not installed):
         moments and Kahan compensation start at 0, a master copy as the param, a remainder
         at 0 (a bf16 value is an exact float32 master with remainder 0)."""
@@ -182,7 +209,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for _, role, dtype, key in config.present()[2:]:  # after param and grad
             if key in state:
                 continue
-            if role.storage == "companion" and config.weights == "copy":
+            copy = role.storage == "companion" and config.weights == "copy"  # the master starts as the param
+            if offloader is not None:  # in host memory (page-locked for CUDA params)
+                made[key] = offloader.host_like(param, dtype, param.detach() if copy else None)
+            elif copy:
                 made[key] = param.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
             else:
                 made[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
@@ -232,7 +262,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             plan.precisions.append((group, precision))
-            backends = {device: resolve_backend(group["backend"], device)
+            # an offloaded group's state lives, and its update runs, on the host
+            offloader = self._offloader if group.get("offload") == "cpu" else None
+            backends = {device: resolve_backend(group["backend"], HOST if offloader else device)
                         for device in {param.device for param in params}}
             position = {id(p): first_index + i for i, p in enumerate(group["params"])}
             entries = []
@@ -243,14 +275,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 state = self.state.get(original)
                 if not state:  # first step: a new state, installed in phase two
                     state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
-                elif known.get(original) is not config and not state_dicts.state_fits(state, config):
-                    state, new_param = state_dicts.convert_state(config, state, param, number,
-                                                                 type(self).__name__)
-                    plan.states[original] = state
-                    if new_param is not None:
-                        plan.param_writes.append((param, new_param))
+                else:
+                    if not _at_home(state, HOST if offloader else param.device):  # `offload` was edited
+                        state = plan.states[original] = {
+                            key: value if key == "step" or not isinstance(value, torch.Tensor)
+                            else (offloader.to_host(value) if offloader else value.to(param.device))
+                            for key, value in state.items()}
+                    if known.get(original) is not config and not state_dicts.state_fits(state, config):
+                        like = param.detach().to(HOST) if offloader else param
+                        state, new_param = state_dicts.convert_state(config, state, like, number,
+                                                                     type(self).__name__)
+                        if offloader:
+                            state = {key: value if key == "step" else offloader.to_host(value)
+                                     for key, value in state.items()}
+                        plan.states[original] = state
+                        if new_param is not None:
+                            plan.param_writes.append((param, new_param.to(param.device)))
                 counter = self._step_count(state, number)
-                made = self._new_buffers(param, state, config)
+                made = self._new_buffers(param, state, config, offloader)
                 if made:
                     plan.buffers[original] = made
                 plan.known[original] = config
@@ -258,28 +300,41 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 if fresh:
                     config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
                                            config.track)
-                entries.append((param, real_view(original.grad), config, {**state, **made}, counter, number))
+                if offloader:  # the kernel reads and writes host buffers: a mirror of the param and the staged grad
+                    tensors = offloader.stage(original, reads_param=config.weights != "copy")
+                else:
+                    tensors = (param, real_view(original.grad))
+                entries.append((*tensors, config, {**state, **made}, counter, number, original))
             plan.counters.extend(entry[4] for entry in entries)
             steps = [int(s) + 1 for s in torch.stack([e[4].double() for e in entries]).tolist()]
-            buckets = {}
-            for (param, grad, config, state, _, number), step in zip(entries, steps):
+            buckets, originals = {}, {}
+            for (param, grad, config, state, _, number, original), step in zip(entries, steps):
                 key = (param.device, config, step)
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = Bucket(config, seed=group["seed"], step=step)
+                    originals[key] = []
                 bucket.append([param, grad] + [None if state_key is None else state[state_key]
                                                for state_key in config.state_keys[2:]], number)
-            for (device, config, step), bucket in buckets.items():
+                originals[key].append(original)
+            for key, bucket in buckets.items():
+                device, config, step = key
                 float64 = config.plan.param == torch.float64
                 scalars = self._scalars(group, step, float if float64 else f32)
-                backend = _float64_backend(group["backend"]) if float64 else backends[device]
+                backend = _float64_backend(group["backend"]) if float64 else \
+                    backends[originals[key][0].device]
                 bad = [name for name, value in zip(scalars._fields, scalars) if not math.isfinite(value)]
                 if bad:
                     raise ValueError(f"param group {group_number}: its hyper-parameters give non-finite "
                                      f"float32 {', '.join(bad)} at step {step}; lower lr or weight_decay")
                 if config.track:
                     bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
-                plan.launches.append((bucket, backend.prepare(bucket, scalars)))
+                launch = backend.prepare(bucket, scalars)  # checks and compiles, offloaded or not
+                if offloader:
+                    launch = functools.partial(offloader.run, bucket, originals[key], backend, scalars)
+                plan.launches.append((bucket, launch))
+        if "_offloader_instance" in self.__dict__:
+            plan.offloaded = {p for g in self.param_groups if g.get("offload") == "cpu" for p in g["params"]}
         return plan
 
     @torch.no_grad()
@@ -302,6 +357,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if plan.counters:
             torch._foreach_add_(plan.counters, 1)  # one call, not one per param (hundreds in a model)
         self._state_configs.update(plan.known)
+        if plan.offloaded is not None:  # params that left the offloaded groups free their host buffers
+            self._offloader.release(plan.offloaded)
         for bucket, launch in plan.launches:
             launch()
             if bucket.counts is not None:

@@ -36,7 +36,7 @@ class SGD(MixedPrecisionOptimizer):
 
     Args: ``params``, ``lr`` (1e-3), ``momentum`` :math:`\mu` (0), ``dampening``
     :math:`\tau` (0), ``weight_decay`` :math:`\lambda` (0, L2 as in torch), ``nesterov``,
-    ``maximize``, plus ``precision``, ``backend``, ``seed`` and ``track_precision`` as in
+    ``maximize``, plus ``precision``, ``backend``, ``seed``, ``track_precision`` and ``offload`` as in
     :class:`bf16opt.Adam`.  The momentum buffer is stored as ``Precision.exp_avg`` (so
     ``"bf16"`` keeps it in bfloat16); ``exp_avg_sq`` is unused.  Without momentum no
     buffer exists, as in torch.  ``foreach``/``fused`` are accepted and have no effect;
@@ -50,12 +50,12 @@ class SGD(MixedPrecisionOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                  *, maximize=False, foreach=None, differentiable=False, fused=None, precision="fp32",
-                 backend="auto", seed=None, track_precision=False):
+                 backend="auto", seed=None, track_precision=False, offload=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused, precision=precision,
                         backend=backend, seed=default_seed() if seed is None else seed,
-                        track_precision=track_precision)
+                        track_precision=track_precision, offload=offload)
         self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 

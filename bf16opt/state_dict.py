@@ -35,7 +35,7 @@ __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "convert_state", "load", 
 STATE_DICT_FORMAT = 1
 # Group entries that describe this optimizer object, not the training run: when a
 # state dict is loaded, the live optimizer keeps its own values for these.
-IMPLEMENTATION_KEYS = ("precision", "backend", "foreach", "fused", "capturable", "differentiable",
+IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "foreach", "fused", "capturable", "differentiable",
                        "track_precision")
 COMPANION_KEYS = ("master", "compensation", "remainder")
 
@@ -112,9 +112,15 @@ def load(optimizer, state_dict: dict) -> None:
         param, group = param_of_index[index]
         real = real_view(param)
         config = optimizer._state_config(group, real)
-        new_state[param], new_param = convert_state(config, saved_state, real, index, name)
+        offloaded = group.get("offload") == "cpu"  # its state lives in host RAM
+        like = real.detach().to("cpu") if offloaded else real
+        state, new_param = convert_state(config, saved_state, like, index, name)
+        if offloaded:
+            state = {key: value if key == "step" else optimizer._offloader.to_host(value)
+                     for key, value in state.items()}
+        new_state[param] = state
         if new_param is not None:
-            param_writes.append((real, new_param))
+            param_writes.append((real, new_param.to(real.device)))
 
     optimizer.param_groups[:] = new_groups
     optimizer.state = new_state

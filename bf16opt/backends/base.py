@@ -31,6 +31,9 @@ class Bucket:
     config: KernelConfig
     tensors: list = field(default_factory=list)
     indices: list = field(default_factory=list)  # each param's index in the optimizer
+    # index of each tensor's first element in its param: a chunk of a param (the offload
+    # pipeline updates params in pieces) keeps its elements' random streams; empty: all 0
+    offsets: list = field(default_factory=list)
     seed: int = 0     # stochastic rounding: stream_key(seed, step, index, buffer)
     step: int = 0
     # Telemetry: when set, the backend writes each param's counters (the algorithm's
@@ -60,11 +63,18 @@ class Bucket:
                 return role
         raise KeyError(f"{self.config.algorithm.name} has no role {name!r}")
 
-    def append(self, tensors: list, index: int) -> None:
-        """Add one param's tensors (one per role, kernel order) and its optimizer index."""
+    def append(self, tensors: list, index: int, offset: int = 0) -> None:
+        """Add one param's tensors (one per role, kernel order), its optimizer index and the
+        index of their first element in the param."""
         for column, tensor in zip(self.tensors, tensors):
             column.append(tensor)
         self.indices.append(index)
+        if offset or self.offsets:
+            self.offsets.extend([0] * (len(self.indices) - 1 - len(self.offsets)))
+            self.offsets.append(offset)
+
+    def offset(self, i: int) -> int:
+        return self.offsets[i] if self.offsets else 0
 
     @property
     def plan(self):

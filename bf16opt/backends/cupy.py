@@ -332,6 +332,8 @@ def prepare(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch]
                         f"got {type(scalars).__name__}")
     if not bucket.params:
         return lambda: None
+    if any(bucket.offsets):
+        raise ValueError("the CUDA kernels update whole tensors (bucket.offsets must be 0)")
     check(bucket, "cupy")
     for field, value in zip(scalars._fields, scalars):
         if float(np.float32(value)) != float(value) and not np.isnan(value):

@@ -102,19 +102,22 @@ def chunk_function(config: KernelConfig):
     return module.chunk_function(formats, config.weights, config.plan.rounding, config.track, **flags)
 
 
-def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, chunks) -> tuple:
+def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: list, chunks) -> tuple:
     """The chunk table and each thread's range of its rows (memoised: a training loop
     sees the same addresses each step)."""
     from numba import get_num_threads  # noqa: PLC0415  (numba is imported on the first step)
 
     threads = get_num_threads()
-    key = (pointers.tobytes(), pointers.shape, tuple(numels), itemsizes.tobytes(), chunks.CHUNK, threads)
+    key = (pointers.tobytes(), pointers.shape, tuple(numels), itemsizes.tobytes(), tuple(offsets),
+           chunks.CHUNK, threads)
     cached = _TABLE_CACHE.get(key)
     if cached is None:
         if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
             _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
         table = chunks.build_chunk_table(pointers, itemsizes, np.array(numels, dtype=np.int64),
                                          chunk=chunks.CHUNK)
+        if offsets:  # element counters continue from each piece's first element in its param
+            table[:, -2] += np.asarray(offsets, dtype=np.int64)[table[:, -1]]
         cached = _TABLE_CACHE[key] = (table, chunks.balanced_bounds(table, threads))
     return cached
 
@@ -168,7 +171,7 @@ def prepare(bucket: Bucket, scalars):
 
     def launch() -> None:
         staged = stage(bucket, "numba", checked=True)
-        table, bounds = _table(staged.pointers, staged.numels, itemsizes, chunks)
+        table, bounds = _table(staged.pointers, staged.numels, itemsizes, bucket.offsets, chunks)
         row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
         with _KERNEL_LOCK:
             driver = chunks.run_chunks_serial if _FORKED else chunks.run_chunks

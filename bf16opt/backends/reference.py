@@ -117,7 +117,7 @@ def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer:
     x = x.float()  # a no-op for float32 math
     if bucket.config.stochastic and dtype != torch.float32:
         key = stream_key(bucket.seed, bucket.step, bucket.indices[i], buffer)
-        return encode_stochastic(x, dtype, random_bits(key, x.shape, x.device))
+        return encode_stochastic(x, dtype, random_bits(key, x.shape, x.device, bucket.offset(i)))
     return encode(x, dtype)
 
 

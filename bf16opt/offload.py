@@ -1,0 +1,255 @@
+"""CPU offload: an offloaded group's optimizer state lives in host RAM and its update runs there.
+
+A param group with ``offload="cpu"`` keeps master weights, moments and compensation or
+remainder buffers in host memory (page-locked when the params are on a CUDA device); the
+param and its grad stay on their device.  The update is the same kernel call as without
+offload (the Numba backend, or the reference), on host buffers, so results are the same bits.
+
+The pipeline of one step:
+
+1. **Grads leave during backward.**  A post-accumulate-grad hook per param starts the
+   device->host copy of its grad into a host staging buffer as soon as the grad is final,
+   so the copies hide behind the rest of backward.
+2. **step() re-checks.**  A staged grad is used only if it is still the param's grad and its
+   version counter has not moved since the copy (``clip_grad_norm_``, GradScaler's
+   ``unscale_`` and user edits move it); otherwise it is copied again.  Params whose grad was
+   set without backward, or that had no hook when backward ran, are copied here too.  A param
+   whose device value changed since the host mirror was written (``model.load_state_dict``,
+   an EMA swap, ``p.data`` edits: its version counter moved) is read back before an update
+   that reads it.
+3. **Chunks overlap.**  The update runs in chunks of about ``chunk_elements`` elements: the
+   host kernels update chunk k while chunk k-1's new params travel host->device (and later
+   grads are still arriving).  Each chunk's kernel writes the new params straight into the
+   host mirror that is uploaded, with no extra pass over memory; a param's stochastic-rounding
+   element counter stays global to the param (``Bucket.offsets``), so chunking never changes
+   the bits.
+4. **Published before returning.**  When step() returns, the uploads are complete (CPU copy
+   engines) or ordered before any later work on the device's current stream (CUDA).
+
+Device memory: no device staging at all (grads are read and params written in place).
+Host memory per param: the state, a mirror of the param and a grad staging buffer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from .offload_copies import CopyEngine, engine_for
+
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "Offloader", "check_offload", "use_copy_engine"]
+
+OFFLOAD_VALUES = (None, "cpu")
+#: elements per pipeline chunk: large enough that a kernel call's fixed cost (~50 us) is small,
+#: small enough that the first upload starts early (benchmarks/offload_step.py)
+DEFAULT_CHUNK_ELEMENTS = 1 << 21
+
+
+def check_offload(value) -> None:
+    if value not in OFFLOAD_VALUES:
+        raise ValueError(f"offload must be None or 'cpu', got {value!r}")
+
+
+def _real(tensor):
+    return torch.view_as_real(tensor) if tensor is not None and tensor.is_complex() else tensor
+
+
+class _HostParam:
+    """Host buffers and bookkeeping of one offloaded param."""
+
+    __slots__ = ("mirror", "grad", "grad_ref", "grad_version", "grad_transfer", "mirror_version",
+                 "mirror_transfer", "uploads", "hook", "__weakref__")
+
+    def __init__(self, engine: CopyEngine, param: torch.Tensor):
+        real = _real(param)
+        self.mirror = engine.host_empty(real.shape, real.dtype)   # the param's value on the host
+        self.grad = engine.host_empty(real.shape, real.dtype)     # its grad's staging buffer
+        self.grad_ref = None          # weakref to the grad tensor last copied
+        self.grad_version = None      # that grad's version counter at the copy
+        self.grad_transfer = None
+        self.mirror_version = None    # the param's version counter when the mirror matched it
+        self.mirror_transfer = None
+        self.uploads = []             # host->device copies from the mirror still in flight
+        self.hook = None
+
+
+class Offloader:
+    """The host side of an optimizer's offloaded groups: host buffers, hooks, the pipeline."""
+
+    def __init__(self, optimizer):
+        self._records: dict = {}      # param -> _HostParam (params are hashed by identity)
+        self._engines: dict = {}      # device -> CopyEngine
+        self.chunk_elements = DEFAULT_CHUNK_ELEMENTS
+        self.engine_override: Optional[CopyEngine] = None
+        # hooks hold no reference to the optimizer; removing them when it goes away
+        weakref.finalize(optimizer, Offloader._remove_hooks, self._records)
+
+    # ---- buffers and hooks
+    def engine(self, device: torch.device) -> CopyEngine:
+        if self.engine_override is not None:
+            return self.engine_override
+        device = torch.device(device)
+        if device not in self._engines:
+            self._engines[device] = engine_for(device)
+        return self._engines[device]
+
+    def record(self, param: torch.Tensor) -> _HostParam:
+        record = self._records.get(param)
+        if record is None:
+            record = self._records[param] = _HostParam(self.engine(param.device), param)
+        if record.hook is None and param.requires_grad:
+            self_ref = weakref.ref(self)
+
+            def grad_ready(tensor, self_ref=self_ref):
+                offloader = self_ref()
+                if offloader is not None:
+                    offloader._grad_ready(tensor)
+
+            record.hook = param.register_post_accumulate_grad_hook(grad_ready)
+        return record
+
+    def release(self, keep) -> None:
+        """Free the host buffers and hooks of params not in ``keep`` (they left the offloaded
+        groups: removed, or their group's ``offload`` was set to None)."""
+        for param in [p for p in self._records if p not in keep]:
+            record = self._records.pop(param)
+            for transfer in (record.grad_transfer, record.mirror_transfer, *record.uploads):
+                if transfer is not None:
+                    transfer.wait()
+            if record.hook is not None:
+                record.hook.remove()
+
+    @staticmethod
+    def _remove_hooks(records: dict) -> None:
+        for record in records.values():
+            if record.hook is not None:
+                record.hook.remove()
+        records.clear()
+
+    def host_like(self, param: torch.Tensor, dtype: torch.dtype, value: Optional[torch.Tensor] = None):
+        """A host buffer shaped like ``param``'s real view: zeros, or ``value`` copied in."""
+        real = _real(param)
+        buffer = self.engine(param.device).host_empty(real.shape, dtype)
+        if value is None:
+            buffer.zero_()
+        else:
+            buffer.copy_(value)
+        return buffer
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (a state buffer) in page-locked host memory when the engine pins."""
+        engine = self.engine_override or next(iter(self._engines.values()), None)
+        if engine is not None and engine.pinned and not tensor.is_pinned():
+            pinned = engine.host_empty(tensor.shape, tensor.dtype)
+            return pinned.copy_(tensor)
+        return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+
+    # ---- grads and mirrors
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        """The post-accumulate-grad hook: start the grad's copy to the host."""
+        record = self._records.get(param)
+        if record is None or param.grad is None:
+            return
+        self._copy_grad(param, record)
+
+    def _copy_grad(self, param: torch.Tensor, record: _HostParam) -> None:
+        if record.grad_transfer is not None:
+            record.grad_transfer.wait()  # one copy into the staging buffer at a time
+        grad = param.grad
+        record.grad_transfer = self.engine(param.device).to_host(record.grad, _real(grad))
+        record.grad_ref, record.grad_version = weakref.ref(grad), grad._version
+
+    def stage(self, param: torch.Tensor, reads_param: bool) -> tuple:
+        """(mirror, grad buffer) for this step's update of ``param``: the staged grad checked
+        (copied again unless it is still the param's unchanged grad), the mirror read back
+        when the param changed on its device and the update reads it."""
+        record = self.record(param)
+        grad = param.grad
+        stale = record.grad_ref is None or record.grad_ref() is not grad or record.grad_version != grad._version
+        if stale:
+            self._copy_grad(param, record)
+        if reads_param and record.mirror_version != param._version:
+            for upload in record.uploads:
+                upload.wait()
+            record.uploads = []
+            record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(param.detach()))
+            record.mirror_version = param._version
+        return record.mirror, record.grad
+
+    # ---- the pipeline
+    def run(self, bucket, params: list, backend, scalars) -> None:
+        """Update ``bucket`` (host tensors of the offloaded ``params``) chunk by chunk and
+        upload each chunk's new params as soon as it is done; publish the uploads."""
+        from .backends import Bucket  # noqa: PLC0415  (backends import the optimizer's modules)
+
+        records = [self._records[p] for p in params]
+        for record in records:  # last step's uploads read the mirrors the kernels now write
+            for upload in record.uploads:
+                upload.wait()
+            record.uploads = []
+        n_roles = len(bucket.tensors)
+        pieces = []  # (param position, first element, element count)
+        for i, param in enumerate(params):
+            numel = bucket.params[i].numel()
+            step = max(1, self.chunk_elements)
+            pieces += [(i, start, min(step, numel - start)) for start in range(0, numel, step)] or [(i, 0, 0)]
+        chunks, current, size = [], [], 0
+        for piece in pieces:
+            current.append(piece)
+            size += piece[2]
+            if size >= self.chunk_elements:
+                chunks.append(current)
+                current, size = [], 0
+        if current:
+            chunks.append(current)
+        uploads = []
+        for chunk in chunks:
+            piece_bucket = Bucket(bucket.config, seed=bucket.seed, step=bucket.step)
+            for i, start, count in chunk:
+                record = records[i]
+                for transfer in (record.grad_transfer, record.mirror_transfer):
+                    if transfer is not None:
+                        transfer.wait()
+                tensors = [None if bucket.tensors[k][i] is None else
+                           bucket.tensors[k][i].view(-1)[start:start + count] for k in range(n_roles)]
+                piece_bucket.append(tensors, bucket.indices[i], start)
+            if bucket.counts is not None:
+                piece_bucket.counts = torch.zeros(len(chunk), 3, dtype=torch.int64)
+            backend.prepare(piece_bucket, scalars)()
+            for row, (i, start, count) in enumerate(chunk):
+                if bucket.counts is not None:
+                    bucket.counts[i] += piece_bucket.counts[row]
+                param = _real(params[i].detach())
+                record = records[i]
+                if param.is_contiguous():
+                    transfer = self.engine(params[i].device).to_device(
+                        param.view(-1)[start:start + count], record.mirror.view(-1)[start:start + count])
+                elif start + count == param.numel():  # a strided param goes up whole, after its last piece
+                    transfer = self.engine(params[i].device).to_device(param, record.mirror)
+                else:
+                    continue
+                record.uploads.append(transfer)
+                uploads.append(transfer)
+        for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
+            engine.publish([t for t in uploads])
+        for param, record in zip(params, records):
+            record.mirror_version = param._version  # the mirror is what the param now holds
+
+    # ---- accounting
+    def host_bytes(self) -> dict:
+        """{"mirror": bytes, "grad_staging": bytes} of the live host buffers."""
+        mirror = sum(r.mirror.numel() * r.mirror.element_size() for r in self._records.values())
+        grads = sum(r.grad.numel() * r.grad.element_size() for r in self._records.values())
+        return {"param_mirror": mirror, "grad_staging": grads}
+
+    def pinned(self) -> bool:
+        return any(r.mirror.is_pinned() for r in self._records.values())
+
+
+def use_copy_engine(optimizer, engine: CopyEngine) -> None:
+    """Make ``optimizer``'s offloaded groups copy through ``engine`` (tests and benchmarks:
+    e.g. a ``ThreadedCopyEngine`` standing in for a PCIe link on a CPU machine)."""
+    optimizer._offloader.engine_override = engine
+
