@@ -25,6 +25,13 @@ class MemoryReport:
     bytes: dict = field(default_factory=dict)
     dtypes: dict = field(default_factory=dict)
     num_params: int = 0
+    #: where the optimizer's own bytes are: on the params' device, or in host RAM (offloaded
+    #: groups; ``pinned_bytes`` of those page-locked)
+    device_bytes: int = 0
+    host_bytes: int = 0
+    pinned_bytes: int = 0
+    #: host buffers of the offload pipeline ({"param_mirror": b, "grad_staging": b}), not state
+    staging: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -57,6 +64,14 @@ class MemoryReport:
         rows.append(("optimizer (not params/grads)", "", f"{self.optimizer_bytes:,}",
                      f"{self.optimizer_bytes_per_param:.2f}"))
         rows.append(("Total", "", f"{self.total:,}", f"{self.total_per_param:.2f}"))
+        if self.host_bytes or self.staging:
+            rows.append(("optimizer state on the params' device", "", f"{self.device_bytes:,}",
+                         f"{self.device_bytes / max(self.num_params, 1):.2f}"))
+            rows.append((f"optimizer state in host RAM ({self.pinned_bytes:,} page-locked)", "",
+                         f"{self.host_bytes:,}", f"{self.host_bytes / max(self.num_params, 1):.2f}"))
+            for name, nbytes in self.staging.items():
+                rows.append((f"offload staging: {name} (host)", "", f"{nbytes:,}",
+                             f"{nbytes / max(self.num_params, 1):.2f}"))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = [f"Memory breakdown for N = {self.num_params:,} parameters"]
         for i, row in enumerate(rows):
@@ -91,6 +106,7 @@ def memory_report(optimizer: torch.optim.Optimizer) -> MemoryReport:
         report.dtypes.setdefault(name, set()).add(SHORT_NAME.get(tensor.dtype, str(tensor.dtype)))
 
     for group in optimizer.param_groups:
+        offloaded = group.get("offload") == "cpu"
         for param in group["params"]:
             if id(param) in seen:
                 continue
@@ -102,4 +118,13 @@ def memory_report(optimizer: torch.optim.Optimizer) -> MemoryReport:
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
                     add(key, value)
+                    nbytes = value.numel() * value.element_size()
+                    if offloaded:
+                        report.host_bytes += nbytes
+                        report.pinned_bytes += nbytes if value.is_pinned() else 0
+                    else:
+                        report.device_bytes += nbytes
+    offloader = getattr(optimizer, "__dict__", {}).get("_offloader_instance")
+    if offloader is not None:
+        report.staging = offloader.host_bytes()
     return report
