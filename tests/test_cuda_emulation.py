@@ -2,22 +2,24 @@
 
 The .cu sources are compiled by the host C++ compiler with tests/cuda_emulation/
 emulation.h (grid/block loops, bit-cast intrinsics, atomicAdd) and driven through the
-CuPy adapter's own ``run_bucket``/``prepare_launch``: same kernel names, same chunk
-table, same scalars, seed and step; only the launch itself is swapped for the CPU loop
-over blocks and threads.  The oracle is ``bf16opt.backends.reference`` itself.
+CuPy adapter's own ``run``/``prepare_launch``: same kernel names, same chunk table,
+same scalars, seed and step; only the launch itself is swapped for the CPU loop over
+blocks and threads.  The oracle is ``bf16opt.backends.reference`` itself.
 
-Every instantiation the adapter can request is exercised: all storage plans of
-``all_plans(quality=True)`` (stochastic rounding, Kahan with bf16/fp32 buffers, bf16 +
-int16 remainder included) x amsgrad x maximize x L2/decoupled decay for Adam (x
-maximize for Lion) x precision telemetry on/off, with many tensors of odd sizes per
-bucket, views at odd offsets (so chunks take the 16-byte vector path, its scalar tail,
-or the all-scalar misaligned path), a non-contiguous tensor (staged through a
-contiguous copy), NaN/inf/subnormal/tie values, optimizer indices and steps past
-2**32 (the random streams hash them modulo 2**32), and several consecutive steps
-(stochastic rounding draws new bits every step).  The telemetry counts, the Kahan
-buffers and the remainders are compared too.  The storage helpers themselves
-(stochastic encoders, stream keys, the remainder split) are compared with
-bf16opt/storage.py on edge values.
+Every instantiation the adapter can request (``cupy.kernel_configs``) is exercised: all
+storage plans of ``all_plans(quality=True)`` (stochastic rounding, Kahan with bf16/fp32
+buffers, bf16 + int16 remainder included) x the algorithm's template flags (Adam's
+amsgrad, SGD's momentum) x precision telemetry on/off, crossed with run-time flags:
+maximize and L2/decoupled decay for Adam, maximize for Lion, maximize, L2, nesterov and
+the momentum buffer's first step for SGD.  Buckets hold many tensors of odd sizes, views
+at odd offsets (so chunks take the 16-byte vector path, its scalar tail, or the
+all-scalar misaligned path), a non-contiguous tensor (staged through a contiguous
+copy), NaN/inf/subnormal/tie values, optimizer indices past 2**32 (the random streams
+hash them modulo 2**32), steps across 2**32 (the step's high word is folded into the
+seed's), and several consecutive steps (stochastic rounding draws new bits every step).
+Every role -- the Kahan buffers and the remainders included -- and the telemetry counts
+are compared.  The storage helpers themselves (stochastic encoders, stream keys, the
+remainder split) are compared with bf16opt/storage.py on edge values.
 """
 
 from __future__ import annotations
@@ -30,32 +32,95 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bf16opt import storage
 from bf16opt.adam import adam_scalars
+from bf16opt.algorithms import ALGORITHMS, KernelConfig, kernel_config
 from bf16opt.backends import Bucket, reference
 from bf16opt.backends import cupy as cuda_backend
+from bf16opt.backends.cuda_compile import KINDS
 from bf16opt.lion import lion_scalars
-from bf16opt import storage
+from bf16opt.sgd import sgd_scalars
 from cuda_emulation import emulator
 
 pytestmark = pytest.mark.skipif(emulator.compiler_problem() is not None,
                                 reason=f"CUDA emulation needs a host C++ compiler: "
                                        f"{emulator.compiler_problem()}")
 
-# (kernel name, plan, flags) of every instantiation the adapter can request, crossed
-# with the run-time flags (maximize; Adam's L2 decay)
-ADAM_CONFIGS = [(name, plan, dict(flags, maximize=maximize, l2=l2))
-                for name, (plan, flags) in cuda_backend.kernel_configs("adam").items()
+
+# ---------------------------------------------------------------- configurations
+def with_flags(config: KernelConfig, **flags) -> KernelConfig:
+    """``config`` with ``flags`` changed (configurations are memoised values: a new one is
+    asked for, never edited)."""
+    return kernel_config(config.algorithm, config.plan,
+                         tuple({**dict(config.flags), **flags}.items()), config.track)
+
+
+def sgd_runtime_flags(config: KernelConfig) -> list:
+    """SGD's run-time flag combinations the optimizer can ask for: nesterov and the
+    buffer's first step only exist with a momentum buffer."""
+    extra = [dict(nesterov=n, first=f) for n in (False, True) for f in (False, True)] \
+        if config.flag("momentum") else [{}]
+    return [dict(maximize=m, l2=l2, **e) for m in (False, True) for l2 in (False, True) for e in extra]
+
+
+# (kernel name, KernelConfig) of every instantiation the adapter can request, crossed with
+# the run-time flags (which never change the instantiation)
+ADAM_CONFIGS = [(name, with_flags(config, maximize=maximize, l2=l2))
+                for name, config in cuda_backend.kernel_configs("adam").items()
                 for maximize in (False, True) for l2 in (False, True)]
-LION_CONFIGS = [(name, plan, dict(flags, maximize=maximize))
-                for name, (plan, flags) in cuda_backend.kernel_configs("lion").items()
+LION_CONFIGS = [(name, with_flags(config, maximize=maximize))
+                for name, config in cuda_backend.kernel_configs("lion").items()
                 for maximize in (False, True)]
+SGD_CONFIGS = [(name, with_flags(config, **flags))
+               for name, config in cuda_backend.kernel_configs("sgd").items()
+               for flags in sgd_runtime_flags(config)]
+CONFIGS = {"adam": ADAM_CONFIGS, "lion": LION_CONFIGS, "sgd": SGD_CONFIGS}
+
+# SGD's four run-time flags give 16 combinations per momentum instantiation; the
+# every-instantiation test runs each momentum instantiation with five of them, a covering
+# array of strength 2 (every value pair of every two flags occurs), alternating with its
+# complement from one instantiation to the next, so each flag is on and off for every
+# instantiation and 10 of the 16 combinations run on each.  Instantiations without
+# momentum run every (maximize, l2).  The random tests draw from the full cross.
+SGD_COVERING = ((0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0))
 
 
-def config_id(config) -> str:
-    name, _, flags = config
-    extra = "".join(f",{flag}" for flag in ("maximize", "l2") if flags.get(flag))
+def sgd_instantiation_cases() -> list:
+    cases = []
+    for k, (name, config) in enumerate(cuda_backend.kernel_configs("sgd").items()):
+        if not config.flag("momentum"):
+            cases += [(name, with_flags(config, **flags)) for flags in sgd_runtime_flags(config)]
+            continue
+        for row in SGD_COVERING:
+            flags = {flag: bool(v) != bool(k % 2)
+                     for flag, v in zip(("maximize", "l2", "nesterov", "first"), row)}
+            cases.append((name, with_flags(config, **flags)))
+    return cases
+
+
+SGD_INSTANTIATION_CASES = sgd_instantiation_cases()
+
+
+def config_id(case) -> str:
+    name, config = case
+    extra = "".join(f",{flag}" for flag in config.algorithm.runtime_flags if config.flag(flag))
     return name.replace("bf16opt::", "").replace(" ", "") + extra
 
+
+def test_every_kind_is_covered():
+    assert set(CONFIGS) == set(KINDS) == set(ALGORITHMS)
+    for kind, cases in CONFIGS.items():
+        assert {name for name, _ in cases} == set(cuda_backend.all_kernel_names(kind))
+    assert {name for name, _ in SGD_INSTANTIATION_CASES} == set(cuda_backend.all_kernel_names("sgd"))
+    for name in cuda_backend.all_kernel_names("sgd"):  # every flag on and off for every instantiation
+        configs = [config for n, config in SGD_INSTANTIATION_CASES if n == name]
+        flags = [f for f in configs[0].algorithm.runtime_flags
+                 if configs[0].flag("momentum") or f in ("maximize", "l2")]
+        for flag in flags:
+            assert {config.flag(flag) for config in configs} == {False, True}, (name, flag)
+
+
+# ---------------------------------------------------------------- values and tensors
 INT_VIEW = {torch.float32: (torch.int32, np.uint32), torch.bfloat16: (torch.int16, np.uint16),
             torch.float16: (torch.int16, np.uint16), torch.int16: (torch.int16, np.uint16)}
 
@@ -122,15 +187,16 @@ def same_shape_as(reference_tensor: torch.Tensor, values: torch.Tensor, offset: 
     return view.reshape(reference_tensor.shape)
 
 
-def make_bucket(kind: str, plan, flags: dict, sizes: list, rng: np.random.Generator,
-                special: float, misalign: float, transposed: bool, first_step: int = 1) -> Bucket:
-    bucket = Bucket(plan=plan, maximize=flags["maximize"], amsgrad=flags.get("amsgrad", False),
-                    l2=flags.get("l2", False), seed=int(rng.integers(0, 2 ** 64, dtype=np.uint64)),
-                    step=first_step)
-    bucket.indices = ([int(i) for i in rng.integers(0, 2 ** 34, len(sizes))] if rng.random() < 0.3
-                      else list(range(len(sizes))))
-    if flags.get("track"):
-        bucket.counts = torch.full((len(sizes), 3), -1, dtype=torch.int64)  # must be overwritten
+def make_bucket(config: KernelConfig, sizes: list, rng: np.random.Generator, special: float,
+                misalign: float, transposed: bool, first_step: int = 1) -> Bucket:
+    """Random tensors for every role of ``config``, one param per entry of ``sizes``."""
+    plan = config.plan
+    roles = config.algorithm.roles
+    dtype = dict(zip((role.name for role in roles), config.dtypes))
+    seed = int(rng.integers(0, 2 ** 64, dtype=np.uint64))
+    indices = ([int(i) for i in rng.integers(0, 2 ** 34, len(sizes))] if rng.random() < 0.3
+               else list(range(len(sizes))))
+    columns = {role.name: [] for role in roles if dtype[role.name] is not None}
     for index, n in enumerate(sizes):
         def offset():
             # 1..8 elements: misaligned for every dtype, and 16-byte aligned but not at the
@@ -138,60 +204,56 @@ def make_bucket(kind: str, plan, flags: dict, sizes: list, rng: np.random.Genera
             return int(rng.integers(1, 9)) if rng.random() < misalign else 0
         layout = "transposed" if transposed and index == 0 else "flat"
         param = placed(random_values(rng, n, plan.param, special), offset(), layout)
-        bucket.params.append(param)
-        bucket.grads.append(same_shape_as(param, random_values(rng, n, plan.param, special), offset()))
-        if plan.master is not None:
+        columns["param"].append(param)
+        columns["grad"].append(same_shape_as(param, random_values(rng, n, plan.param, special), offset()))
+        if config.weights == "copy":
             master = random_values(rng, n, plan.master, special)
             if plan.master == torch.float32:
                 # master values the param encoding must round: ties and edges from SPECIAL_F32
                 ties = torch.from_numpy(SPECIAL_F32[rng.integers(0, len(SPECIAL_F32), n)].view(np.float32))
                 master = torch.where(torch.from_numpy(rng.random(n) < special), ties, master)
-            bucket.masters.append(same_shape_as(param, master, offset()))
-        else:
-            bucket.masters.append(None)
-        compensation = remainder = None
-        if plan.compensation == "kahan":
+            columns["companion"].append(same_shape_as(param, master, offset()))
+        elif config.weights == "kahan":
             # carried rounding errors: mostly small against the param, some edge values
             values = random_values(rng, n, plan.compensation_dtype, special)
             values = values if rng.random() < 0.3 else (values.float() * 2.0 ** -10).to(values.dtype)
-            compensation = same_shape_as(param, values, offset())
-        elif plan.compensation == "remainder":
+            columns["companion"].append(same_shape_as(param, values, offset()))
+        elif config.weights == "remainder":
             raw = rng.integers(-2 ** 15, 2 ** 15, n).astype(np.int16)
             raw[rng.random(n) < 0.2] = 0  # a fresh remainder plan: the param is the master
-            remainder = same_shape_as(param, torch.from_numpy(raw), offset())
-        bucket.compensations.append(compensation)
-        bucket.remainders.append(remainder)
-        bucket.exp_avgs.append(same_shape_as(param, random_values(rng, n, plan.exp_avg, special), offset()))
-        if kind == "adam":
-            sq = random_values(rng, n, plan.exp_avg_sq, special).abs()
-            bucket.exp_avg_sqs.append(same_shape_as(param, sq, offset()))
-            if bucket.amsgrad:
-                mx = random_values(rng, n, plan.exp_avg_sq, special).abs()
+            columns["companion"].append(same_shape_as(param, torch.from_numpy(raw), offset()))
+        for role in config.algorithm.moment_roles:
+            if dtype[role.name] is None:
+                continue
+            values = random_values(rng, n, dtype[role.name], special)
+            if role.name == "exp_avg_sq":
+                values = values.abs()
+            elif role.name == "max_exp_avg_sq":
+                values = values.abs()
                 if special and n:
                     # ties with v (+-0 after abs: +0 only, NaN) exercise max's tie rule
-                    mx.view(-1)[: n // 4] = sq.view(-1)[: n // 4]
-                bucket.max_exp_avg_sqs.append(same_shape_as(param, mx, offset()))
+                    values.view(-1)[: n // 4] = columns["exp_avg_sq"][-1].reshape(-1)[: n // 4]
+            columns[role.name].append(same_shape_as(param, values, offset()))
     if special and sizes:
         # a zero update where the master is a tie: param = encode(master) exactly
         n = sizes[-1]
-        bucket.grads[-1].view(-1)[: n // 3] = 0
-        bucket.exp_avgs[-1].view(-1)[: n // 3] = 0
-    return bucket
+        columns["grad"][-1].view(-1)[: n // 3] = 0
+        first_moment = config.algorithm.moment_roles[0].name
+        if first_moment in columns:
+            columns[first_moment][-1].view(-1)[: n // 3] = 0
+    counts = None
+    if config.track:
+        counts = torch.full((len(sizes), 3), -1, dtype=torch.int64)  # must be overwritten
+    return Bucket.of(config, columns, indices=indices, seed=seed, step=first_step, counts=counts)
 
 
 def clone_bucket(bucket: Bucket) -> Bucket:
     """Plain copies (for the reference; the original keeps its odd offsets for the kernel)."""
     def copy(t):
         return None if t is None else t.clone()
-
-    def copies(field):
-        return [copy(t) for t in getattr(bucket, field)]
-    return Bucket(plan=bucket.plan, params=copies("params"), grads=copies("grads"),
-                  masters=copies("masters"), exp_avgs=copies("exp_avgs"),
-                  exp_avg_sqs=copies("exp_avg_sqs"), max_exp_avg_sqs=copies("max_exp_avg_sqs"),
-                  compensations=copies("compensations"), remainders=copies("remainders"),
-                  indices=list(bucket.indices), maximize=bucket.maximize, amsgrad=bucket.amsgrad,
-                  l2=bucket.l2, seed=bucket.seed, step=bucket.step, counts=copy(bucket.counts))
+    return Bucket(bucket.config, [[copy(t) for t in column] for column in bucket.tensors],
+                  indices=list(bucket.indices), seed=bucket.seed, step=bucket.step,
+                  counts=copy(bucket.counts))
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -199,29 +261,31 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().view(view[0]).numpy().view(view[1]).reshape(-1)
 
 
-BUFFERS = ("params", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "compensations",
-           "remainders", "grads")
-
-
 def assert_same_bits(expected: Bucket, actual: Bucket, context: str) -> None:
-    for field in BUFFERS:
-        assert len(getattr(expected, field)) == len(getattr(actual, field)), field
-        for index, (e, a) in enumerate(zip(getattr(expected, field), getattr(actual, field))):
+    """Every role of every param (the read-only grad too) and the telemetry counts."""
+    assert expected.config == actual.config, context
+    for role, column_e, column_a in zip(expected.config.algorithm.roles, expected.tensors, actual.tensors):
+        assert len(column_e) == len(column_a), (context, role.name)
+        for index, (e, a) in enumerate(zip(column_e, column_a)):
             if e is None:
-                assert a is None
+                assert a is None, (context, role.name, index)
                 continue
+            assert e.dtype == a.dtype and e.shape == a.shape, (context, role.name, index)
             eb, ab = bits(e), bits(a)
             bad = np.flatnonzero(eb != ab)
             assert bad.size == 0, (
-                f"{context}: {field}[{index}] (size {eb.size}) differs at {bad.size} elements, first "
-                f"at {bad[0]}: reference {eb[bad[0]]:#x}, emulated kernel {ab[bad[0]]:#x}")
+                f"{context}: {role.name}[{index}] (size {eb.size}) differs at {bad.size} elements, "
+                f"first at {bad[0]}: reference {eb[bad[0]]:#x}, emulated kernel {ab[bad[0]]:#x}")
     if expected.counts is None:
-        assert actual.counts is None
+        assert actual.counts is None, context
     else:
         assert torch.equal(expected.counts, actual.counts), (
             f"{context}: telemetry counts differ:\nreference\n{expected.counts}\nkernel\n{actual.counts}")
+        columns = len(expected.config.algorithm.counters)
+        assert bool((actual.counts[:, :columns] >= 0).all()), f"{context}: a counter was not written"
 
 
+# ---------------------------------------------------------------- hyper-parameters
 def adam_group(rng: np.random.Generator, l2: bool) -> dict:
     weight_decay = float(rng.choice([0.0, 0.01, 0.3])) if not l2 else float(rng.choice([0.01, 0.3]))
     return dict(lr=float(rng.choice([1e-3, 0.1, 3e-5])), betas=(float(rng.choice([0.9, 0.5, 0.0])),
@@ -234,24 +298,65 @@ def lion_group(rng: np.random.Generator) -> dict:
                 float(rng.choice([0.99, 0.5]))), weight_decay=float(rng.choice([0.0, 0.1])))
 
 
-def run_and_compare(kind: str, plan, flags: dict, *, seed: int, sizes: list, steps: int,
-                    special: float, misalign: float, transposed: bool, plan_options: dict,
-                    first_step: int = 1) -> None:
+def sgd_group(rng: np.random.Generator, momentum: bool, nesterov: bool, l2: bool) -> dict:
+    """An SGD group for the flags.  Without ``l2`` the kernels must ignore ``weight_decay``
+    (it may be non-zero here), without a momentum buffer ``momentum`` is 0 (as the flag is
+    set by the optimizer); nesterov has no dampening, as torch requires."""
+    return dict(lr=float(rng.choice([1e-3, 0.1, 3e-5])),
+                momentum=float(rng.choice([0.9, 0.5, 1.0])) if momentum else 0.0,
+                dampening=0.0 if nesterov else float(rng.choice([0.0, 0.1, -0.5])),
+                weight_decay=float(rng.choice([0.01, 0.3])) if l2 else float(rng.choice([0.0, 0.3])))
+
+
+def group_for(config: KernelConfig, rng: np.random.Generator) -> dict:
+    kind = config.algorithm.name
+    if kind == "adam":
+        return adam_group(rng, config.flag("l2"))
+    if kind == "lion":
+        return lion_group(rng)
+    return sgd_group(rng, config.flag("momentum"), config.flag("nesterov"), config.flag("l2"))
+
+
+def scalars_for(config: KernelConfig, group: dict, step: int):
+    kind = config.algorithm.name
+    if kind == "adam":
+        return adam_scalars(group, step)
+    if kind == "lion":
+        return lion_scalars(group)
+    return sgd_scalars(group)
+
+
+# ---------------------------------------------------------------- the comparison
+def step_both(expected: Bucket, actual: Bucket, step: int, scalars, plan_options: dict, context: str) -> None:
+    """One step of the reference (``expected``) and the emulated kernel (``actual``), compared."""
+    expected.step = actual.step = step
+    if expected.counts is not None:  # every counter must be written again
+        expected.counts.fill_(-1)
+        actual.counts.fill_(-1)
+    reference.run(expected, scalars)
+    cuda_backend.run(actual, scalars, execute=emulator.execute, **plan_options)
+    assert_same_bits(expected, actual, f"{context} step {step}")
+
+
+def run_and_compare(config: KernelConfig, *, seed: int, sizes: list, steps: int, special: float,
+                    misalign: float, transposed: bool, plan_options: dict, first_step: int = 1) -> None:
+    """``steps`` consecutive steps from ``first_step``, fresh gradients each step.  SGD's
+    ``first`` flag (the momentum buffer's first step) holds for the first step only."""
     rng = np.random.default_rng(seed)
-    actual = make_bucket(kind, plan, flags, sizes, rng, special, misalign, transposed, first_step)
+    actual = make_bucket(config, sizes, rng, special, misalign, transposed, first_step)
     expected = clone_bucket(actual)
-    group = adam_group(rng, flags.get("l2", False)) if kind == "adam" else lion_group(rng)
-    context = f"{kind} {plan} {flags} sizes={sizes} seed={seed} {plan_options}"
+    group = group_for(config, rng)
     for step in range(first_step, first_step + steps):
         if step > first_step:  # fresh gradients, the same in both buckets
-            for e, a in zip(expected.grads, actual.grads):
+            for e, a in zip(expected["grad"], actual["grad"]):
                 e.copy_(random_values(rng, e.numel(), e.dtype, special).reshape(e.shape))
                 a.copy_(e)
-        expected.step = actual.step = step
-        scalars = adam_scalars(group, step) if kind == "adam" else lion_scalars(group)
-        getattr(reference, kind)(expected, scalars)
-        cuda_backend.run_bucket(kind, actual, scalars, execute=emulator.execute, **plan_options)
-        assert_same_bits(expected, actual, f"{context} step {step}")
+            if dict(config.flags).get("first"):
+                expected.config = actual.config = with_flags(config, first=False)
+        flags = ",".join(name for name, value in expected.config.flags if value)
+        context = (f"{config.algorithm.name} {config.plan} [{flags}] track={config.track} "
+                   f"sizes={sizes} seed={seed} {plan_options}")
+        step_both(expected, actual, step, scalars_for(config, group, step), plan_options, context)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -263,20 +368,26 @@ SIZES = [1, 7, 22, 64, 129, 1000, 3, 513]
 SMALL_CHUNKS = dict(chunk_size=64, block=8, max_grid=5)
 
 
-@pytest.mark.parametrize("name, plan, flags", ADAM_CONFIGS, ids=[config_id(c) for c in ADAM_CONFIGS])
-def test_adam_every_instantiation(name, plan, flags):
-    assert cuda_backend.kernel_name("adam", plan, amsgrad=flags["amsgrad"], track=flags["track"]) == name
-    run_and_compare("adam", plan, flags, seed=zlib.crc32(config_id((name, plan, flags)).encode()),
-                    sizes=SIZES, steps=2, special=0.1, misalign=0.4, transposed=True,
-                    plan_options=SMALL_CHUNKS)
+def every_instantiation(case) -> None:
+    name, config = case
+    assert cuda_backend.kernel_name(config) == name
+    run_and_compare(config, seed=zlib.crc32(config_id(case).encode()), sizes=SIZES, steps=2,
+                    special=0.1, misalign=0.4, transposed=True, plan_options=SMALL_CHUNKS)
 
 
-@pytest.mark.parametrize("name, plan, flags", LION_CONFIGS, ids=[config_id(c) for c in LION_CONFIGS])
-def test_lion_every_instantiation(name, plan, flags):
-    assert cuda_backend.kernel_name("lion", plan, track=flags["track"]) == name
-    run_and_compare("lion", plan, flags, seed=zlib.crc32(config_id((name, plan, flags)).encode()),
-                    sizes=SIZES, steps=2, special=0.1, misalign=0.4, transposed=True,
-                    plan_options=SMALL_CHUNKS)
+@pytest.mark.parametrize("case", ADAM_CONFIGS, ids=config_id)
+def test_adam_every_instantiation(case):
+    every_instantiation(case)
+
+
+@pytest.mark.parametrize("case", LION_CONFIGS, ids=config_id)
+def test_lion_every_instantiation(case):
+    every_instantiation(case)
+
+
+@pytest.mark.parametrize("case", SGD_INSTANTIATION_CASES, ids=config_id)
+def test_sgd_every_instantiation(case):
+    every_instantiation(case)
 
 
 plan_options = st.sampled_from([
@@ -285,34 +396,82 @@ plan_options = st.sampled_from([
     dict(chunk_size=64, block=8, max_grid=3),
     dict(chunk_size=136, block=32, max_grid=10 ** 6),
 ])
-# steps from 1, or across the 2**32 wrap of the random streams' step word
+# steps from 1, or across 2**32 (the step's high word enters the random streams there)
 first_steps = st.sampled_from([1, 1, 1, 2 ** 32 - 2])
 
 
-@settings(max_examples=200)
-@given(config=st.sampled_from(ADAM_CONFIGS), seed=st.integers(0, 2 ** 32 - 1),
-       sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12), steps=st.integers(1, 4),
-       special=st.sampled_from([0.0, 0.05, 0.5]), misalign=st.sampled_from([0.0, 0.5, 1.0]),
-       transposed=st.booleans(), options=plan_options, first_step=first_steps)
-def test_adam_matches_reference(config, seed, sizes, steps, special, misalign, transposed, options,
-                                first_step):
-    _, plan, flags = config
-    run_and_compare("adam", plan, flags, seed=seed, sizes=sizes, steps=steps, special=special,
-                    misalign=misalign, transposed=transposed, plan_options=options,
-                    first_step=first_step)
+def random_case(cases, max_examples: int):
+    """A hypothesis test over ``cases`` with random buckets, launch shapes and steps."""
+    def decorate(test):
+        @settings(max_examples=max_examples)
+        @given(case=st.sampled_from(cases), seed=st.integers(0, 2 ** 32 - 1),
+               sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12), steps=st.integers(1, 4),
+               special=st.sampled_from([0.0, 0.05, 0.5]), misalign=st.sampled_from([0.0, 0.5, 1.0]),
+               transposed=st.booleans(), options=plan_options, first_step=first_steps)
+        def run(case, seed, sizes, steps, special, misalign, transposed, options, first_step):
+            run_and_compare(case[1], seed=seed, sizes=sizes, steps=steps, special=special,
+                            misalign=misalign, transposed=transposed, plan_options=options,
+                            first_step=first_step)
+        run.__name__ = test.__name__
+        run.__doc__ = test.__doc__
+        return run
+    return decorate
 
 
-@settings(max_examples=100)
-@given(config=st.sampled_from(LION_CONFIGS), seed=st.integers(0, 2 ** 32 - 1),
-       sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12), steps=st.integers(1, 4),
-       special=st.sampled_from([0.0, 0.05, 0.5]), misalign=st.sampled_from([0.0, 0.5, 1.0]),
-       transposed=st.booleans(), options=plan_options, first_step=first_steps)
-def test_lion_matches_reference(config, seed, sizes, steps, special, misalign, transposed, options,
-                                first_step):
-    _, plan, flags = config
-    run_and_compare("lion", plan, flags, seed=seed, sizes=sizes, steps=steps, special=special,
-                    misalign=misalign, transposed=transposed, plan_options=options,
-                    first_step=first_step)
+@random_case(ADAM_CONFIGS, max_examples=200)
+def test_adam_matches_reference():
+    """Random Adam buckets, launch shapes and steps."""
+
+
+@random_case(LION_CONFIGS, max_examples=100)
+def test_lion_matches_reference():
+    """Random Lion buckets, launch shapes and steps."""
+
+
+@random_case(SGD_CONFIGS, max_examples=200)
+def test_sgd_matches_reference():
+    """Random SGD buckets, launch shapes and steps."""
+
+
+# ---------------------------------------------------------------- steps past 2**32
+# bf16 params that are their own master, bf16 moments, stochastic rounding, every template
+# flag (amsgrad, momentum) and telemetry on; hyper-parameters whose updates are rarely
+# representable, so different random bits give different results
+STOCHASTIC_CASES = {
+    kind: (next(config for config in cuda_backend.kernel_configs(kind).values()
+                if config.weights == "param-stochastic" and config.plan.param == torch.bfloat16
+                and config.plan.exp_avg == torch.bfloat16 and config.plan.exp_avg_sq == torch.bfloat16
+                and all(config.template_flags) and config.track), group)
+    for kind, group in (
+        ("adam", dict(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)),
+        ("lion", dict(lr=0.1, betas=(0.9, 0.99), weight_decay=0.1)),
+        ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.0)))}
+
+
+@pytest.mark.parametrize("kind", sorted(STOCHASTIC_CASES))
+def test_stochastic_rounding_past_step_2_32(kind):
+    """At step 2**32 + 5 the kernels draw the reference's bits, and not step 5's: the
+    step's high word enters the stream key (folded into the seed's high word)."""
+    config, group = STOCHASTIC_CASES[kind]
+    assert config.stochastic
+    scalars = scalars_for(config, group, 5)  # the same scalars: only the random bits differ
+    results = {}
+    for step in (5, 2 ** 32 + 5):
+        # the same bucket (values, offsets, a transposed tensor, indices past 2**32 or not)
+        actual = make_bucket(config, [1000, 33, 256, 7], np.random.default_rng(32), 0.05, 0.5, True)
+        expected = clone_bucket(actual)
+        step_both(expected, actual, step, scalars, SMALL_CHUNKS,
+                  f"{kind} {config.plan} seed={actual.seed:#x}")
+        results[step] = expected
+    low, high = results[5], results[2 ** 32 + 5]
+    for role, column_low, column_high in zip(config.algorithm.roles, low.tensors, high.tensors):
+        if role.stream is None or column_low[0] is None:
+            continue
+        a = np.concatenate([bits(t) for t in column_low])
+        b = np.concatenate([bits(t) for t in column_high])
+        assert np.count_nonzero(a != b) > a.size // 20, (
+            f"{kind}: {role.name} rounded alike at steps 5 and 2**32 + 5 "
+            f"({np.count_nonzero(a != b)} of {a.size} differ)")
 
 
 # ---------------------------------------------------------------- storage helpers

@@ -167,6 +167,7 @@ def _count(bucket: Bucket, i: int, before: list, u: torch.Tensor, moments: list)
     unchanged = _same_bits(before[0], after[0])
     for old, new in zip(before[1:], after[1:]):
         unchanged &= _same_bits(old, new)
+    bucket.counts[i, :len(bucket.config.algorithm.counters)] = 0  # a moment this config lacks counts 0
     bucket.counts[i, 0] = int(((u != 0) & unchanged).sum())
     for column, (value, encoded) in enumerate(moments, start=1):
         bucket.counts[i, column] = int(((value != 0) & (decode(encoded) == 0)).sum())
