@@ -1,0 +1,233 @@
+"""CPU-offload step benchmark: pipeline overlap against its parts, and a 7B projection.
+
+Run:  python benchmarks/offload_step.py [--log2-params 26] [--tensors 64] [--bandwidth 25e9]
+
+No machine of this project has a GPU, so the link is a stand-in: CPU params and a
+``ThreadedCopyEngine`` whose copies are throttled to ``--bandwidth`` bytes/s each way (PCIe 4
+x16 is ~25 GB/s), run on background threads like DMA engines.  Per preset (AdamW, bf16 params
+in ``--tensors`` tensors of 2^N elements in all) it measures, repetitions interleaved:
+
+* the parts alone: device->host of every grad, the host update (the same kernels on host
+  buffers, no copies), host->device of every param;
+* the offloaded step with grads set by hand (their copies start at step()), and after a
+  backward pass whose hooks already started the grad copies;
+* overlap efficiency = max(parts) / measured step: 1.0 when the copies hide completely.
+
+Then a sweep of the pipeline chunk size, and a projection of a 7B-param step from the measured
+host-update throughput, the link bandwidth and ``--backward-seconds``.  On a CUDA machine it
+also times the real pipeline (CudaCopyEngine) against the non-offloaded CUDA step.
+
+The stand-in's copies are memcpys on this machine's cores, which compete with the host update
+for the same cores and memory bandwidth; a GPU's DMA engines do not.  So the efficiency here is a
+lower bound of what a GPU machine gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import torch
+
+import bf16opt
+from bf16opt.offload import use_copy_engine
+from bf16opt.offload_copies import ThreadedCopyEngine
+
+PRESETS = ("bf16", "bf16-sr", "fp32-remainder-bf16-states")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                "unknown CPU")
+    flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    isa = "AVX-512" if " avx512f" in flags else ("AVX2" if " avx2" in flags else "no AVX2")
+    return f"{name}, {isa}, {len(os.sched_getaffinity(0))} cores"
+
+
+def make_params(n: int, tensors: int, seed: int = 0) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    size = n // tensors
+    return [torch.nn.Parameter(torch.randn(size, generator=generator).to(torch.bfloat16)) for _ in range(tensors)]
+
+
+def grads_for(params: list, seed: int = 1) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(p.shape, generator=generator) * 1e-2).to(p.dtype) for p in params]
+
+
+def timed(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+class Setup:
+    """One preset's contenders: an offloaded optimizer, a host-only one, and the link alone."""
+
+    def __init__(self, preset: str, n: int, tensors: int, bandwidth: float, chunk: int):
+        self.engine = ThreadedCopyEngine(bandwidth=bandwidth)
+        self.params = make_params(n, tensors)
+        self.grads = grads_for(self.params)
+        self.opt = bf16opt.AdamW(self.params, lr=1e-4, precision=preset, offload="cpu")
+        use_copy_engine(self.opt, self.engine)
+        self.opt._offloader.chunk_elements = chunk
+        self.host_params = make_params(n, tensors)
+        self.host_opt = bf16opt.AdamW(self.host_params, lr=1e-4, precision=preset, backend="numba")
+        for p, g in zip(self.host_params, self.grads):
+            p.grad = g
+        self.staging = [torch.empty_like(p) for p in self.params]
+        self.step_hand()        # allocate state, compile, stage once
+        self.host_opt.step()
+
+    def down(self) -> float:
+        return timed(lambda: [t.wait() for t in [self.engine.to_host(s, g) for s, g in zip(self.staging, self.grads)]])
+
+    def up(self) -> float:
+        return timed(lambda: [t.wait() for t in [self.engine.to_device(p.detach(), s)
+                                                  for p, s in zip(self.params, self.staging)]])
+
+    def update(self) -> float:
+        return timed(self.host_opt.step)
+
+    def step_hand(self) -> float:
+        for p, g in zip(self.params, self.grads):
+            p.grad = g.clone()  # a new grad tensor: its copy starts at step()
+        return timed(self.opt.step)
+
+    def step_after_backward(self) -> float:
+        for p in self.params:
+            p.grad = None
+        loss = sum((p.float() * g.float()).sum() for p, g in zip(self.params, self.grads))
+        loss.backward()  # the hooks start every grad's copy during backward
+        return timed(self.opt.step)
+
+    def close(self):
+        self.engine.close()
+
+
+def measure(setup: Setup, repeats: int) -> dict:
+    names = ("down", "update", "up", "step_hand", "step_after_backward")
+    times = {name: [] for name in names}
+    for _ in range(repeats):  # interleaved: bandwidth drifts between runs
+        for name in names:
+            times[name].append(getattr(setup, name)())
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def report(preset: str, t: dict) -> str:
+    parts = max(t["down"], t["update"], t["up"])
+    return (f"{preset:28s} {1e3 * t['down']:8.1f} {1e3 * t['update']:8.1f} {1e3 * t['up']:8.1f} "
+            f"{1e3 * t['step_hand']:10.1f} {parts / t['step_hand']:6.2f} "
+            f"{1e3 * t['step_after_backward']:10.1f} {max(t['update'], t['up']) / t['step_after_backward']:6.2f}")
+
+
+def host_bytes_per_param(preset: str) -> float:
+    """Host RAM per bf16 param: state (README table) + param mirror + grad staging."""
+    params = make_params(4096, 1)
+    opt = bf16opt.AdamW(params, precision=preset, offload="cpu")
+    params[0].grad = torch.zeros_like(params[0])
+    opt.step()
+    report_ = bf16opt.memory_report(opt)
+    state = (report_.host_bytes - 8 * len(params)) / report_.num_params  # less the step counters
+    return state + sum(report_.staging.values()) / report_.num_params
+
+
+def compare_cuda(n: int, tensors: int, repeats: int) -> None:
+    """The real pipeline (CudaCopyEngine: side streams, page-locked memory) against the
+    non-offloaded CUDA step, for the same sizes (only where a GPU exists)."""
+    print(f"\nCUDA ({torch.cuda.get_device_name()}): step ms, offload='cpu' vs state on the GPU")
+    for preset in PRESETS:
+        times = {}
+        for offload in (None, "cpu"):
+            params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(n, tensors)]
+            grads = [g.cuda() for g in grads_for(params)]
+            opt = bf16opt.AdamW(params, lr=1e-4, precision=preset, offload=offload)
+            samples = []
+            for _ in range(repeats + 1):
+                for p, g in zip(params, grads):
+                    p.grad = g.clone()
+                torch.cuda.synchronize()
+                samples.append(timed(lambda: (opt.step(), torch.cuda.synchronize())))
+            times[offload] = statistics.median(samples[1:])
+            del opt, params, grads
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(f"  {preset:28s} on GPU {1e3 * times[None]:8.1f}   offloaded {1e3 * times['cpu']:8.1f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log2-params", type=int, default=26)
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--bandwidth", type=float, default=25e9, help="stand-in link, bytes/s each way")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=None, help="pipeline chunk (elements); default: swept")
+    parser.add_argument("--backward-seconds", type=float, default=1.0,
+                        help="length of a 7B backward pass for the projection")
+    parser.add_argument("--gpu-params-per-second", type=float, default=0.0,
+                        help="optional: a GPU's non-offloaded step throughput, for the projection")
+    args = parser.parse_args(argv)
+    n = 1 << args.log2_params
+    print(f"bf16opt offload benchmark: AdamW, 2^{args.log2_params} bf16 params in {args.tensors} tensors, "
+          f"stand-in link {args.bandwidth / 1e9:.0f} GB/s each way; {cpu_name()}; medians of {args.repeats}")
+
+    chunk = args.chunk
+    if chunk is None:
+        print("\nchunk sweep (bf16): chunk elements -> step ms (grads set by hand)")
+        best = None
+        for log2 in (18, 20, 21, 22):
+            setup = Setup("bf16", n, args.tensors, args.bandwidth, 1 << log2)
+            t = statistics.median(setup.step_hand() for _ in range(max(3, args.repeats // 2)))
+            setup.close()
+            del setup
+            gc.collect()
+            print(f"  2^{log2:<3d} {1e3 * t:8.1f}")
+            if best is None or t < best[1]:
+                best = (1 << log2, t)
+        chunk = best[0]
+        print(f"  chosen: 2^{chunk.bit_length() - 1}")
+
+    print(f"\n{'preset':28s} {'D2H ms':>8s} {'host ms':>8s} {'H2D ms':>8s} {'step ms':>10s} {'eff.':>6s} "
+          f"{'after bwd':>10s} {'eff.':>6s}")
+    update_rate = {}
+    for preset in PRESETS:
+        setup = Setup(preset, n, args.tensors, args.bandwidth, chunk)
+        t = measure(setup, args.repeats)
+        print(report(preset, t))
+        update_rate[preset] = n / t["update"]
+        setup.close()
+        del setup
+        gc.collect()
+    print("  eff. = max(D2H, host, H2D) / step; after bwd: grads copied by the hooks during backward, "
+          "eff. = max(host, H2D) / step")
+
+    print(f"\nprojection, 7B bf16 params, link {args.bandwidth / 1e9:.0f} GB/s each way, "
+          f"host update at this machine's measured rate, backward {args.backward_seconds:.2f} s:")
+    params7b = 7e9
+    link = params7b * 2 / args.bandwidth
+    print(f"{'preset':28s} {'GPU B/param':>11s} {'host B/param':>12s} {'host update s':>13s} "
+          f"{'link s (each way)':>17s} {'step s':>7s} {'grad copies hidden':>18s}")
+    for preset in PRESETS:
+        update = params7b / update_rate[preset]
+        step = max(update, link)  # grads down during backward; params up overlapped with the update
+        hidden = min(1.0, args.backward_seconds / link)
+        print(f"{preset:28s} {4:11d} {host_bytes_per_param(preset):12.1f} {update:13.2f} {link:17.2f} "
+              f"{step:7.2f} {100 * hidden:17.0f}%")
+    print("  GPU bytes/param: the bf16 param and its bf16 grad (no optimizer state on the GPU).")
+
+    if torch.cuda.is_available():
+        compare_cuda(n, args.tensors, args.repeats)
+    else:
+        print("\n(no CUDA device: the real pipeline against the CUDA step is not measured here)")
+
+
+if __name__ == "__main__":
+    main()
