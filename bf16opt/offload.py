@@ -44,7 +44,7 @@ __all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "Offloader", "check_offlo
 OFFLOAD_VALUES = (None, "cpu")
 #: elements per pipeline chunk: large enough that a kernel call's fixed cost (~50 us) is small,
 #: small enough that the first upload starts early (benchmarks/offload_step.py)
-DEFAULT_CHUNK_ELEMENTS = 1 << 21
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
 def check_offload(value) -> None:
