@@ -135,9 +135,10 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def random_bits(key: int, shape, device=None) -> torch.Tensor:
-    """uint32 values (in int64) of the stream ``key`` for a tensor of ``shape``, row-major."""
-    index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).reshape(shape)
+def random_bits(key: int, shape, device=None, offset: int = 0) -> torch.Tensor:
+    """uint32 values (in int64) of the stream ``key`` for a tensor of ``shape``, row-major;
+    ``offset``: the row-major index of its first element in the whole tensor."""
+    index = torch.arange(offset, offset + math.prod(shape), dtype=torch.int64, device=device).reshape(shape)
     return _fmix32(_mul32(index, GOLDEN) ^ key)
 
 
