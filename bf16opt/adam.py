@@ -47,7 +47,8 @@ class Adam(MixedPrecisionOptimizer):
       read with :meth:`precision_stats`.
     * ``offload``: ``None`` (state lives with the param) or ``"cpu"``: master weights and
       moments in host RAM, updated by the CPU kernels, overlapped with the copies
-      (``bf16opt/offload.py``); also per param group.
+      (``bf16opt/offload.py``); also per param group.  ``offload_threads``: host threads of
+      the offloaded update (default: all cores of the process's affinity).
 
     The math, with :math:`\theta` the master weights, per step :math:`t`:
 
@@ -73,14 +74,15 @@ class Adam(MixedPrecisionOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 precision="fp32", backend="auto", seed=None, track_precision=False, offload=None):
+                 precision="fp32", backend="auto", seed=None, track_precision=False, offload=None,
+                 offload_threads=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         foreach=foreach, maximize=maximize, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
                         precision=precision, backend=backend,
                         seed=default_seed() if seed is None else seed, track_precision=track_precision,
-                        offload=offload)
+                        offload=offload, offload_threads=offload_threads)
         self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 
@@ -111,11 +113,12 @@ class AdamW(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, precision="fp32", backend="auto", seed=None,
-                 track_precision=False, offload=None):
+                 track_precision=False, offload=None, offload_threads=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, precision=precision,
-                         backend=backend, seed=seed, track_precision=track_precision, offload=offload)
+                         backend=backend, seed=seed, track_precision=track_precision, offload=offload,
+                         offload_threads=offload_threads)
 
     def _force_group_entries(self, group: dict) -> None:
         group["decoupled_weight_decay"] = True

@@ -45,11 +45,12 @@ class Lion(MixedPrecisionOptimizer):
     _FOREIGN_GROUP_KEYS = ("eps", "amsgrad")  # Adam's
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
-                 precision="fp32", backend="auto", seed=None, track_precision=False, offload=None):
+                 precision="fp32", backend="auto", seed=None, track_precision=False, offload=None,
+                 offload_threads=None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
                         precision=precision, backend=backend,
                         seed=default_seed() if seed is None else seed, track_precision=track_precision,
-                        offload=offload)
+                        offload=offload, offload_threads=offload_threads)
         self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 

@@ -32,6 +32,8 @@ Host memory per param: the state, a mirror of the param and a grad staging buffe
 
 from __future__ import annotations
 
+import contextlib
+import os
 import weakref
 from typing import Optional
 
@@ -47,9 +49,37 @@ OFFLOAD_VALUES = (None, "cpu")
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
-def check_offload(value) -> None:
+def check_offload(value, threads=None) -> None:
     if value not in OFFLOAD_VALUES:
         raise ValueError(f"offload must be None or 'cpu', got {value!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"offload_threads must be None (all cores of the process) or an int >= 1, "
+                         f"got {threads!r}")
+
+
+def default_threads() -> int:
+    """All cores this process may run on (its affinity), not all cores of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def host_threads(threads: Optional[int]):
+    """Numba's thread count for the host update (restored afterwards; thread-local in Numba)."""
+    try:
+        import numba  # noqa: PLC0415
+    except ImportError:
+        yield
+        return
+    wanted = min(threads or default_threads(), numba.config.NUMBA_NUM_THREADS)
+    before = numba.get_num_threads()
+    numba.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 def _real(tensor):
@@ -179,9 +209,14 @@ class Offloader:
         return record.mirror, record.grad
 
     # ---- the pipeline
-    def run(self, bucket, params: list, backend, scalars) -> None:
-        """Update ``bucket`` (host tensors of the offloaded ``params``) chunk by chunk and
-        upload each chunk's new params as soon as it is done; publish the uploads."""
+    def run(self, bucket, params: list, backend, scalars, threads: Optional[int] = None) -> None:
+        """Update ``bucket`` (host tensors of the offloaded ``params``) chunk by chunk with
+        ``threads`` host threads, uploading each chunk's new params as soon as it is done;
+        publish the uploads."""
+        with host_threads(threads):
+            self._run(bucket, params, backend, scalars)
+
+    def _run(self, bucket, params: list, backend, scalars) -> None:
         from .backends import Bucket  # noqa: PLC0415  (backends import the optimizer's modules)
 
         records = [self._records[p] for p in params]

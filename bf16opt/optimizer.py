@@ -162,7 +162,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         precision = as_precision(group["precision"])
         check_backend_name(group["backend"])
-        check_offload(group.get("offload"))
+        check_offload(group.get("offload"), group.get("offload_threads"))
         if group.get("offload") == "cpu" and group["backend"] == "cupy":
             raise ValueError("backend='cupy' updates state on the GPU; with offload='cpu' the state "
                              "lives in host RAM and is updated by backend='numba' (or 'auto')")
@@ -331,7 +331,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
                 launch = backend.prepare(bucket, scalars)  # checks and compiles, offloaded or not
                 if offloader:
-                    launch = functools.partial(offloader.run, bucket, originals[key], backend, scalars)
+                    launch = functools.partial(offloader.run, bucket, originals[key], backend, scalars,
+                                               group.get("offload_threads"))
                 plan.launches.append((bucket, launch))
         if "_offloader_instance" in self.__dict__:
             plan.offloaded = {p for g in self.param_groups if g.get("offload") == "cpu" for p in g["params"]}

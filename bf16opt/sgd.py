@@ -50,12 +50,13 @@ class SGD(MixedPrecisionOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                  *, maximize=False, foreach=None, differentiable=False, fused=None, precision="fp32",
-                 backend="auto", seed=None, track_precision=False, offload=None):
+                 backend="auto", seed=None, track_precision=False, offload=None, offload_threads=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused, precision=precision,
                         backend=backend, seed=default_seed() if seed is None else seed,
-                        track_precision=track_precision, offload=offload)
+                        track_precision=track_precision, offload=offload,
+                        offload_threads=offload_threads)
         self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 

@@ -35,8 +35,8 @@ __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "convert_state", "load", 
 STATE_DICT_FORMAT = 1
 # Group entries that describe this optimizer object, not the training run: when a
 # state dict is loaded, the live optimizer keeps its own values for these.
-IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "foreach", "fused", "capturable", "differentiable",
-                       "track_precision")
+IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "offload_threads", "foreach", "fused", "capturable",
+                       "differentiable", "track_precision")
 COMPANION_KEYS = ("master", "compensation", "remainder")
 
 
