@@ -88,7 +88,7 @@ GRAD = Role("grad", "param", written=False)
 COMPANION = Role("companion", "companion")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per algorithm: hashed and compared by identity
 class Algorithm:
     """An update rule's kernel description.
 
@@ -162,7 +162,7 @@ ALGORITHMS = {a.name: a for a in (ADAM, LION, SGD)}
 
 
 # ---------------------------------------------------------------- (description, plan) -> kernel
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # made once per combination by kernel_config: identity is equality
 class KernelConfig:
     """What one kernel call runs: an algorithm on one StoragePlan with fixed flags.
 
@@ -196,14 +196,22 @@ class KernelConfig:
     def stochastic(self) -> bool:
         return self.plan.rounding == "stochastic"
 
-    def present(self) -> list:
+    @functools.cached_property  # (asked for every param of every step)
+    def _present(self) -> tuple:
+        return tuple((k, role, dtype, key) for k, (role, dtype, key)
+                     in enumerate(zip(self.algorithm.roles, self.dtypes, self.state_keys)) if dtype is not None)
+
+    def present(self) -> tuple:
         """(role position, role, dtype, state key) of the roles that exist, kernel order."""
-        return [(k, role, dtype, key) for k, (role, dtype, key)
-                in enumerate(zip(self.algorithm.roles, self.dtypes, self.state_keys)) if dtype is not None]
+        return self._present
+
+    @functools.cached_property
+    def _state_buffers(self) -> dict:
+        return {key: dtype for k, role, dtype, key in self._present if role.name not in ("param", "grad")}
 
     def state_buffers(self) -> dict:
-        """state key -> dtype of every state buffer this configuration keeps."""
-        return {key: dtype for k, role, dtype, key in self.present() if role.name not in ("param", "grad")}
+        """state key -> dtype of every state buffer this configuration keeps (do not modify)."""
+        return self._state_buffers
 
 
 def _weights(plan: StoragePlan) -> str:

@@ -193,7 +193,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     @property
     def _state_configs(self) -> dict:
-        """param -> the KernelConfig its state was last made or checked for (a cache)."""
+        """param -> (KernelConfig, device) its state was last made or checked for (a cache)."""
         return self._side_dict("_state_config_cache")
 
     def _side_dict(self, name: str) -> dict:
@@ -267,21 +267,27 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             backends = {device: resolve_backend(group["backend"], HOST if offloader else device)
                         for device in {param.device for param in params}}
             position = {id(p): first_index + i for i, p in enumerate(group["params"])}
+            flags, track = tuple(self._flags(group).items()), bool(group.get("track_precision"))
+            configs = {}  # param dtype -> config (one lookup per dtype, not per param)
             entries = []
             for original in params:
                 number = position[id(original)]
                 param = real_view(original)  # complex params are updated as real views, like torch
-                config = self._config(group, precision, param)
+                config = configs.get(param.dtype)
+                if config is None:
+                    config = configs[param.dtype] = kernel_config(self.algorithm, plan_for(precision, param.dtype),
+                                                                  flags, track)
+                home = HOST if offloader else param.device
                 state = self.state.get(original)
                 if not state:  # first step: a new state, installed in phase two
                     state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
-                else:
-                    if not _at_home(state, HOST if offloader else param.device):  # `offload` was edited
+                elif known.get(original) != (config, home):
+                    if not _at_home(state, home):  # `offload` was edited
                         state = plan.states[original] = {
                             key: value if key == "step" or not isinstance(value, torch.Tensor)
                             else (offloader.to_host(value) if offloader else value.to(param.device))
                             for key, value in state.items()}
-                    if known.get(original) is not config and not state_dicts.state_fits(state, config):
+                    if not state_dicts.state_fits(state, config):
                         like = param.detach().to(HOST) if offloader else param
                         state, new_param = state_dicts.convert_state(config, state, like, number,
                                                                      type(self).__name__)
@@ -295,7 +301,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 made = self._new_buffers(param, state, config, offloader)
                 if made:
                     plan.buffers[original] = made
-                plan.known[original] = config
+                plan.known[original] = (config, home)
                 fresh = self._fresh_flags(set(made))
                 if fresh:
                     config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),

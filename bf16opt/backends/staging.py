@@ -89,10 +89,12 @@ def check(bucket: Bucket, backend: str) -> None:
     for k, role in enumerate(roles):
         if config.dtypes[k] is None and any(t is not None for t in bucket.tensors[k]):
             raise ValueError(f"{backend} backend: {role.name} is not part of this configuration")
-    present = config.present()
-    for i, param in enumerate(bucket.tensors[0]):
-        for k, role, dtype, _ in present:
-            _check(role, bucket.tensors[k][i], dtype, param, i, backend)
+    for k, role, dtype, _ in config.present():
+        for i, (tensor, param) in enumerate(zip(bucket.tensors[k], bucket.tensors[0])):
+            # the common case in a few C calls; anything else gets the detailed check
+            if tensor is None or tensor.dtype != dtype or tensor.shape != param.shape \
+                    or tensor.get_device() != param.get_device() or not tensor.data_ptr():
+                _check(role, tensor, dtype, param, i, backend)
 
 
 def stage(bucket: Bucket, backend: str, checked: bool = False) -> Staged:
