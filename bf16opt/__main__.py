@@ -1,25 +1,52 @@
-"""Command line: ``bf16opt compare ...`` (also ``python -m bf16opt compare ...``)."""
+"""Command line: ``bf16opt compare ...`` (also ``python -m bf16opt compare ...``), ``bf16opt --version``.
+
+One ``argparse`` parser with a sub-command per job.  Usage errors end with exit status 2
+and one line on stderr, ``PROG: error: argument --NAME: ...``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Sequence
+from typing import NoReturn, Optional
 
-COMMANDS = {"compare": "train a small language model once per precision preset and compare"}
+from . import __version__
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bf16opt COMMAND [options]\n\ncommands:")
-        for name, text in COMMANDS.items():
-            print(f"  {name:10s} {text}")
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "compare":
-        from .compare import main as compare_main
-        return compare_main(rest)
-    print(f"bf16opt: unknown command {command!r}; try 'bf16opt --help'", file=sys.stderr)
-    return 2
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error reported on one line (no usage dump): the line names the
+    argument and ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> tuple[Parser, dict[str, Parser]]:
+    """The ``bf16opt`` parser and its sub-command parsers by name."""
+    from . import compare
+
+    parser = Parser(prog="bf16opt", description="Optimizers with bf16/fp16/fp32 master weights and states: "
+                                                "the command-line jobs.")
+    parser.add_argument("--version", action="version", version=f"bf16opt {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    compare_parser = commands.add_parser(
+        "compare", help="train a small language model once per precision preset and compare",
+        description=(compare.__doc__ or "").split("\n\n")[0].replace("\n", " ").split(": ", 1)[-1],
+        epilog="example: bf16opt compare --presets fp32,bf16,bf16-sr --steps 200 --corpus my_text.txt "
+               "--out runs/mine --json")
+    compare.add_arguments(compare_parser)
+    return parser, {"compare": compare_parser}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser, commands = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command == "compare":
+        from .compare import run
+
+        return run(args, commands["compare"])
+    parser.error(f"argument COMMAND: unknown command {args.command!r}")  # unreachable: argparse checks
 
 
 if __name__ == "__main__":

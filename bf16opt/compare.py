@@ -2,9 +2,13 @@
 
 A laptop-scale version of DeepSpeed's bf16 master-weights experiment (seed 000): a
 character-level GPT with bfloat16 params is trained on real text, by default the
-Python standard library's own sources, once per preset, with the same seed and data
-order.  Writes a loss CSV per preset and ``loss_comparison.png`` (when matplotlib is
-installed) into ``--out``, and prints the memory breakdown and the loss table.
+Python standard library's own sources, once per preset, with the same seed, data
+order and learning-rate schedule.  Writes a loss CSV per preset and
+``loss_comparison.png`` (when matplotlib is installed) into ``--out`` (``--json``: also
+``results.json``), and prints the memory breakdown and the loss table.
+
+Every argument is checked before the first run trains: a bad one ends the command with
+exit status 2 and a one-line message naming it.
 """
 
 from __future__ import annotations
@@ -12,21 +16,43 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import json
 import math
 import statistics
 import sys
 import sysconfig
+import tempfile
+import threading
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any, Optional
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import Adam, AdamW, Lion, memory_report
+from . import PRESETS, SGD, Adam, AdamW, Lion, __version__, memory_report
+from .memory import MemoryReport, format_table
+
+try:  # the live progress bar (bf16opt[plot]); plain progress lines without it
+    from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover - depends on the environment
+    tqdm = None
+
+__all__ = ["CharGPT", "DEFAULT_PRESETS", "OPTIMIZERS", "Progress", "StepPeakMemory", "add_arguments",
+           "main", "run", "stdlib_corpus", "train"]
 
 DEFAULT_PRESETS = ("fp32", "bf16", "bf16-kahan", "bf16-sr", "fp32-remainder")
-OPTIMIZERS = {"adamw": AdamW, "adam": Adam, "lion": Lion}
+OPTIMIZERS: dict[str, type[Adam] | type[Lion] | type[SGD]] = {"adamw": AdamW, "adam": Adam, "lion": Lion, "sgd": SGD}
+#: default peak learning rate per optimizer (--lr overrides)
+DEFAULT_LR = {"adamw": 3e-3, "adam": 3e-3, "lion": 3e-4, "sgd": 0.3}
+#: extra constructor arguments per optimizer
+OPTIMIZER_KWARGS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.9}}
+HEADS = 4  # attention heads of every block: --width must be a multiple
+BACKENDS = ("auto", "numba", "reference")  # the model is on the CPU: no "cupy"
+RESULTS_JSON = "results.json"
 
 
 # ---------------------------------------------------------------- data
@@ -45,7 +71,8 @@ def stdlib_corpus(max_bytes: int = 4_000_000) -> bytes:
     return b"".join(chunks)[:max_bytes]
 
 
-def batches(data: torch.Tensor, steps: int, batch: int, block: int, seed: int):
+def batches(data: torch.Tensor, steps: int, batch: int, block: int,
+            seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The same (input, target) sequence for every run with the same seed."""
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -72,7 +99,7 @@ class Block(nn.Module):
 class CharGPT(nn.Module):
     """A small GPT over bytes (vocabulary 256)."""
 
-    def __init__(self, width: int = 128, layers: int = 2, heads: int = 4, block: int = 64):
+    def __init__(self, width: int = 128, layers: int = 2, heads: int = HEADS, block: int = 64):
         super().__init__()
         self.embed = nn.Embedding(256, width)
         self.position = nn.Parameter(torch.randn(block, width) * 0.02)
@@ -89,16 +116,21 @@ class CharGPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def warmup_cosine(steps: int, warmup: float = 0.1, floor: float = 0.05):
-    """LR factor: linear warm-up over 10% of the steps, then cosine decay to 5%."""
-    warm = max(1, int(steps * warmup))
+def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float = 0.1,
+                  floor: float = 0.05) -> torch.optim.lr_scheduler.LRScheduler:
+    """torch's schedulers: linear warm-up over 10% of the steps (``LinearLR``), then cosine
+    decay to 5% of the peak (``CosineAnnealingLR``), chained by ``SequentialLR``.
 
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        progress = (step - warm) / max(1, steps - warm)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return factor
+    The factor of step k (from 0) is (k + 1) / warm during warm-up, then
+    floor + (1 - floor) (1 + cos(pi (k - warm) / (steps - warm))) / 2.
+    """
+    warm = max(1, int(steps * warmup))
+    peak = [float(group["lr"]) for group in optimizer.param_groups]
+    rise = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / warm, end_factor=1.0,
+                                             total_iters=warm - 1)
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, steps - warm),
+                                                       eta_min=floor * min(peak))
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [rise, decay], milestones=[warm])
 
 
 # ---------------------------------------------------------------- measuring
@@ -106,12 +138,48 @@ class StepPeakMemory:
     """Extra resident memory a step needs beyond what the process held before it
     (temporaries; the state itself is allocated by the first step, which is not measured).
 
-    Linux only (reads and resets the peak RSS in /proc/self); elsewhere reports None.
+    ``method``: ``"proc"`` (Linux: resets and reads the process's peak RSS in /proc/self,
+    exact), ``"psutil"`` (any OS with psutil installed: the RSS sampled every 0.5 ms by a
+    thread during the step, so a shorter peak can be missed) or ``None``: the first of the
+    two that works here.  ``available`` is False when neither does (``mib`` is then None).
     """
 
-    def __init__(self):
-        self.available = Path("/proc/self/clear_refs").exists()
+    LABELS = {"proc": "/proc/self peak RSS, exact", "psutil": "psutil, RSS sampled every 0.5 ms",
+              None: "not measured: needs Linux /proc or psutil"}
+
+    def __init__(self, method: Optional[str] = None):
+        if method not in (None, "proc", "psutil"):
+            raise ValueError(f"method must be None, 'proc' or 'psutil', got {method!r}")
         self.peak = 0
+        self.before = 0
+        self._process: Any = None
+        self._sampling: Optional[threading.Event] = None
+        self._sampler: Optional[threading.Thread] = None
+        self._sampled = 0
+        candidates = [method] if method else ["proc", "psutil"]
+        self.method = next((m for m in candidates if self._usable(m)), None)
+
+    @property
+    def available(self) -> bool:
+        return self.method is not None
+
+    @property
+    def label(self) -> str:
+        return self.LABELS[self.method]
+
+    def _usable(self, method: str) -> bool:
+        if method == "proc":
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
+                return self._status("VmHWM") > 0
+            except OSError:
+                return False
+        try:
+            import psutil
+        except ImportError:
+            return False
+        self._process = psutil.Process()
+        return True
 
     @staticmethod
     def _status(field: str) -> int:
@@ -120,60 +188,109 @@ class StepPeakMemory:
                 return int(line.split()[1]) * 1024
         return 0
 
-    def __enter__(self):
-        if self.available:
-            try:
-                Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
-                self.before = self._status("VmRSS")
-            except OSError:
-                self.available = False
+    def _sample(self) -> None:
+        assert self._sampling is not None
+        while not self._sampling.wait(0.0005):
+            self._sampled = max(self._sampled, self._process.memory_info().rss)
+
+    def __enter__(self) -> StepPeakMemory:
+        if self.method == "proc":
+            Path("/proc/self/clear_refs").write_text("5")
+            self.before = self._status("VmRSS")
+        elif self.method == "psutil":
+            self.before = self._sampled = self._process.memory_info().rss
+            self._sampling = threading.Event()
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
         return self
 
-    def __exit__(self, *exc):
-        if self.available:
+    def __exit__(self, *exc: object) -> None:
+        if self.method == "proc":
             self.peak = max(self.peak, self._status("VmHWM") - self.before)
+        elif self.method == "psutil":
+            assert self._sampling is not None and self._sampler is not None
+            self._sampling.set()
+            self._sampler.join()
+            rss = max(self._sampled, self._process.memory_info().rss)
+            self.peak = max(self.peak, rss - self.before)
 
     @property
-    def mib(self):
+    def mib(self) -> Optional[float]:
         return self.peak / 2 ** 20 if self.available else None
 
 
-def progress(label: str, done: int, total: int, loss: float, stream=None) -> None:
-    stream = sys.stderr if stream is None else stream  # the current stderr, not import time's
-    width = 30
-    filled = width * done // total
-    stream.write(f"\r{label:>14s} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} loss {loss:.4f}")
-    if done == total:
-        stream.write("\n")
-    stream.flush()
+class Progress:
+    """One run's progress on ``stream`` (stderr by default).
+
+    On a terminal: a live ``tqdm`` bar.  Otherwise (a pipe, a file, a CI log) or without
+    tqdm: a plain line every 10% of the steps, so logs get lines, not carriage returns.
+    """
+
+    def __init__(self, label: str, total: int, stream: Optional[IO[str]] = None, enabled: bool = True):
+        self.label, self.total = label, total
+        self.stream = sys.stderr if stream is None else stream  # the current stderr, not import time's
+        self.enabled = enabled
+        self.every = max(1, total // 10)
+        self.start = time.perf_counter()
+        self.bar = None
+        if enabled and tqdm is not None and _is_terminal(self.stream):
+            self.bar = tqdm(total=total, desc=f"{label:>14s}", file=self.stream, unit="step",
+                            dynamic_ncols=True, leave=True)
+
+    def update(self, done: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
+            self.bar.update(done - self.bar.n)
+        elif done % self.every == 0 or done == self.total:
+            elapsed = time.perf_counter() - self.start
+            self.stream.write(f"{self.label}: step {done}/{self.total} ({100 * done // self.total}%) "
+                              f"loss {loss:.4f}, {done / max(elapsed, 1e-9):.1f} steps/s\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 # ---------------------------------------------------------------- one run
 def train(preset: str, data: torch.Tensor, *, optimizer: str, steps: int, lr: float, seed: int,
           batch: int, block: int, width: int, layers: int, backend: str = "auto",
-          show_progress: bool = True) -> dict:
+          show_progress: bool = True, peak_method: Optional[str] = None) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = CharGPT(width=width, layers=layers, block=block).to(torch.bfloat16)
-    opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr, precision=preset, seed=seed,
-                                backend=backend, track_precision=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
-    rows, step_times = [], []
-    peak = StepPeakMemory()
-    for number, (inputs, targets) in enumerate(batches(data, steps, batch, block, seed), start=1):
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        lr_now = opt.param_groups[0]["lr"]
-        with peak if number > 1 else contextlib.nullcontext():  # step 1 allocates the state
-            start = time.perf_counter()
-            opt.step()
-            step_times.append(time.perf_counter() - start)
-        schedule.step()
-        rows.append({"step": number, "loss": loss.item(), "lr": lr_now, "step_ms": 1000 * step_times[-1],
-                     "swallowed": opt.precision_stats()["total"]["swallowed"]})
-        if show_progress and (number % max(1, steps // 50) == 0 or number == steps):
-            progress(preset, number, steps, rows[-1]["loss"])
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr, precision=preset, seed=seed, backend=backend,
+                                track_precision=True, **OPTIMIZER_KWARGS.get(optimizer, {}))
+    schedule = warmup_cosine(opt, steps)
+    rows: list[dict[str, Any]] = []
+    step_times: list[float] = []
+    peak = StepPeakMemory(peak_method)
+    progress = Progress(preset, steps, enabled=show_progress)
+    try:
+        for number, (inputs, targets) in enumerate(batches(data, steps, batch, block, seed), start=1):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            lr_now = opt.param_groups[0]["lr"]
+            with peak if number > 1 else contextlib.nullcontext():  # step 1 allocates the state
+                start = time.perf_counter()
+                opt.step()
+                step_times.append(time.perf_counter() - start)
+            schedule.step()
+            rows.append({"step": number, "loss": loss.item(), "lr": lr_now, "step_ms": 1000 * step_times[-1],
+                         "swallowed": opt.precision_stats()["total"]["swallowed"]})
+            progress.update(number, rows[-1]["loss"])
+    finally:
+        progress.close()
     losses = [row["loss"] for row in rows]
     tail = losses[-max(1, len(losses) // 10):]
     return {"preset": preset, "rows": rows, "losses": losses, "final": statistics.fmean(tail),
@@ -181,47 +298,71 @@ def train(preset: str, data: torch.Tensor, *, optimizer: str, steps: int, lr: fl
             # step 1 allocates the state and compiles (or loads) the kernels: not a typical step
             "step_ms": 1000 * statistics.fmean(step_times[1:] or step_times),
             "swallowed": statistics.fmean(row["swallowed"] for row in rows),
-            "peak_mib": peak.mib, "memory": memory_report(opt)}
+            "peak_mib": peak.mib, "peak_method": peak.label, "memory": memory_report(opt)}
 
 
 # ---------------------------------------------------------------- report
-def memory_table(results: list) -> str:
-    """Bytes per parameter by component, one column per preset (seed 000's Memory Breakdown)."""
-    header = "| Component | " + " | ".join(r["preset"] for r in results) + " |"
-    lines = [header, "|---" * (len(results) + 1) + "|"]
-
-    def cell(report, name):
-        dtypes = "+".join(sorted(report.dtypes.get(name, ())))
-        value = report.bytes_per_param.get(name, 0.0)
-        return f"{value:.2f} ({dtypes})" if dtypes else "-"
-
+def _components(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Components any run holds, in report order (e.g. no amsgrad's max_exp_avg_sq)."""
     names = [name for name in results[0]["memory"].bytes if name != "step"]
-    for name in names:
-        if not any(r["memory"].bytes.get(name) for r in results):
-            continue  # e.g. amsgrad's max_exp_avg_sq
-        lines.append(f"| {name} | " + " | ".join(cell(r["memory"], name) for r in results) + " |")
-    lines.append("| **optimizer total** | " + " | ".join(
-        f"**{r['memory'].optimizer_bytes_per_param:.2f}**" for r in results) + " |")
-    lines.append("| **total** | " + " | ".join(f"**{r['memory'].total_per_param:.2f}**" for r in results) + " |")
-    lines.append("| step peak extra RSS (MiB) | " + " | ".join(
-        "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}" for r in results) + " |")
-    return "\n".join(lines)
+    return [name for name in names if any(r["memory"].bytes.get(name) for r in results)]
 
 
-def loss_table(results: list) -> str:
+def memory_table(results: Sequence[dict[str, Any]]) -> str:
+    """Bytes per parameter by component, one column per preset (seed 000's Memory Breakdown)."""
+
+    def cell(report: MemoryReport, name: str) -> str:
+        dtypes = "+".join(sorted(report.dtypes.get(name, ())))
+        return f"{report.bytes_per_param.get(name, 0.0):.2f} ({dtypes})" if dtypes else "-"
+
+    rows = [[name, *(cell(r["memory"], name) for r in results)] for name in _components(results)]
+    rows.append(["**optimizer total**", *(f"**{r['memory'].optimizer_bytes_per_param:.2f}**" for r in results)])
+    rows.append(["**total**", *(f"**{r['memory'].total_per_param:.2f}**" for r in results)])
+    rows.append([f"step peak extra RSS (MiB; {results[0]['peak_method']})",
+                 *("n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}" for r in results)])
+    header = ["Component", *(r["preset"] for r in results)]
+    return format_table(header, rows, align="l" + "r" * len(results))
+
+
+def loss_table(results: Sequence[dict[str, Any]]) -> str:
     base = results[0]["final"]
-    lines = [f"| Preset | Final loss | vs {results[0]['preset']} | Mean loss | Loss std | Mean opt.step() (ms) | "
-             f"Swallowed updates |", "|---|---|---|---|---|---|---|"]
+    header = ["Preset", "Final loss", f"vs {results[0]['preset']}", "Mean loss", "Loss std",
+              "Mean opt.step() (ms)", "Swallowed updates"]
+    rows = [[r["preset"], f"{r['final']:.4f}", f"{100 * (r['final'] / base - 1):+.2f}%", f"{r['mean']:.4f}",
+             f"{r['std']:.4f}", f"{r['step_ms']:.2f}", f"{100 * r['swallowed']:.2f}%"] for r in results]
+    return (format_table(header, rows, align="lrrrrrr")
+            + "\n\nSwallowed updates: non-zero updates that left the stored weights unchanged "
+              "(Kahan carries them in its compensation buffer, stochastic rounding applies them "
+              "on average; with round to nearest they are lost).")
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def results_json(results: Sequence[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """The two tables as data (results.json): raw numbers, non-finite ones as null."""
+    base = results[0]["final"]
+    components = _components(results)
+    memory = []
     for r in results:
-        lines.append(f"| {r['preset']} | {r['final']:.4f} | {100 * (r['final'] / base - 1):+.2f}% | "
-                     f"{r['mean']:.4f} | {r['std']:.4f} | {r['step_ms']:.2f} | {100 * r['swallowed']:.2f}% |")
-    lines.append("\nSwallowed updates: non-zero updates that left the stored weights unchanged "
-                 "(Kahan carries them in its compensation buffer, stochastic rounding applies them "
-                 "on average; with round to nearest they are lost).")
-    return "\n".join(lines)
+        report: MemoryReport = r["memory"]
+        memory.append({
+            "preset": r["preset"], "num_params": report.num_params,
+            "bytes_per_param": {name: report.bytes_per_param.get(name, 0.0) for name in components},
+            "dtypes": {name: sorted(report.dtypes.get(name, ())) for name in components},
+            "optimizer_bytes_per_param": report.optimizer_bytes_per_param,
+            "total_bytes_per_param": report.total_per_param,
+            "step_peak_extra_mib": _finite(r["peak_mib"])})
+    loss = [{"preset": r["preset"], "final_loss": _finite(r["final"]),
+             "vs_first_preset": _finite(r["final"] / base - 1), "mean_loss": _finite(r["mean"]),
+             "loss_std": _finite(r["std"]), "mean_step_ms": r["step_ms"], "swallowed_fraction": r["swallowed"],
+             "csv": f"loss_{r['preset']}.csv"} for r in results]
+    return {"bf16opt": __version__, "settings": settings, "peak_memory_method": results[0]["peak_method"],
+            "final_loss": "mean loss of the last 10% of steps", "memory": memory, "loss": loss}
 
 
-def write_csv(result: dict, out: Path) -> Path:
+def write_csv(result: dict[str, Any], out: Path) -> Path:
     path = out / f"loss_{result['preset']}.csv"
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(result["rows"][0]))
@@ -230,7 +371,7 @@ def write_csv(result: dict, out: Path) -> Path:
     return path
 
 
-def plot(results: list, out: Path):
+def plot(results: Sequence[dict[str, Any]], out: Path) -> Optional[Path]:
     """loss_comparison.png: loss curves and the gap to the first preset; None without matplotlib."""
     try:
         import matplotlib
@@ -241,7 +382,7 @@ def plot(results: list, out: Path):
     figure, (curves, gaps) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     window = max(1, len(results[0]["losses"]) // 50)
 
-    def smooth(values):
+    def smooth(values: list[float]) -> list[float]:
         return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
 
     base = smooth(results[0]["losses"])
@@ -261,49 +402,182 @@ def plot(results: list, out: Path):
     return path
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bf16opt compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default=",".join(DEFAULT_PRESETS),
-                        help="comma-separated precision presets (default: %(default)s)")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=None, help="default 3e-3 (Adam), 3e-4 (Lion)")
-    parser.add_argument("--corpus", type=Path, default=None, help="text file (default: Python stdlib sources)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--backend", default="auto", help="bf16opt backend (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="output directory (default: %(default)s)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
-    lr = args.lr if args.lr is not None else (3e-4 if args.optimizer == "lion" else 3e-3)
-    text = args.corpus.read_bytes() if args.corpus else stdlib_corpus()
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    if data.numel() < args.block + 2:
-        parser.error(f"the corpus needs at least {args.block + 2} bytes")
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    corpus = str(args.corpus) if args.corpus else "Python standard library sources"
+# ---------------------------------------------------------------- arguments
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text!r}")
+    return value
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _presets(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    names = [name for name in names if name]
+    if not names:
+        raise argparse.ArgumentTypeError(f"names no preset ({text!r}); e.g. --presets fp32,bf16")
+    for name in names:
+        if name not in PRESETS:
+            raise argparse.ArgumentTypeError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    for name in names:
+        if names.count(name) > 1:
+            raise argparse.ArgumentTypeError(f"preset {name!r} is given twice")
+    return names
+
+
+def _corpus(text: str) -> Path:
+    path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; name a text file")
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"is not a file: {text}")
+    return path
+
+
+def _out_dir(text: str) -> Path:
+    """Static checks of --out; whether it can be created and written is checked by run()."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; name a directory (it is created if missing)")
+    path = Path(text)
+    for ancestor in (path, *path.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                what = "names an existing file" if ancestor == path else f"is inside {ancestor}, a file"
+                raise argparse.ArgumentTypeError(f"{what}, not a directory: {text}")
+            break
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``bf16opt compare``."""
+    parser.add_argument("--presets", type=_presets, default=",".join(DEFAULT_PRESETS), metavar="P1,P2,...",
+                        help=f"comma-separated precision presets, the first one is the baseline; from "
+                             f"{', '.join(PRESETS)} (default: %(default)s)")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                        help="adamw, adam, lion, or sgd (momentum 0.9) (default: %(default)s)")
+    parser.add_argument("--steps", type=_positive_int, default=300, help="training steps per run (default: %(default)s)")
+    parser.add_argument("--lr", type=_learning_rate, default=None,
+                        help="peak learning rate (default: " + ", ".join(
+                            f"{value:g} {name}" for name, value in DEFAULT_LR.items()) + ")")
+    parser.add_argument("--corpus", type=_corpus, default=None, metavar="FILE",
+                        help="text file to train on (default: the Python standard library's sources)")
+    parser.add_argument("--seed", type=_seed, default=0, help="model, data order and rounding seed (default: 0)")
+    parser.add_argument("--batch", type=_positive_int, default=32, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--block", type=_positive_int, default=64, help="sequence length (default: %(default)s)")
+    parser.add_argument("--width", type=_positive_int, default=128,
+                        help=f"model width, a multiple of {HEADS} (default: %(default)s)")
+    parser.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks (default: %(default)s)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="bf16opt kernel backend; the model runs on the CPU (default: %(default)s)")
+    parser.add_argument("--out", type=_out_dir, default="runs/compare", metavar="DIR",
+                        help="output directory, created if missing (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help=f"also write the tables to DIR/{RESULTS_JSON}")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars or progress lines")
+
+
+@dataclass
+class Corpus:
+    text: bytes
+    name: str
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Corpus:
+    """Checks that need more than one argument, or the file system; parser.error() on failure."""
+    if args.width % HEADS:
+        parser.error(f"argument --width: must be a multiple of {HEADS} (the attention heads), got {args.width}")
+    if args.corpus is not None:
+        try:
+            corpus = Corpus(args.corpus.read_bytes(), str(args.corpus))
+        except OSError as exc:
+            parser.error(f"argument --corpus: cannot read {args.corpus}: {exc.strerror or exc}")
+    else:
+        corpus = Corpus(stdlib_corpus(), "Python standard library sources")
+    if len(corpus.text) < args.block + 2:
+        parser.error(f"argument --corpus: {corpus.name} has {len(corpus.text)} bytes; --block {args.block} "
+                     f"needs at least {args.block + 2}")
+    probe = [nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))]
+    for preset in args.presets:  # every preset with this optimizer and backend, without a step
+        try:
+            OPTIMIZERS[args.optimizer](probe, lr=args.lr, precision=preset, backend=args.backend,
+                                       **OPTIMIZER_KWARGS.get(args.optimizer, {}))
+        except (ValueError, TypeError) as exc:
+            parser.error(f"argument --presets: {preset} with --optimizer {args.optimizer} "
+                         f"--backend {args.backend}: {exc}")
+    try:  # last: creates the directory
+        args.out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=args.out):
+            pass
+    except OSError as exc:
+        parser.error(f"argument --out: cannot write to {args.out}: {exc.strerror or exc}")
+    return corpus
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``bf16opt compare`` with parsed ``args``; ``parser`` reports argument errors (exit 2)."""
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.optimizer]
+    corpus = _check(args, parser)
+    presets: list[str] = args.presets
+    data = torch.frombuffer(bytearray(corpus.text), dtype=torch.uint8)
     print(f"bf16opt compare: {args.optimizer}, {args.steps} steps, {len(presets)} presets, "
-          f"{len(text):,} bytes of text ({corpus})", flush=True)
+          f"{len(corpus.text):,} bytes of text ({corpus.name})", flush=True)
     results = []
     for preset in presets:
-        result = train(preset, data, optimizer=args.optimizer, steps=args.steps, lr=lr, seed=args.seed,
+        result = train(preset, data, optimizer=args.optimizer, steps=args.steps, lr=args.lr, seed=args.seed,
                        batch=args.batch, block=args.block, width=args.width, layers=args.layers,
                        backend=args.backend, show_progress=not args.no_progress)
         write_csv(result, args.out)
         results.append(result)
     figure = plot(results, args.out)
+    written = [f"loss_{p}.csv" for p in presets]
+    if figure:
+        written.append(figure.name)
+    if args.json:
+        settings = {"optimizer": args.optimizer, "optimizer_kwargs": OPTIMIZER_KWARGS.get(args.optimizer, {}),
+                    "steps": args.steps, "lr": args.lr, "schedule": "LinearLR warm-up (10%), CosineAnnealingLR to 5%",
+                    "seed": args.seed, "batch": args.batch, "block": args.block, "width": args.width,
+                    "layers": args.layers, "heads": HEADS, "backend": args.backend, "presets": presets,
+                    "corpus": corpus.name, "corpus_bytes": len(corpus.text)}
+        (args.out / RESULTS_JSON).write_text(json.dumps(results_json(results, settings), indent=2,
+                                                        allow_nan=False) + "\n")
+        written.append(RESULTS_JSON)
     n = results[0]["memory"].num_params
     print(f"\nMemory breakdown, bytes per parameter (N = {n:,} bf16 params)")
     print(memory_table(results))
     print("\nLoss (final = mean of the last 10% of steps)")
     print(loss_table(results))
-    print(f"\nwrote {', '.join(f'loss_{p}.csv' for p in presets)}"
-          + (", loss_comparison.png" if figure else " (install matplotlib for loss_comparison.png)")
-          + f" to {args.out}")
+    print(f"\nwrote {', '.join(written)} to {args.out}"
+          + ("" if figure else " (install matplotlib for loss_comparison.png: pip install 'bf16opt[plot]')"))
     return 1 if any(math.isnan(r["final"]) for r in results) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``bf16opt compare ARGS`` (``argv`` without the command; default ``sys.argv[1:]``)."""
+    from .__main__ import main as cli
+
+    return cli(["compare", *(sys.argv[1:] if argv is None else argv)])
+

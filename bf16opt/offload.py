@@ -10,13 +10,15 @@ The pipeline of one step:
 1. **Grads leave during backward.**  A post-accumulate-grad hook per param starts the
    device->host copy of its grad into a host staging buffer as soon as the grad is final,
    so the copies hide behind the rest of backward.
-2. **step() re-checks.**  A staged grad is used only if it is still the param's grad and its
-   version counter has not moved since the copy (``clip_grad_norm_``, GradScaler's
-   ``unscale_`` and user edits move it); otherwise it is copied again.  Params whose grad was
+2. **step() re-checks.**  A staged grad is used only if it is still the param's grad, its
+   version counter has not moved and its fingerprint (the sum of its bit patterns, see
+   :func:`fingerprint`) is unchanged since the copy: clipping, GradScaler's ``unscale_``,
+   ``.data`` edits and collectives writing into grads are all seen; otherwise it is copied
+   again.  Params whose grad was
    set without backward, or that had no hook when backward ran, are copied here too.  A param
    whose device value changed since the host mirror was written (``model.load_state_dict``,
-   an EMA swap, ``p.data`` edits: its version counter moved) is read back before an update
-   that reads it.
+   an EMA swap, ``p.data`` edits: its version counter or fingerprint moved) is read back
+   before an update that reads it.
 3. **Chunks overlap.**  The update runs in chunks of about ``chunk_elements`` elements: the
    host kernels update chunk k while chunk k-1's new params travel host->device (and later
    grads are still arriving).  Each chunk's kernel writes the new params straight into the
@@ -86,11 +88,26 @@ def _real(tensor):
     return torch.view_as_real(tensor) if tensor is not None and tensor.is_complex() else tensor
 
 
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """The int64 sum of a tensor's bit patterns (on its device, no copy of the data).
+
+    Autograd's version counter misses some in-place changes: ``GradScaler.unscale_``
+    (``_amp_foreach_non_finite_check_and_unscale_``), edits through ``.data``, collectives
+    writing into grads (DDP's bucket views, a hand-written ``all_reduce``).  Any realistic
+    change of a tensor's values (scaling, clipping, averaging, an edit) changes this sum too,
+    so a staged copy is reused only when both agree."""
+    real = _real(tensor.detach())
+    return real.view(_BITS[real.element_size()]).sum(dtype=torch.int64)
+
+
 class _HostParam:
     """Host buffers and bookkeeping of one offloaded param."""
 
-    __slots__ = ("mirror", "grad", "grad_ref", "grad_version", "grad_transfer", "mirror_version",
-                 "mirror_transfer", "uploads", "hook", "__weakref__")
+    __slots__ = ("mirror", "grad", "grad_ref", "grad_version", "grad_print", "grad_transfer",
+                 "mirror_version", "mirror_print", "mirror_transfer", "uploads", "hook", "__weakref__")
 
     def __init__(self, engine: CopyEngine, param: torch.Tensor):
         real = _real(param)
@@ -98,8 +115,10 @@ class _HostParam:
         self.grad = engine.host_empty(real.shape, real.dtype)     # its grad's staging buffer
         self.grad_ref = None          # weakref to the grad tensor last copied
         self.grad_version = None      # that grad's version counter at the copy
+        self.grad_print = None        # and its fingerprint
         self.grad_transfer = None
         self.mirror_version = None    # the param's version counter when the mirror matched it
+        self.mirror_print = None      # and its fingerprint
         self.mirror_transfer = None
         self.uploads = []             # host->device copies from the mirror still in flight
         self.hook = None
@@ -169,18 +188,22 @@ class Offloader:
         return buffer
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (a state buffer) in page-locked host memory when the engine pins."""
+        """``tensor`` (a state buffer) as a contiguous host tensor (the pipeline walks host
+        buffers in flat pieces), page-locked when the engine pins."""
         engine = self.engine_override or next(iter(self._engines.values()), None)
         if engine is not None and engine.pinned and not tensor.is_pinned():
             pinned = engine.host_empty(tensor.shape, tensor.dtype)
             return pinned.copy_(tensor)
-        return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+        tensor = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+        return tensor.contiguous()
 
     # ---- grads and mirrors
     def _grad_ready(self, param: torch.Tensor) -> None:
-        """The post-accumulate-grad hook: start the grad's copy to the host."""
+        """The post-accumulate-grad hook: start the grad's copy to the host (a sparse grad is
+        left to step(), which refuses it by name)."""
         record = self._records.get(param)
-        if record is None or param.grad is None:
+        grad = param.grad
+        if record is None or grad is None or grad.layout != torch.strided:
             return
         self._copy_grad(param, record)
 
@@ -188,27 +211,66 @@ class Offloader:
         if record.grad_transfer is not None:
             record.grad_transfer.wait()  # one copy into the staging buffer at a time
         grad = param.grad
+        record.grad_print = fingerprint(grad)
         record.grad_transfer = self.engine(param.device).to_host(record.grad, _real(grad))
         record.grad_ref, record.grad_version = weakref.ref(grad), grad._version
 
-    def stage(self, param: torch.Tensor, reads_param: bool) -> tuple:
-        """(mirror, grad buffer) for this step's update of ``param``: the staged grad checked
-        (copied again unless it is still the param's unchanged grad), the mirror read back
-        when the param changed on its device and the update reads it."""
+    def stage(self, params: list, reads_param: list) -> list:
+        """(mirror, grad buffer) per param for this step's update: a staged grad is reused only
+        if it is still the param's grad, with the same version counter and fingerprint, and is
+        copied again otherwise; the mirror is read back when the update reads the param and the
+        param changed on its device since the mirror matched it.  One host sync for all."""
+        records = [self.record(param) for param in params]
+        checks = []  # (record position, kind, recorded fingerprint, current fingerprint)
+        for k, (param, record, reads) in enumerate(zip(params, records, reads_param)):
+            grad = param.grad
+            if record.grad_ref is not None and record.grad_ref() is grad and record.grad_version == grad._version:
+                checks.append((k, "grad", record.grad_print, fingerprint(grad)))
+            else:
+                self._copy_grad(param, record)
+            if reads:
+                if record.mirror_version == param._version and record.mirror_print is not None:
+                    checks.append((k, "mirror", record.mirror_print, fingerprint(param)))
+                else:
+                    self._read_mirror(param, record)
+        if checks:
+            changed = (torch.stack([c[2].to(c[3].device) for c in checks]) !=
+                       torch.stack([c[3] for c in checks])).tolist()
+            for (k, kind, _, _), stale in zip(checks, changed):
+                if stale and kind == "grad":
+                    self._copy_grad(params[k], records[k])
+                elif stale:
+                    self._read_mirror(params[k], records[k])
+        return [(record.mirror, record.grad) for record in records]
+
+    def _read_mirror(self, param: torch.Tensor, record: _HostParam) -> None:
+        for upload in record.uploads:  # they read the mirror
+            upload.wait()
+        record.uploads = []
+        record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(param.detach()))
+        record.mirror_version, record.mirror_print = param._version, fingerprint(param)
+
+    def set_mirror(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """The param was just written with ``value`` (a state conversion): the mirror follows."""
         record = self.record(param)
-        grad = param.grad
-        stale = record.grad_ref is None or record.grad_ref() is not grad or record.grad_version != grad._version
-        if stale:
-            self._copy_grad(param, record)
-        if reads_param and record.mirror_version != param._version:
-            for upload in record.uploads:
-                upload.wait()
-            record.uploads = []
-            record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(param.detach()))
-            record.mirror_version = param._version
-        return record.mirror, record.grad
+        for transfer in (record.mirror_transfer, *record.uploads):
+            if transfer is not None:
+                transfer.wait()
+        record.uploads, record.mirror_transfer = [], None
+        record.mirror.copy_(value)
+        record.mirror_version, record.mirror_print = param._version, fingerprint(param)
 
     # ---- the pipeline
+    @staticmethod
+    def check(bucket) -> None:
+        """Phase one's check of an offloaded bucket: the pipeline cuts every host buffer into
+        flat pieces, so each must be contiguous."""
+        for column in bucket.tensors:
+            for tensor in column:
+                if tensor is not None and not tensor.is_contiguous():
+                    raise ValueError("offload: a host buffer of the update is not contiguous (was a "
+                                     "state tensor replaced by hand?)")
+
     def run(self, bucket, params: list, backend, scalars, threads: Optional[int] = None) -> None:
         """Update ``bucket`` (host tensors of the offloaded ``params``) chunk by chunk with
         ``threads`` host threads, uploading each chunk's new params as soon as it is done;
@@ -269,8 +331,8 @@ class Offloader:
                 uploads.append(transfer)
         for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
             engine.publish([t for t in uploads])
-        for param, record in zip(params, records):
-            record.mirror_version = param._version  # the mirror is what the param now holds
+        for param, record in zip(params, records):  # the mirror is what the param now holds
+            record.mirror_version, record.mirror_print = param._version, fingerprint(param)
 
     # ---- accounting
     def host_bytes(self) -> dict:

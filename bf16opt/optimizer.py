@@ -41,10 +41,11 @@ def real_view(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 HOST = torch.device("cpu")
 
 
-def _at_home(state: dict, device: torch.device) -> bool:
-    """True when every state buffer is on ``device`` (the step counter lives on the CPU)."""
-    return all(value.device == device for key, value in state.items()
-               if key != "step" and isinstance(value, torch.Tensor))
+def _at_home(state: dict, device: torch.device, offloaded: bool) -> bool:
+    """True when every state buffer is on ``device`` (the step counter lives on the CPU), and
+    contiguous when offloaded (the pipeline walks host buffers in flat pieces)."""
+    return all(value.device == device and (not offloaded or value.is_contiguous())
+               for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor))
 
 
 def _float64_backend(name: str):
@@ -64,6 +65,7 @@ class _StepPlan:
     states: dict = field(default_factory=dict)         # param -> new or converted state
     buffers: dict = field(default_factory=dict)        # param -> {key: new buffer}
     param_writes: list = field(default_factory=list)   # (param, new bits): remainder conversions
+    mirror_writes: list = field(default_factory=list)  # (offloaded param, new bits): its host mirror
     counters: list = field(default_factory=list)       # step tensors to advance
     known: dict = field(default_factory=dict)          # param -> config its state now fits
     launches: list = field(default_factory=list)       # (bucket, prepared launch)
@@ -193,7 +195,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     @property
     def _state_configs(self) -> dict:
-        """param -> (KernelConfig, device) its state was last made or checked for (a cache)."""
+        """param -> (KernelConfig, device, offloaded) its state was last made or checked for (a cache)."""
         return self._side_dict("_state_config_cache")
 
     def _side_dict(self, name: str) -> dict:
@@ -281,14 +283,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 state = self.state.get(original)
                 if not state:  # first step: a new state, installed in phase two
                     state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
-                elif known.get(original) != (config, home):
-                    if not _at_home(state, home):  # `offload` was edited
+                elif known.get(original) != (config, home, offloader is not None):
+                    if not _at_home(state, home, offloader is not None):  # `offload` was edited
                         state = plan.states[original] = {
                             key: value if key == "step" or not isinstance(value, torch.Tensor)
                             else (offloader.to_host(value) if offloader else value.to(param.device))
                             for key, value in state.items()}
                     if not state_dicts.state_fits(state, config):
-                        like = param.detach().to(HOST) if offloader else param
+                        # offloaded: contiguous host state (the pipeline walks it in flat pieces)
+                        like = param.detach().to(HOST).contiguous() if offloader else param
                         state, new_param = state_dicts.convert_state(config, state, like, number,
                                                                      type(self).__name__)
                         if offloader:
@@ -297,20 +300,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         plan.states[original] = state
                         if new_param is not None:
                             plan.param_writes.append((param, new_param.to(param.device)))
+                            if offloader:  # the host mirror takes the new bits too, not a stale read
+                                plan.mirror_writes.append((original, new_param))
                 counter = self._step_count(state, number)
                 made = self._new_buffers(param, state, config, offloader)
                 if made:
                     plan.buffers[original] = made
-                plan.known[original] = (config, home)
+                plan.known[original] = (config, home, offloader is not None)
                 fresh = self._fresh_flags(set(made))
                 if fresh:
                     config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
                                            config.track)
-                if offloader:  # the kernel reads and writes host buffers: a mirror of the param and the staged grad
-                    tensors = offloader.stage(original, reads_param=config.weights != "copy")
-                else:
-                    tensors = (param, real_view(original.grad))
-                entries.append((*tensors, config, {**state, **made}, counter, number, original))
+                entries.append((param, real_view(original.grad), config, {**state, **made}, counter, number,
+                                original))
+            if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
+                written = {id(p) for p, _ in plan.mirror_writes}
+                staged = offloader.stage([e[6] for e in entries], [e[2].weights != "copy" and id(e[6]) not in written
+                                                                   for e in entries])
+                entries = [(mirror, grad, *entry[2:]) for (mirror, grad), entry in zip(staged, entries)]
             plan.counters.extend(entry[4] for entry in entries)
             steps = [int(s) + 1 for s in torch.stack([e[4].double() for e in entries]).tolist()]
             buckets, originals = {}, {}
@@ -337,6 +344,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
                 launch = backend.prepare(bucket, scalars)  # checks and compiles, offloaded or not
                 if offloader:
+                    offloader.check(bucket)
                     launch = functools.partial(offloader.run, bucket, originals[key], backend, scalars,
                                                group.get("offload_threads"))
                 plan.launches.append((bucket, launch))
@@ -361,6 +369,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self.state[param].update(buffers)
         for param, new_param in plan.param_writes:
             param.copy_(new_param)
+        for param, new_param in plan.mirror_writes:
+            self._offloader.set_mirror(param, new_param)
         if plan.counters:
             torch._foreach_add_(plan.counters, 1)  # one call, not one per param (hundreds in a model)
         self._state_configs.update(plan.known)

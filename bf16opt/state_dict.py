@@ -113,7 +113,7 @@ def load(optimizer, state_dict: dict) -> None:
         real = real_view(param)
         config = optimizer._state_config(group, real)
         offloaded = group.get("offload") == "cpu"  # its state lives in host RAM
-        like = real.detach().to("cpu") if offloaded else real
+        like = real.detach().to("cpu").contiguous() if offloaded else real
         state, new_param = convert_state(config, saved_state, like, index, name)
         if offloaded:
             state = {key: value if key == "step" else optimizer._offloader.to_host(value)
