@@ -100,6 +100,17 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     change of a tensor's values (scaling, clipping, averaging, an edit) changes this sum too,
     so a staged copy is reused only when both agree."""
     real = _real(tensor.detach())
+    if real.is_contiguous() and real.numel():
+        # summed as 64-bit words (one vectorised pass, ~15x faster than widening 16-bit
+        # elements), the last few bytes on their own; wrapping is fine for a fingerprint
+        raw = real.reshape(-1).view(torch.uint8)
+        words = raw.numel() // 8
+        try:
+            head = raw[:words * 8].view(torch.int64).sum()
+        except RuntimeError:  # a storage offset that is not a multiple of 8 bytes
+            head = None
+        if head is not None:
+            return head + raw[words * 8:].to(torch.int64).sum()
     return real.view(_BITS[real.element_size()]).sum(dtype=torch.int64)
 
 
@@ -331,8 +342,10 @@ class Offloader:
                 uploads.append(transfer)
         for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
             engine.publish([t for t in uploads])
+        reads_param = bucket.config.weights != "copy"  # (a master copy wins over param edits)
         for param, record in zip(params, records):  # the mirror is what the param now holds
-            record.mirror_version, record.mirror_print = param._version, fingerprint(param)
+            record.mirror_version = param._version
+            record.mirror_print = fingerprint(param) if reads_param else None
 
     # ---- accounting
     def host_bytes(self) -> dict:
