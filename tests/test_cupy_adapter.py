@@ -4,6 +4,8 @@ optimizer driving the (CPU-emulated) kernels end to end.  No GPU, no CuPy needed
 
 from __future__ import annotations
 
+import functools
+import itertools
 import subprocess
 import sys
 import types
@@ -13,9 +15,14 @@ import pytest
 import torch
 
 import bf16opt
+from bf16opt.adam import adam_scalars
+from bf16opt.algorithms import ADAM, ALGORITHMS, kernel_config
+from bf16opt.backends import Bucket, cuda_compile, resolve_backend
 from bf16opt.backends import cupy as cuda_backend
-from bf16opt.backends import resolve_backend
+from bf16opt.precision import PRESETS, Precision, StoragePlan, all_plans, plan_for
 from cuda_emulation import emulator
+
+ADAM_GROUP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True)
 
 
 # ---------------------------------------------------------------- launch plan
@@ -59,9 +66,10 @@ def test_default_launch_plan_chunks_keep_vector_alignment():
 
 # ---------------------------------------------------------------- sources and names
 def test_kernel_source_inlines_headers_with_line_markers():
-    directory = cuda_backend.source_dir()
-    for kind in cuda_backend.KINDS:
-        source = cuda_backend.kernel_source(kind)
+    directory = cuda_compile.source_dir()
+    assert set(cuda_compile.KINDS) == set(ALGORITHMS)
+    for kind in cuda_compile.KINDS:
+        source = cuda_compile.kernel_source(kind)
         assert '#include "' not in source
         assert f'#line 1 "{(directory / "storage.cuh").resolve().as_posix()}"' in source
         assert f'#line 1 "{(directory / "multi_tensor.cuh").resolve().as_posix()}"' in source
@@ -69,33 +77,49 @@ def test_kernel_source_inlines_headers_with_line_markers():
         assert f"{kind}_kernel" in source
 
 
+def config_of(kind, preset, dtype, track=False, **flags):
+    precision = preset if isinstance(preset, Precision) else PRESETS[preset]
+    return kernel_config(ALGORITHMS[kind], plan_for(precision, dtype), tuple(flags.items()), track)
+
+
 def test_kernel_name_follows_plan_and_flags():
-    def plan(preset, dtype):
-        return bf16opt.precision.plan_for(bf16opt.PRESETS[preset], dtype)
-    assert cuda_backend.kernel_name("adam", plan("bf16-states", torch.bfloat16), amsgrad=True) == (
+    name = cuda_backend.kernel_name
+    assert name(config_of("adam", "bf16-states", torch.bfloat16, amsgrad=True)) == (
         "bf16opt::adam_kernel<bf16opt::Bf16, bf16opt::Master<bf16opt::Fp32>, bf16opt::Bf16, "
         "bf16opt::Bf16, true, false>")
-    assert cuda_backend.kernel_name("lion", plan("bf16", torch.float32), track=True) == (
+    assert name(config_of("lion", "bf16", torch.float32, track=True)) == (
         "bf16opt::lion_kernel<bf16opt::Fp32, bf16opt::NoMaster, bf16opt::Bf16, true>")
     # stochastic rounding: the param only when it is the master, 16-bit moments always
-    assert cuda_backend.kernel_name("adam", plan("bf16-sr", torch.bfloat16)) == (
+    assert name(config_of("adam", "bf16-sr", torch.bfloat16)) == (
         "bf16opt::adam_kernel<bf16opt::Stochastic<bf16opt::Bf16>, bf16opt::NoMaster, "
         "bf16opt::Stochastic<bf16opt::Bf16>, bf16opt::Stochastic<bf16opt::Bf16>, false, false>")
-    sr_states = bf16opt.Precision("fp32", "bf16", "fp32", rounding="stochastic")
-    assert cuda_backend.kernel_name("adam", bf16opt.precision.plan_for(sr_states, torch.float16)) == (
+    sr_states = Precision("fp32", "bf16", "fp32", rounding="stochastic")
+    assert name(config_of("adam", sr_states, torch.float16)) == (
         "bf16opt::adam_kernel<bf16opt::Fp16, bf16opt::Master<bf16opt::Fp32>, "
         "bf16opt::Stochastic<bf16opt::Bf16>, bf16opt::Fp32, false, false>")
-    assert cuda_backend.kernel_name("lion", plan("bf16-kahan", torch.float16)) == (
+    assert name(config_of("lion", "bf16-kahan", torch.float16)) == (
         "bf16opt::lion_kernel<bf16opt::Fp16, bf16opt::Kahan<bf16opt::Bf16>, bf16opt::Bf16, false>")
-    assert cuda_backend.kernel_name("adam", plan("fp32-remainder", torch.bfloat16), track=True) == (
+    assert name(config_of("adam", "fp32-remainder", torch.bfloat16, track=True)) == (
         "bf16opt::adam_kernel<bf16opt::Bf16, bf16opt::Remainder, bf16opt::Fp32, bf16opt::Fp32, "
         "false, true>")
-    assert cuda_backend.kernel_flags("adam", maximize=True, l2=True) == 3
-    assert cuda_backend.kernel_flags("lion", maximize=True) == 1
+    # SGD: the momentum buffer's storage (Fp32 when there is no buffer), momentum, telemetry
+    assert name(config_of("sgd", "bf16", torch.bfloat16, momentum=True)) == (
+        "bf16opt::sgd_kernel<bf16opt::Bf16, bf16opt::NoMaster, bf16opt::Bf16, true, false>")
+    assert name(config_of("sgd", "bf16-sr", torch.bfloat16, track=True)) == (
+        "bf16opt::sgd_kernel<bf16opt::Stochastic<bf16opt::Bf16>, bf16opt::NoMaster, bf16opt::Fp32, "
+        "false, true>")
+    # run-time flags are bits of the kernels' flags argument, not part of the name
+    assert name(config_of("sgd", "bf16", torch.bfloat16, momentum=True, maximize=True, nesterov=True,
+                          first=True)) == name(config_of("sgd", "bf16", torch.bfloat16, momentum=True))
+    assert config_of("adam", "bf16", torch.bfloat16, maximize=True, l2=True).flag_bits == 3
+    assert config_of("lion", "bf16", torch.bfloat16, maximize=True).flag_bits == 1
+    assert config_of("sgd", "bf16", torch.bfloat16, maximize=True, l2=True, nesterov=True,
+                     first=True).flag_bits == 15
+    assert config_of("sgd", "bf16", torch.bfloat16, momentum=True, nesterov=True).flag_bits == 4
     with pytest.raises(ValueError):
-        cuda_backend.kernel_name("lion", plan("bf16", torch.float32), amsgrad=True)
+        config_of("lion", "bf16", torch.float32, amsgrad=True)
     with pytest.raises(ValueError):
-        cuda_backend.kernel_flags("lion", l2=True)
+        config_of("lion", "bf16", torch.float32, l2=True)
 
 
 # ---------------------------------------------------------------- availability
@@ -130,9 +154,9 @@ def test_no_gpu_message():
 def emulated_backend():
     """The cupy adapter with the launch swapped for the CPU emulation."""
     return types.SimpleNamespace(
-        name="cupy-emulated", supports=cuda_backend.supports,
-        adam=lambda bucket, s: cuda_backend.run_bucket("adam", bucket, s, execute=emulator.execute),
-        lion=lambda bucket, s: cuda_backend.run_bucket("lion", bucket, s, execute=emulator.execute))
+        name="cupy-emulated",
+        run=functools.partial(cuda_backend.run, execute=emulator.execute),
+        prepare=functools.partial(cuda_backend.prepare, execute=emulator.execute))
 
 
 def make_params(seed: int):
@@ -152,6 +176,8 @@ def make_params(seed: int):
     (bf16opt.Adam, dict(precision="bf16-master", amsgrad=True)),
     (bf16opt.Lion, dict(precision="bf16", weight_decay=0.1)),
     (bf16opt.Lion, dict(precision="fp32", maximize=True)),
+    (bf16opt.SGD, dict(precision="bf16", momentum=0.9, dampening=0.1, weight_decay=0.1)),
+    (bf16opt.SGD, dict(precision="fp32", momentum=0.9, nesterov=True, maximize=True)),
     # quality presets, with precision telemetry
     (bf16opt.AdamW, dict(precision="bf16-sr", weight_decay=0.1, seed=2 ** 63 + 5, track_precision=True)),
     (bf16opt.AdamW, dict(precision="bf16-kahan", amsgrad=True, track_precision=True)),
@@ -160,6 +186,10 @@ def make_params(seed: int):
     (bf16opt.Lion, dict(precision="bf16-sr", seed=3, track_precision=True)),
     (bf16opt.Lion, dict(precision="bf16-kahan", weight_decay=0.1)),
     (bf16opt.Lion, dict(precision="fp32-remainder", track_precision=True)),
+    (bf16opt.SGD, dict(precision="bf16-sr", momentum=0.9, seed=5, track_precision=True)),
+    (bf16opt.SGD, dict(precision="bf16-kahan", momentum=0.9, nesterov=True, weight_decay=0.1,
+                       track_precision=True)),
+    (bf16opt.SGD, dict(precision="fp32-remainder-bf16-states", weight_decay=0.01, track_precision=True)),
 ])
 def test_optimizer_with_emulated_kernels_matches_reference(monkeypatch, optimizer, options):
     expected_params, actual_params = make_params(0), make_params(0)
@@ -191,59 +221,74 @@ def test_optimizer_with_emulated_kernels_matches_reference(monkeypatch, optimize
                 assert torch.equal(value.view(torch.int16), other.view(torch.int16)), key
 
 
-def test_supports_every_plan():
-    plans = bf16opt.precision.all_plans(quality=True)
+def test_every_plan_has_a_kernel_instantiation():
+    """Every configuration of every allowed plan (template flags, telemetry) names a kernel
+    the adapter lists, so the loader (and the emulation, and the NVRTC test) has it."""
+    plans = all_plans(quality=True)
     assert len(plans) == 57
-    assert all(cuda_backend.supports(p) for p in plans)
-    # plans the policy never makes are refused, not mis-run
-    odd = bf16opt.precision.StoragePlan(torch.float16, None, torch.float32, torch.float32,
-                                        compensation="remainder")
-    assert not cuda_backend.supports(odd)
-    with pytest.raises(NotImplementedError, match="backend='cupy' does not implement"):
-        cuda_backend.run_bucket("adam", bucket_of(odd), None, execute=emulator.execute)
+    for algorithm in ALGORITHMS.values():
+        names = cuda_backend.kernel_configs(algorithm.name)
+        for plan in plans:
+            for values in itertools.product((False, True), repeat=len(algorithm.flags) + 1):
+                config = kernel_config(algorithm, plan, tuple(zip(algorithm.flags, values)), values[-1])
+                assert cuda_backend.kernel_name(config) in names, (algorithm.name, plan, values)
+
+
+def test_plans_the_policy_never_makes_are_refused():
+    """A hand-made StoragePlan no precision produces (an int16 remainder completing a
+    float16 param: ``Remainder`` reads the param's bits as bfloat16) is refused, not
+    mis-run: no kernel is launched for it."""
+    odd = StoragePlan(torch.float16, None, torch.float32, torch.float32, compensation="remainder")
+    assert odd not in all_plans(quality=True)
+    config = kernel_config(ADAM, odd)
+    assert cuda_backend.kernel_name(config) not in cuda_backend.kernel_configs("adam")
+    bucket = Bucket.of(config, {
+        "param": [torch.ones(5, dtype=torch.float16)], "grad": [torch.ones(5, dtype=torch.float16)],
+        "companion": [torch.zeros(5, dtype=torch.int16)], "exp_avg": [torch.zeros(5)],
+        "exp_avg_sq": [torch.zeros(5)]}, indices=[0])
+    launched = []
+    with pytest.raises((ValueError, NotImplementedError)):
+        cuda_backend.run(bucket, adam_scalars(ADAM_GROUP, 1), execute=launched.append)
+    assert launched == []
 
 
 def test_telemetry_counts_come_from_the_kernel(monkeypatch):
     """bucket.counts is filled by the TRACK kernel (the reference is never called), with
     rows for empty params and the tensors' own positions."""
     from bf16opt.backends import reference
-    plan = bf16opt.precision.plan_for(bf16opt.PRESETS["bf16"], torch.bfloat16)
-    bucket = bucket_of(plan)
-    bucket.params.insert(0, torch.zeros(0, dtype=torch.bfloat16))
-    bucket.grads.insert(0, torch.zeros(0, dtype=torch.bfloat16))
-    for field in ("masters", "exp_avgs", "exp_avg_sqs"):
-        first = getattr(bucket, field)[0]
-        getattr(bucket, field).insert(0, None if first is None else first[:0].clone())
-    bucket.params[1].copy_(torch.full((5,), 256.0))      # lr 1e-3 updates vanish in bf16 at 256
-    bucket.grads[1].copy_(torch.tensor([1.0, -1.0, 0.0, 1e-20, 2.0]))
+    plan = plan_for(PRESETS["bf16"], torch.bfloat16)
+    bf16 = dict(dtype=torch.bfloat16)
+    bucket = Bucket.of(kernel_config(ADAM, plan, track=True), {
+        "param": [torch.zeros(0, **bf16), torch.full((5,), 256.0, **bf16)],  # lr 1e-3 updates vanish at 256
+        "grad": [torch.zeros(0, **bf16), torch.tensor([1.0, -1.0, 0.0, 1e-20, 2.0], **bf16)],
+        "exp_avg": [torch.zeros(0, **bf16), torch.zeros(5, **bf16)],
+        "exp_avg_sq": [torch.zeros(0, **bf16), torch.zeros(5, **bf16)]}, indices=[0, 1])
     bucket.counts = torch.full((2, 3), -1, dtype=torch.int64)
-    monkeypatch.setattr(reference, "adam", None)
-    scalars = bf16opt.adam.adam_scalars(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                             decoupled_weight_decay=True), 1)
-    cuda_backend.run_bucket("adam", bucket, scalars, execute=emulator.execute)
+    for kind in reference.UPDATES:
+        monkeypatch.setitem(reference.UPDATES, kind, None)
+    cuda_backend.run(bucket, adam_scalars(ADAM_GROUP, 1), execute=emulator.execute)
     # swallowed: the four non-zero updates; exp_avg_sq 1e-43 (a float32 subnormal) is
     # below half the smallest bfloat16 subnormal (2**-133): one underflow
     assert bucket.counts.tolist() == [[0, 0, 0], [4, 0, 1]]
 
 
 def bucket_of(plan, n=5):
-    from bf16opt.backends import Bucket
     p = torch.randn(n).to(plan.param)
-    return Bucket(plan=plan, params=[p], grads=[torch.randn(n).to(plan.param)],
-                  masters=[None if plan.master is None else p.to(plan.master)],
-                  exp_avgs=[torch.zeros(n, dtype=plan.exp_avg)],
-                  exp_avg_sqs=[torch.zeros(n, dtype=plan.exp_avg_sq)],
-                  compensations=[None], remainders=[None], indices=[0])
+    return Bucket.of(kernel_config(ADAM, plan), {
+        "param": [p], "grad": [torch.randn(n).to(plan.param)],
+        "companion": [None if plan.master is None else p.to(plan.master)],
+        "exp_avg": [torch.zeros(n, dtype=plan.exp_avg)],
+        "exp_avg_sq": [torch.zeros(n, dtype=plan.exp_avg_sq)]}, indices=[0])
 
 
 def test_kernel_writes_bump_autograd_versions():
-    plan = bf16opt.precision.plan_for(bf16opt.PRESETS["bf16-states"], torch.bfloat16)
+    plan = plan_for(PRESETS["bf16-states"], torch.bfloat16)
     bucket = bucket_of(plan)
-    versions = [t._version for t in (bucket.params[0], bucket.masters[0], bucket.exp_avgs[0])]
-    scalars = bf16opt.adam.adam_scalars(dict(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                             decoupled_weight_decay=True), 1)
-    cuda_backend.run_bucket("adam", bucket, scalars, execute=emulator.execute)
-    after = [t._version for t in (bucket.params[0], bucket.masters[0], bucket.exp_avgs[0])]
+    written = (bucket.params[0], bucket["companion"][0], bucket["exp_avg"][0])
+    versions = [t._version for t in written]
+    scalars = adam_scalars(dict(ADAM_GROUP, lr=0.1), 1)
+    cuda_backend.run(bucket, scalars, execute=emulator.execute)
+    after = [t._version for t in written]
     assert all(b > a for a, b in zip(versions, after))
 
 
@@ -251,23 +296,20 @@ def test_kernel_writes_bump_autograd_versions():
 def test_channels_last_buffers_in_place_unless_stochastic(rounding, staged):
     """Same-layout dense buffers are launched in place (no copies), except under stochastic
     rounding, whose random bits hash the row-major index."""
-    from bf16opt.adam import adam_scalars
-    from bf16opt.backends import Bucket
-    from bf16opt.precision import Precision, plan_for
     plan = plan_for(Precision(master="bf16", exp_avg="bf16", exp_avg_sq="bf16", rounding=rounding),
                     torch.bfloat16)
     like = torch.zeros(4, 3, 2, 2, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
-    bucket = Bucket(plan, params=[like], grads=[torch.zeros_like(like)], masters=[None],
-                    exp_avgs=[torch.zeros_like(like)], exp_avg_sqs=[torch.zeros_like(like)],
-                    compensations=[None], remainders=[None], indices=[0], seed=1, step=1)
-    scalars = adam_scalars(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                decoupled_weight_decay=True), step=1)
-    prepared = cuda_backend.prepare_launch("adam", bucket, scalars)
-    assert bool(prepared.write_back) == staged
+    bucket = Bucket.of(kernel_config(ADAM, plan), {
+        "param": [like], "grad": [torch.zeros_like(like)], "exp_avg": [torch.zeros_like(like)],
+        "exp_avg_sq": [torch.zeros_like(like)]}, indices=[0], seed=1, step=1)
+    prepared = cuda_backend.prepare_launch(bucket, adam_scalars(ADAM_GROUP, step=1))
+    assert bool(prepared.staged.write_back) == staged
     assert (prepared.plan.table[0] == like.data_ptr()) != staged  # role 0: the param
     # every pointer into a staged copy, the read-only grad's included, is kept alive
+    copies = [t for staged_column, column in zip(prepared.staged.tensors, bucket.tensors)
+              for t, original in zip(staged_column, column) if t is not original]
     n = prepared.plan.n_tensors
-    pointers = set(prepared.plan.table[:len(cuda_backend.ROLES["adam"]) * n].tolist()) - {0}
-    alive = {t.data_ptr() for t in (like, *bucket.grads, *bucket.exp_avgs, *bucket.exp_avg_sqs,
-                                    *prepared.staged)}
-    assert pointers <= alive and len(prepared.staged) == (4 if staged else 0)
+    pointers = set(prepared.plan.table[:len(ADAM.roles) * n].tolist()) - {0}
+    alive = {t.data_ptr() for t in (like, *bucket["grad"], *bucket["exp_avg"], *bucket["exp_avg_sq"],
+                                    *copies)}
+    assert pointers <= alive and len(copies) == (4 if staged else 0)

@@ -3,22 +3,24 @@
 Runs automatically when torch sees a CUDA device and CuPy imports; skipped with the
 reason otherwise.  The oracle is the reference backend on CPU copies, the same oracle
 the CPU emulation tests use; every instantiation (quality plans and telemetry
-included) with every run-time flag, over consecutive steps.
+included) of every algorithm with every run-time flag, over consecutive steps, on
+buckets from ``tests/buckets.py`` (NaN/inf/subnormal gradients, transposed, strided and
+channels_last tensors, views at odd offsets so chunks take the vector path, its tail or
+the misaligned path) copied to the GPU with their strides and offsets.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import zlib
 
-import numpy as np
 import pytest
 import torch
 
 import bf16opt
-from bf16opt.adam import adam_scalars
-from bf16opt.backends import Bucket, reference
+from bf16opt.algorithms import ALGORITHMS, kernel_config
 from bf16opt.backends import cupy as cuda_backend
-from bf16opt.lion import lion_scalars
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
@@ -26,66 +28,85 @@ if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install 'bf16opt[cuda12]' or 'bf16opt[cuda13]'",
                 allow_module_level=True)
 
-from test_cuda_emulation import (ADAM_CONFIGS, LION_CONFIGS, SIZES, adam_group,  # noqa: E402
-                                 assert_same_bits, clone_bucket, lion_group, make_bucket)
+from buckets import bucket_to, make_bucket, run_both, sgd_group  # noqa: E402
 
 
-def to_cuda(t):
-    """Copy a CPU tensor to the GPU keeping its storage offset (alignment) and strides."""
-    if t is None:
-        return None
-    if not t.is_contiguous():
-        return t.cuda()
-    base = torch.empty(t.storage_offset() + t.numel(), dtype=t.dtype, device="cuda")
-    view = base[t.storage_offset():].view(t.shape)
-    view.copy_(t)
-    return view
+def instantiations(kind: str) -> list:
+    """Every kernel the adapter can request for ``kind`` crossed with the algorithm's
+    run-time flags (SGD's nesterov and first only where a momentum buffer exists)."""
+    algorithm = ALGORITHMS[kind]
+    configs = []
+    for name, config in cuda_backend.kernel_configs(kind).items():
+        for values in itertools.product((False, True), repeat=len(algorithm.runtime_flags)):
+            runtime = dict(zip(algorithm.runtime_flags, values))
+            if kind == "sgd" and not config.flag("momentum") and (runtime["nesterov"] or runtime["first"]):
+                continue
+            flags = {**dict(config.flags), **runtime}
+            configs.append(kernel_config(algorithm, config.plan, tuple(flags.items()), config.track))
+    return configs
 
 
-BUFFERS = ("params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-           "compensations", "remainders")
+def config_id(config) -> str:
+    extra = "".join(f",{name}" for name in config.algorithm.runtime_flags if config.flag(name))
+    return cuda_backend.kernel_name(config).replace("bf16opt::", "").replace(" ", "") + extra
 
 
-def bucket_to_cuda(bucket: Bucket) -> Bucket:
-    cuda = clone_bucket(bucket)
-    for field in BUFFERS:
-        setattr(cuda, field, [to_cuda(t) for t in getattr(bucket, field)])
-    return cuda
+CONFIGS = {kind: instantiations(kind) for kind in ALGORITHMS}
+
+# shapes and layouts of a bucket: 1-d of odd sizes, a transposed matrix, a strided view,
+# a channels_last conv weight
+SHAPES = [(1,), (7,), (2, 11), (64,), (129,), (10, 100), (3,), (513,), (2, 3, 4, 5)]
+LAYOUTS = ["contiguous", "transposed", "transposed", "contiguous", "contiguous", "contiguous",
+           "contiguous", "contiguous", "channels_last"]
+LARGE = [(100_003,), (5,), (70_000,)]
 
 
-def bucket_to_cpu(bucket: Bucket) -> Bucket:
-    cpu = clone_bucket(bucket)
-    for field in BUFFERS:
-        setattr(cpu, field, [None if t is None else t.cpu() for t in getattr(cpu, field)])
-    return cpu
+def group_for(config) -> dict:
+    """Hyper-parameters matching the configuration's flags (L2 needs a weight decay)."""
+    kind, l2 = config.algorithm.name, dict(config.flags).get("l2", False)
+    if kind == "adam":
+        return dict(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.3 if l2 else 0.01,
+                    decoupled_weight_decay=not l2)
+    if kind == "lion":
+        return dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1)
+    nesterov = config.flag("nesterov")
+    return sgd_group(lr=0.1, momentum=0.9, dampening=0.0 if nesterov else 0.1,
+                     weight_decay=0.3 if l2 else 0.0, nesterov=nesterov)
 
 
-def run_on_gpu(kind, plan, flags, seed, sizes, steps=3, **plan_options):
-    rng = np.random.default_rng(seed)
-    expected = make_bucket(kind, plan, flags, sizes, rng, 0.1, 0.5, True)
-    actual = bucket_to_cuda(expected)
-    group = adam_group(rng, flags.get("l2", False)) if kind == "adam" else lion_group(rng)
-    for step in range(1, steps + 1):
-        expected.step = actual.step = step
-        scalars = adam_scalars(group, step) if kind == "adam" else lion_scalars(group)
-        getattr(reference, kind)(expected, scalars)
-        cuda_backend.run_bucket(kind, actual, scalars, **plan_options)
+def run_on_gpu(config, seed, shapes, layouts=None, steps=3, **plan_options):
+    expected = make_bucket(config.algorithm, config.plan, shapes, flags=config.flags, track=config.track,
+                           seed=seed, layouts=layouts, misalign=0.5)
+    actual = bucket_to(expected, "cuda")
+
+    def fetch(bucket):
         torch.cuda.synchronize()
-        assert_same_bits(expected, bucket_to_cpu(actual), f"{kind} {plan} {flags} step {step}")
+        return bucket_to(bucket, "cpu")
+
+    run_both(expected, group_for(config), steps, config_id(config), other=actual, fetch=fetch, name="cupy",
+             run=lambda bucket, scalars: cuda_backend.run(bucket, scalars, **plan_options))
 
 
-@pytest.mark.parametrize("index", range(len(ADAM_CONFIGS)))
-def test_adam_kernels_on_gpu(index):
-    _, plan, flags = ADAM_CONFIGS[index]
-    run_on_gpu("adam", plan, flags, index, SIZES)
-    run_on_gpu("adam", plan, flags, index, [100_003, 5, 70_000], chunk_size=4096, max_grid=7)
+@pytest.mark.parametrize("config", CONFIGS["adam"], ids=config_id)
+def test_adam_kernels_on_gpu(config):
+    seed = zlib.crc32(config_id(config).encode())
+    run_on_gpu(config, seed, SHAPES, LAYOUTS)
+    run_on_gpu(config, seed, LARGE, chunk_size=4096, max_grid=7)
 
 
-@pytest.mark.parametrize("index", range(len(LION_CONFIGS)))
-def test_lion_kernels_on_gpu(index):
-    _, plan, flags = LION_CONFIGS[index]
-    run_on_gpu("lion", plan, flags, index, SIZES)
-    run_on_gpu("lion", plan, flags, index, [100_003, 5, 70_000], chunk_size=4096, max_grid=7)
+@pytest.mark.parametrize("config", CONFIGS["lion"], ids=config_id)
+def test_lion_kernels_on_gpu(config):
+    seed = zlib.crc32(config_id(config).encode())
+    run_on_gpu(config, seed, SHAPES, LAYOUTS)
+    run_on_gpu(config, seed, LARGE, chunk_size=4096, max_grid=7)
+
+
+@pytest.mark.parametrize("config", CONFIGS["sgd"], ids=config_id)
+def test_sgd_kernels_on_gpu(config):
+    """With ``first``, step 1 is the momentum buffer's first step, later steps are not."""
+    seed = zlib.crc32(config_id(config).encode())
+    run_on_gpu(config, seed, SHAPES, LAYOUTS)
+    run_on_gpu(config, seed, LARGE, chunk_size=4096, max_grid=7)
 
 
 @pytest.mark.parametrize("optimizer, options", [
@@ -93,10 +114,12 @@ def test_lion_kernels_on_gpu(index):
     (bf16opt.AdamW, dict(precision="bf16-states", amsgrad=True)),
     (bf16opt.Adam, dict(precision="fp32", weight_decay=0.01, maximize=True)),
     (bf16opt.Lion, dict(precision="bf16-master", weight_decay=0.1)),
+    (bf16opt.SGD, dict(precision="bf16", momentum=0.9, nesterov=True, weight_decay=0.1)),
     (bf16opt.AdamW, dict(precision="bf16-sr", weight_decay=0.1, track_precision=True)),
     (bf16opt.AdamW, dict(precision="bf16-kahan", amsgrad=True)),
     (bf16opt.Adam, dict(precision="fp32-remainder", track_precision=True)),
     (bf16opt.Lion, dict(precision="bf16-sr", seed=7)),
+    (bf16opt.SGD, dict(precision="bf16-sr", momentum=0.9, dampening=0.1, seed=7, track_precision=True)),
 ])
 def test_optimizer_backend_cupy_on_gpu(optimizer, options):
     g = torch.Generator().manual_seed(0)
@@ -119,6 +142,11 @@ def test_optimizer_backend_cupy_on_gpu(optimizer, options):
     for c, d in zip(cpu, gpu):
         view = torch.int16 if c.element_size() == 2 else torch.int32
         assert torch.equal(c.detach().view(view), d.detach().cpu().view(view))
+        for key, value in expected.state[c].items():
+            other = actual.state[d][key]
+            if value.dim() > 0:
+                view = torch.int16 if value.element_size() == 2 else torch.int32
+                assert torch.equal(value.view(view), other.cpu().view(view)), key
 
 
 def test_runs_on_the_current_stream():

@@ -1,12 +1,14 @@
 """The numba backend (``cpu_src/`` kernels) against the reference backend, bit for bit.
 
-Every comparison is on stored bits (``view`` as integers): params, master copies,
-moments and amsgrad's maximum, after several consecutive steps.
+Every comparison is on stored bits (``view`` as integers): every role of the bucket
+(params, master copies, Kahan buffers, remainders, moments, amsgrad's maximum, SGD's
+momentum buffer, and the read-only grads) and the telemetry counts, after several
+consecutive steps.  Buckets come from ``tests/buckets.py``, one generator for every
+algorithm.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -19,24 +21,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bf16opt
-from bf16opt.adam import adam_scalars
-from bf16opt.backends import Bucket, reference, resolve_backend
+from bf16opt.algorithms import ADAM, LION, SGD, kernel_config
+from bf16opt.backends import Bucket, resolve_backend
 from bf16opt.backends import numba as numba_backend
-from bf16opt.lion import lion_scalars
-from bf16opt.precision import PRESETS, all_plans, plan_for
+from bf16opt.backends import staging
+from bf16opt.precision import PRESETS, StoragePlan, all_plans, plan_for
 from bf16opt.storage import encode
 
 pytest.importorskip("numba")
 
+from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
+                     SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, bits, make_bucket, plan_id,
+                     run_both, sgd_flags, sgd_group, sgd_plan_cases)
+from buckets import small_chunks  # noqa: E402, F401  (a fixture)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANS = all_plans()
-INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _plan_id(plan) -> str:
-    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    master = short[plan.master] if plan.master is not None else "none"
-    return f"p{short[plan.param]}-w{master}-m{short[plan.exp_avg]}-v{short[plan.exp_avg_sq]}"
 
 
 # ---------------------------------------------------------------- storage helpers
@@ -131,183 +131,39 @@ def test_encode_canonical_nan_bits(codec):
         assert (out.view(width) == canonical).all()
 
 
-# ---------------------------------------------------------------- tensors for the tests
-def _special_values(dtype: torch.dtype) -> torch.Tensor:
-    """NaN, +-inf, zeros, fp32/bf16/fp16 subnormals and exact bf16 ties (as fp32 bits)."""
-    bits = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800000, 0xFF800000, 0x00000000,
-                         0x80000000, 0x00000001, 0x807FFFFF, 0x00400000, 0x3F808000,
-                         0xBF818000, 0x3C018000, 0x00018000, 0x33800000, 0x387FC000],
-                        dtype=torch.int64).to(torch.int32).view(torch.float32)
-    return bits.to(dtype)
-
-
-def _tensor(shape, dtype, gen, *, scale=1.0, contiguous=True, nonneg=False) -> torch.Tensor:
-    """A random tensor in ``dtype``; non-contiguous ones are transposed or strided views."""
-    if contiguous or len(shape) == 0:
-        base = torch.randn(shape, generator=gen, dtype=torch.float32)
-        out = base
-    elif len(shape) >= 2:
-        base = torch.randn(tuple(reversed(shape)), generator=gen, dtype=torch.float32)
-        out = base.transpose(0, -1) if len(shape) == 2 else base.permute(*reversed(range(len(shape))))
-    else:
-        base = torch.randn((shape[0], 2), generator=gen, dtype=torch.float32)
-        out = base[:, 1]
-    out.mul_(scale)
-    if nonneg:
-        out.abs_()
-    encoded = encode(out.contiguous(), dtype)
-    if contiguous or len(shape) == 0:
-        return encoded
-    holder = torch.empty_like(out, dtype=dtype) if out.dim() != 1 else \
-        torch.empty((shape[0], 2), dtype=dtype)[:, 1]
-    holder.copy_(encoded)
-    return holder
-
-
-def _make_bucket(plan, shapes, *, amsgrad, maximize, l2, adam, seed, specials=True,
-                 contiguous_flags=None, track=False) -> Bucket:
-    """Random tensors for every buffer of ``plan`` (Kahan buffers and remainders included);
-    ``track`` asks for telemetry counts."""
-    gen = torch.Generator().manual_seed(seed)
-    bucket = Bucket(plan=plan, maximize=maximize, amsgrad=amsgrad and adam, l2=l2 and adam,
-                    seed=seed * 0x9E3779B97F4A7C15 % 2**64)
-    for index, shape in enumerate(shapes):
-        contiguous = True if contiguous_flags is None else contiguous_flags[index]
-        param = _tensor(shape, plan.param, gen, contiguous=contiguous)
-        grad = _tensor(shape, plan.param, gen, scale=0.1, contiguous=contiguous)
-        numel = grad.numel()
-        if specials and numel > 0:
-            values = _special_values(plan.param)
-            flat_positions = torch.randperm(numel, generator=gen)[:min(numel, values.numel())]
-            grad_c = grad.contiguous().view(-1).clone()
-            grad_c[flat_positions] = values[:flat_positions.numel()]
-            grad.copy_(grad_c.view(grad.shape))
-        bucket.params.append(param)
-        bucket.grads.append(grad)
-        bucket.indices.append(3 * index + 1)
-        bucket.masters.append(None if plan.master is None else
-                              _master_from(param, plan.master, contiguous))
-        bucket.compensations.append(
-            _tensor(shape, plan.compensation_dtype, gen, scale=1e-3, contiguous=contiguous)
-            if plan.compensation == "kahan" else None)
-        bucket.remainders.append(_remainder(shape, gen, contiguous)
-                                 if plan.compensation == "remainder" else None)
-        bucket.exp_avgs.append(_tensor(shape, plan.exp_avg, gen, scale=0.01, contiguous=contiguous))
-        if adam:
-            bucket.exp_avg_sqs.append(_tensor(shape, plan.exp_avg_sq, gen, scale=1e-4,
-                                              contiguous=contiguous, nonneg=True))
-            if amsgrad:
-                bucket.max_exp_avg_sqs.append(_tensor(shape, plan.exp_avg_sq, gen, scale=1e-4,
-                                                      contiguous=contiguous, nonneg=True))
-    if track:
-        bucket.counts = torch.zeros(len(shapes), 3, dtype=torch.int64)
-    return bucket
-
-
-def _remainder(shape, gen, contiguous) -> torch.Tensor:
-    """Random int16 remainders (every int16 completes a bf16 param to a float32 master)."""
-    values = torch.randint(-32768, 32768, shape, generator=gen, dtype=torch.int32).to(torch.int16)
-    if contiguous or len(shape) < 2:
-        return values
-    holder = torch.empty(tuple(reversed(shape)), dtype=torch.int16).transpose(0, -1) \
-        if len(shape) == 2 else torch.empty(tuple(reversed(shape)), dtype=torch.int16).permute(
-            *reversed(range(len(shape))))
-    holder.copy_(values)
-    return holder
-
-
-def _master_from(param, dtype, contiguous):
-    master = torch.empty_like(param, dtype=dtype)  # keeps a transposed layout
-    master.copy_(param.to(dtype))
-    return master
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(INT_VIEW.get(t.dtype, t.dtype))
-
-
-def _assert_buckets_equal(expected: Bucket, got: Bucket, where: str) -> None:
-    if expected.counts is not None:
-        assert torch.equal(expected.counts, got.counts), (
-            f"{where}: telemetry counts differ: reference {expected.counts.tolist()}, "
-            f"numba {got.counts.tolist()}")
-    for field in ("params", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                  "compensations", "remainders"):
-        for index, (a, b) in enumerate(zip(getattr(expected, field), getattr(got, field))):
-            if a is None:
-                assert b is None
-                continue
-            assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-            a_bits, b_bits = _bits(a).view(-1), _bits(b).view(-1)
-            bad = (a_bits != b_bits).nonzero().view(-1)[:4]
-            assert bad.numel() == 0, (f"{where}: {field}[{index}] differs at flat indices "
-                                      f"{bad.tolist()}: reference bits {a_bits[bad].tolist()}, "
-                                      f"numba bits {b_bits[bad].tolist()}")
-
-
-def _run_both(bucket: Bucket, adam: bool, group: dict, steps: int, where: str,
-              alternate_maximize: bool = False) -> None:
-    """``steps`` consecutive steps on both backends, all buffers compared after each;
-    ``alternate_maximize`` flips the bucket's ``maximize`` every step (a run-time sign in
-    the kernels, so both signs run through the same compiled configuration)."""
-    expected, got = bucket, copy.deepcopy(bucket)
-    for step in range(1, steps + 1):
-        expected.step = got.step = step  # stochastic rounding draws a new stream each step
-        if alternate_maximize and step > 1:
-            expected.maximize = got.maximize = not expected.maximize
-        if bucket.counts is not None:
-            expected.counts.fill_(-1)  # every counter the reference writes is overwritten
-            got.counts.copy_(expected.counts)
-        if adam:
-            scalars = adam_scalars(group, step)
-            reference.adam(expected, scalars)
-            numba_backend.adam(got, scalars)
-        else:
-            scalars = lion_scalars(group)
-            reference.lion(expected, scalars)
-            numba_backend.lion(got, scalars)
-        _assert_buckets_equal(expected, got, f"{where}, step {step}, maximize={got.maximize}")
-
-
 # ---------------------------------------------------------------- every configuration
-SMALL_SHAPES = [(), (1,), (7,), (22,), (64,), (5, 13), (0,), (3, 0, 2), (1000,)]
-SMALL_CONTIGUOUS = [True, True, True, False, True, False, True, True, True]
-WEIGHT_DECAY = {"none": (0.0, False), "l2": (0.1, False), "decoupled": (0.1, True)}
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Chunks of 256 elements: the (1000,) tensor spans four table rows (three full vector
-    loops and a tail) as a large tensor spans many; results must not depend on it."""
-    from bf16opt._cpu import chunks
-    monkeypatch.setattr(chunks, "CHUNK", 256)
-
-
 @pytest.mark.usefixtures("small_chunks")
-@pytest.mark.parametrize("weight_decay", sorted(WEIGHT_DECAY))
+@pytest.mark.parametrize("weight_decay", sorted(ADAM_GROUPS))
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
-@pytest.mark.parametrize("plan", PLANS, ids=_plan_id)
+@pytest.mark.parametrize("plan", PLANS, ids=plan_id)
 def test_adam_every_configuration(plan, amsgrad, weight_decay):
     """Three steps: minimize, maximize, minimize (maximize is a run-time sign)."""
-    wd, decoupled = WEIGHT_DECAY[weight_decay]
-    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=amsgrad, maximize=False,
-                          l2=wd != 0.0 and not decoupled, adam=True,
-                          seed=sum(map(ord, _plan_id(plan))), contiguous_flags=SMALL_CONTIGUOUS)
-    group = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd,
-                 decoupled_weight_decay=decoupled)
-    _run_both(bucket, True, group, steps=3, alternate_maximize=True,
-              where=f"{_plan_id(plan)} {amsgrad} {weight_decay}")
+    group = ADAM_GROUPS[weight_decay]
+    bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad),
+                         seed=sum(map(ord, plan_id(plan))), layouts=SMALL_CONTIGUOUS)
+    run_both(bucket, group, steps=3, alternate_maximize=True,
+             where=f"{plan_id(plan)} {amsgrad} {weight_decay}")
 
 
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
-@pytest.mark.parametrize("plan", PLANS, ids=_plan_id)
+@pytest.mark.parametrize("plan", PLANS, ids=plan_id)
 def test_lion_every_configuration(plan, weight_decay):
-    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=False, maximize=True, l2=False,
-                          adam=False, seed=7, contiguous_flags=SMALL_CONTIGUOUS)
+    bucket = make_bucket(LION, plan, SMALL_SHAPES, flags=dict(maximize=True), seed=7,
+                         layouts=SMALL_CONTIGUOUS)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
-    _run_both(bucket, False, group, steps=3, alternate_maximize=True,
-              where=f"{_plan_id(plan)} {weight_decay}")
+    run_both(bucket, group, steps=3, alternate_maximize=True,
+             where=f"{plan_id(plan)} {weight_decay}")
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("plan, group, first, track", sgd_plan_cases(PLANS))
+def test_sgd_every_configuration(plan, group, first, track):
+    """Three steps: minimize, maximize, minimize; with momentum, step 1 is the buffer's
+    first step.  A channels_last tensor joins the transposed and strided ones."""
+    bucket = make_bucket(SGD, plan, SMALL_SHAPES_4D, flags=sgd_flags(group, first=first), track=track,
+                         seed=29, layouts=SMALL_LAYOUTS_4D)
+    run_both(bucket, group, steps=3, alternate_maximize=True, where=f"{plan_id(plan)} {group} track={track}")
 
 
 @pytest.mark.parametrize("preset", ["bf16", "fp32"])
@@ -315,11 +171,10 @@ def test_lion_every_configuration(plan, weight_decay):
 def test_vector_tail_sizes_large(preset, param_dtype):
     """1048577 = 2^20 + 1 elements: many chunks, a one-element tail chunk."""
     plan = plan_for(PRESETS[preset], param_dtype)
-    bucket = _make_bucket(plan, [(1048577,), (22,)], amsgrad=True, maximize=False, l2=False,
-                          adam=True, seed=3)
+    bucket = make_bucket(ADAM, plan, [(1048577,), (22,)], flags=dict(amsgrad=True), seed=3)
     group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  decoupled_weight_decay=True)
-    _run_both(bucket, True, group, steps=2, where=f"{preset} {param_dtype}")
+    run_both(bucket, group, steps=2, where=f"{preset} {param_dtype}")
 
 
 # ---------------------------------------------------------------- property tests
@@ -334,7 +189,7 @@ def adam_cases(draw):
     plan = draw(st.sampled_from(PLANS))
     shapes = draw(st.lists(shape_strategy, min_size=1, max_size=4))
     contiguous = draw(st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)))
-    wd_mode = draw(st.sampled_from(sorted(WEIGHT_DECAY)))
+    wd_mode = draw(st.sampled_from(sorted(ADAM_GROUPS)))
     group = dict(lr=draw(st.sampled_from([1e-4, 1e-3, 0.1, 3.0])),
                  betas=(draw(st.sampled_from([0.0, 0.5, 0.9])),
                         draw(st.sampled_from([0.0, 0.99, 0.999]))),
@@ -351,11 +206,10 @@ def adam_cases(draw):
 @given(adam_cases())
 def test_adam_matches_reference_property(case):
     group = case["group"]
-    l2 = group["weight_decay"] != 0.0 and not group["decoupled_weight_decay"]
-    bucket = _make_bucket(case["plan"], case["shapes"], amsgrad=case["amsgrad"],
-                          maximize=case["maximize"], l2=l2, adam=True, seed=case["seed"],
-                          specials=case["specials"], contiguous_flags=case["contiguous"])
-    _run_both(bucket, True, group, case["steps"], where=str(case))
+    bucket = make_bucket(ADAM, case["plan"], case["shapes"],
+                         flags=adam_flags(group, case["amsgrad"], case["maximize"]), seed=case["seed"],
+                         specials=case["specials"], layouts=case["contiguous"])
+    run_both(bucket, group, case["steps"], where=str(case))
 
 
 @st.composite
@@ -375,10 +229,46 @@ def lion_cases(draw):
 @settings(max_examples=30)
 @given(lion_cases())
 def test_lion_matches_reference_property(case):
-    bucket = _make_bucket(case["plan"], case["shapes"], amsgrad=False, maximize=case["maximize"],
-                          l2=False, adam=False, seed=case["seed"], specials=case["specials"],
-                          contiguous_flags=case["contiguous"])
-    _run_both(bucket, False, case["group"], case["steps"], where=str(case))
+    bucket = make_bucket(LION, case["plan"], case["shapes"], flags=dict(maximize=case["maximize"]),
+                         seed=case["seed"], specials=case["specials"], layouts=case["contiguous"])
+    run_both(bucket, case["group"], case["steps"], where=str(case))
+
+
+# a 4-d shape may be laid out channels_last
+sgd_shape_strategy = st.one_of(shape_strategy,
+                               st.lists(st.integers(1, 6), min_size=4, max_size=4).map(tuple))
+unit_interval = st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.99]), st.floats(0.0, 1.0, exclude_max=True))
+
+
+@st.composite
+def sgd_cases(draw):
+    """Every plan (quality ones included), momentum on/off, nesterov, the buffer's first
+    step, L2, maximize, telemetry, contiguous / transposed / strided / channels_last."""
+    plan = draw(st.sampled_from(all_plans(quality=True)))
+    shapes = draw(st.lists(sgd_shape_strategy, min_size=1, max_size=4))
+    layouts = [draw(st.sampled_from(["contiguous", "transposed"]
+                                    + (["channels_last"] if len(shape) == 4 else [])))
+               for shape in shapes]
+    momentum = draw(unit_interval)
+    nesterov = momentum != 0.0 and draw(st.booleans())
+    group = sgd_group(lr=draw(st.sampled_from([1e-4, 1e-3, 0.1, 3.0])), momentum=momentum,
+                      dampening=0.0 if nesterov else draw(unit_interval),
+                      weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.3])), nesterov=nesterov)
+    return dict(plan=plan, shapes=shapes, layouts=layouts, group=group, first=draw(st.booleans()),
+                maximize=draw(st.booleans()), track=draw(st.booleans()),
+                specials=draw(st.booleans()), steps=draw(st.integers(1, 4)),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=30)
+@given(sgd_cases())
+def test_sgd_matches_reference_property(case):
+    group = case["group"]
+    bucket = make_bucket(SGD, case["plan"], case["shapes"],
+                         flags=sgd_flags(group, first=case["first"], maximize=case["maximize"]),
+                         track=case["track"], seed=case["seed"], specials=case["specials"],
+                         layouts=case["layouts"])
+    run_both(bucket, group, case["steps"], where=str(case))
 
 
 # ---------------------------------------------------------------- through the optimizers
@@ -394,19 +284,26 @@ def _model_params(dtype_list, seed):
 PLAIN_PRESETS = sorted(name for name, precision in PRESETS.items()
                        if precision.rounding == "nearest" and precision.compensation is None)
 
+# per optimizer: (its options, the second param group's)
+OPTIMIZER_OPTIONS = {
+    "Adam": (dict(amsgrad=True), dict(maximize=True)),
+    "AdamW": (dict(amsgrad=True), dict(maximize=True)),
+    "Lion": ({}, dict(maximize=True)),
+    "SGD": (dict(momentum=0.9, dampening=0.1), dict(maximize=True)),
+}
 
-@pytest.mark.parametrize("optimizer", ["Adam", "AdamW", "Lion"])
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZER_OPTIONS))
 @pytest.mark.parametrize("precision", PLAIN_PRESETS)
 def test_optimizer_numba_equals_reference(optimizer, precision):
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
+    options, second_group = OPTIMIZER_OPTIONS[optimizer]
     results = {}
     for backend in ("reference", "numba"):
         params = _model_params(dtypes, 0)
         cls = getattr(bf16opt, optimizer)
-        kwargs = dict(weight_decay=0.1, precision=precision, backend=backend)
-        if optimizer != "Lion":
-            kwargs["amsgrad"] = True
-        opt = cls([{"params": params[:2]}, {"params": params[2:], "maximize": True}], **kwargs)
+        opt = cls([{"params": params[:2]}, {"params": params[2:], **second_group}],
+                  weight_decay=0.1, precision=precision, backend=backend, **options)
         gen = torch.Generator().manual_seed(1)
         for _ in range(4):
             for p in params:
@@ -416,16 +313,42 @@ def test_optimizer_numba_equals_reference(optimizer, precision):
         results[backend] = ([p.detach().clone() for p in params], state)
     (ref_params, ref_state), (nb_params, nb_state) = results["reference"], results["numba"]
     for a, b in zip(ref_params, nb_params):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bits(a), bits(b))
     for sa, sb in zip(ref_state, nb_state):
         assert sa.keys() == sb.keys()
         for key in sa:
-            assert torch.equal(_bits(sa[key]), _bits(sb[key])), key
+            assert torch.equal(bits(sa[key]), bits(sb[key])), key
 
 
-def test_supports_every_plan():
-    assert len(all_plans(quality=True)) == 57
-    assert all(numba_backend.supports(plan) for plan in all_plans(quality=True))
+def test_every_configuration_has_a_chunk_function(monkeypatch):
+    """Every backend runs every plan: each (algorithm, plan, flags, telemetry)
+    configuration maps to a chunk function call the Numba kernels accept (its
+    arguments checked against the real signature; nothing is compiled here)."""
+    import importlib
+    import inspect
+    import itertools
+
+    from bf16opt._cpu.storage import MOMENT_ROUNDINGS, WEIGHT_POLICIES
+
+    plans = all_plans(quality=True)
+    assert len(plans) == 57
+    for algorithm in (ADAM, LION, SGD):
+        module = importlib.import_module(f"bf16opt._cpu.{algorithm.name}")
+        signature = inspect.signature(module.chunk_function.__wrapped__)
+        calls = []
+        monkeypatch.setattr(module, "chunk_function",
+                            lambda *args, **kwargs: calls.append(signature.bind(*args, **kwargs)))
+        for plan in plans:
+            for values in itertools.product((False, True), repeat=len(algorithm.flags) + 1):
+                config = kernel_config(algorithm, plan, tuple(zip(algorithm.flags, values)), values[-1])
+                numba_backend.chunk_function(config)
+        assert len(calls) == len(plans) * 2 ** (len(algorithm.flags) + 1)
+        for call in calls:
+            formats, weights, rounding, track = call.args[:4]
+            assert len(formats) == len(algorithm.roles), algorithm.name
+            assert set(formats) <= {np.float32, np.int16, np.uint16}
+            assert weights in WEIGHT_POLICIES and rounding in MOMENT_ROUNDINGS
+            assert isinstance(track, bool)
 
 
 def test_step_bumps_the_autograd_version_counter():
@@ -511,7 +434,9 @@ def test_import_compiles_nothing_and_is_fast():
     assert numba_loaded == "False" and kernels_loaded == "False"
 
 
-_THREADS_SCRIPT = """
+
+
+_THREAD_COUNT_SCRIPT = """
     import hashlib, numba, torch, bf16opt
     assert numba.get_num_threads() == {threads}
     gen = torch.Generator().manual_seed(0)
@@ -529,30 +454,31 @@ _THREADS_SCRIPT = """
             opt.step()
             out.update(repr(sorted(opt.precision_stats().items(), key=str)).encode())
         for p in params:
-            for t in [p.detach(), *opt.state[p].values()]:
-                out.update(t.view(torch.int16 if t.element_size() == 2 else torch.int32)
-                           .numpy().tobytes())
+            for t in [p.detach(), *opt.state[p].values()]:  # (the step count is a 0-d tensor)
+                out.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     print(out.hexdigest())
 """
 
 
 def test_results_independent_of_thread_count():
-    digests = {threads: _run_python(_THREADS_SCRIPT.format(threads=threads),
+    digests = {threads: _run_python(_THREAD_COUNT_SCRIPT.format(threads=threads),
                                     {"NUMBA_NUM_THREADS": str(threads)}).strip()
                for threads in (1, 2)}
-    assert digests[1] == digests[2]
+    assert len(digests[1]) == 64 and digests[1] == digests[2]
 
 
 def test_second_process_loads_kernels_from_disk_cache(tmp_path):
     script = """
         import torch, bf16opt
-        import numpy as np
         from bf16opt._cpu.chunks import run_chunks
-        from bf16opt._cpu.lion import lion_chunk
+        from bf16opt.algorithms import LION, kernel_config
+        from bf16opt.backends import numba as numba_backend
+        from bf16opt.precision import PRESETS, plan_for
         p = torch.nn.Parameter(torch.randn(100).bfloat16())
         p.grad = torch.randn(100).bfloat16()
         bf16opt.Lion([p], precision="bf16", backend="numba", maximize=True).step()
-        chunk = lion_chunk((np.int16, np.float32, np.int16, np.float32), "param", "nearest", False)
+        config = kernel_config(LION, plan_for(PRESETS["bf16"], torch.bfloat16), (("maximize", True),))
+        chunk = numba_backend.chunk_function(config)  # memoised: the one the step used
         stats = run_chunks.stats
         print(sum(stats.cache_hits.values()) + chunk.cache_hits,
               sum(stats.cache_misses.values()) + 1 - chunk.cache_hits)
@@ -610,7 +536,7 @@ def test_dataloader_fork_clip_grad_norm_and_scheduler():
     assert same_losses == "True" and same_params == "True"
 
 
-_THREADS_SCRIPT = """
+_TWO_THREADS_SCRIPT = """
     import threading, torch, bf16opt
 
     def make(seed):
@@ -641,7 +567,7 @@ def test_steps_from_two_python_threads_under_workqueue():
     """Two optimizers stepped from two Python threads at once: no abort under Numba's
     workqueue layer (which kills the process on concurrent parallel calls unless the
     backend serialises them), and the same bits as stepping them one after the other."""
-    out = _run_python(_THREADS_SCRIPT, {"NUMBA_THREADING_LAYER": "workqueue"}, timeout=300)
+    out = _run_python(_TWO_THREADS_SCRIPT, {"NUMBA_THREADING_LAYER": "workqueue"}, timeout=300)
     assert out.split() == ["True"]
 
 
@@ -666,10 +592,10 @@ def test_channels_last_conv_training_matches_reference(preset):
     ref_params, ref_opt = train("reference")
     assert params[0].is_contiguous(memory_format=torch.channels_last) and not params[0].is_contiguous()
     for p, q in zip(params, ref_params):
-        assert torch.equal(_bits(p), _bits(q))
+        assert torch.equal(bits(p), bits(q))
         for key, value in opt.state[p].items():
             if torch.is_tensor(value) and value.dim() > 0:
-                assert torch.equal(_bits(value), _bits(ref_opt.state[q][key])), key
+                assert torch.equal(bits(value), bits(ref_opt.state[q][key])), key
 
 
 def test_dense_permuted_buffers_are_updated_in_place_unless_stochastic():
@@ -678,18 +604,23 @@ def test_dense_permuted_buffers_are_updated_in_place_unless_stochastic():
     cl = dict(memory_format=torch.channels_last)
     param = torch.zeros(2, 3, 4, 5, dtype=torch.bfloat16).to(**cl)
     grad, moment = torch.zeros_like(param), torch.zeros_like(param, dtype=torch.float32)
-    columns = [[param], [grad], [moment]]
-    dtypes = [torch.bfloat16, torch.bfloat16, torch.float32]
-    launch = numba_backend._Launch(columns, dtypes, (0, 2), any_memory_order=True)
-    assert launch.write_back == [] and launch.columns[0][0] is param
-    launch = numba_backend._Launch(columns, dtypes, (0, 2), any_memory_order=False)
+    nearest = StoragePlan(torch.bfloat16, None, torch.float32, torch.float32)
+    stochastic = StoragePlan(torch.bfloat16, None, torch.float32, torch.float32, rounding="stochastic")
+
+    def stage(plan, param, grad, moment):
+        bucket = Bucket.of(kernel_config(LION, plan), {"param": [param], "grad": [grad], "exp_avg": [moment]},
+                           indices=[0])
+        return staging.stage(bucket, "numba")
+
+    launch = stage(nearest, param, grad, moment)
+    assert launch.write_back == [] and launch.tensors[0][0] is param
+    assert launch.pointers[0].tolist() == [param.data_ptr(), grad.data_ptr(), 0, moment.data_ptr()]
+    launch = stage(stochastic, param, grad, moment)
     assert [t for t, _ in launch.write_back] == [param, moment]
-    mixed = [[param], [grad.contiguous()], [moment]]
-    launch = numba_backend._Launch(mixed, dtypes, (0, 2), any_memory_order=True)
+    launch = stage(nearest, param, grad.contiguous(), moment)
     assert [t for t, _ in launch.write_back] == [param, moment]
     strided = torch.zeros(2, 8, dtype=torch.bfloat16)[:, ::2]
-    launch = numba_backend._Launch([[strided], [strided.clone()], [torch.zeros(2, 4)]],
-                                   dtypes, (0, 2), any_memory_order=True)
+    launch = stage(nearest, strided, strided.clone(), torch.zeros(2, 4))
     assert [t for t, _ in launch.write_back] == [strided]
 
 

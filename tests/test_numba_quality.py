@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import bf16opt
+from bf16opt.algorithms import ADAM, ALGORITHMS, LION, SGD
 from bf16opt.backends import numba as numba_backend
 from bf16opt.precision import PRESETS, all_plans, plan_for
 from bf16opt.storage import (encode, encode_stochastic, fmix32_int, join_remainder, random_bits, split_remainder,
@@ -21,24 +22,14 @@ from bf16opt.storage import (encode, encode_stochastic, fmix32_int, join_remaind
 
 pytest.importorskip("numba")
 
-from test_numba_backend import (  # noqa: E402  (shared helpers of the numba tests)
-    INT_VIEW, SMALL_CONTIGUOUS, SMALL_SHAPES, WEIGHT_DECAY, _bits, _interesting_f32_bits,
-    _make_bucket, _run_both)
-from test_numba_backend import small_chunks  # noqa: E402, F401  (a fixture)
+from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
+                     SMALL_SHAPES, SMALL_SHAPES_4D, WEIGHT_DECAY, adam_flags, bits, make_bucket,
+                     plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases)
+from buckets import small_chunks  # noqa: E402, F401  (a fixture)
+from test_numba_backend import OPTIMIZER_OPTIONS, _interesting_f32_bits  # noqa: E402
 
 PLAIN_PLANS = all_plans()
 QUALITY_PLANS = all_plans(quality=True)[len(PLAIN_PLANS):]
-SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _plan_id(plan) -> str:
-    master = SHORT[plan.master] if plan.master is not None else "none"
-    extra = {None: "", "kahan": f"-kahan{SHORT.get(plan.compensation_dtype, '')}",
-             "remainder": "-remainder"}[plan.compensation]
-    rounding = "-sr" if plan.rounding == "stochastic" else ""
-    return (f"p{SHORT[plan.param]}-w{master}-m{SHORT[plan.exp_avg]}-v{SHORT[plan.exp_avg_sq]}"
-            f"{rounding}{extra}")
-
 
 def test_quality_plans_cover_every_feature():
     assert len(QUALITY_PLANS) == 37
@@ -143,88 +134,99 @@ def test_remainder_split_and_join_match_reference(helpers):
 
 
 # ---------------------------------------------------------------- every quality configuration
-ADAM_GROUPS = {name: dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd,
-                          decoupled_weight_decay=decoupled)
-               for name, (wd, decoupled) in WEIGHT_DECAY.items()}
-
-
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("track", [False, True], ids=["plain", "track"])
 @pytest.mark.parametrize("weight_decay", sorted(WEIGHT_DECAY))
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
-@pytest.mark.parametrize("plan", QUALITY_PLANS, ids=_plan_id)
+@pytest.mark.parametrize("plan", QUALITY_PLANS, ids=plan_id)
 def test_adam_quality_every_configuration(plan, amsgrad, weight_decay, track):
-    wd, decoupled = WEIGHT_DECAY[weight_decay]
-    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=amsgrad, maximize=False,
-                          l2=wd != 0.0 and not decoupled, adam=True, seed=11,
-                          contiguous_flags=SMALL_CONTIGUOUS, track=track)
-    _run_both(bucket, True, ADAM_GROUPS[weight_decay], steps=3, alternate_maximize=True,
-              where=f"{_plan_id(plan)} amsgrad={amsgrad} {weight_decay} track={track}")
+    group = ADAM_GROUPS[weight_decay]
+    bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad), seed=11,
+                         layouts=SMALL_CONTIGUOUS, track=track)
+    run_both(bucket, group, steps=3, alternate_maximize=True,
+             where=f"{plan_id(plan)} amsgrad={amsgrad} {weight_decay} track={track}")
 
 
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("track", [False, True], ids=["plain", "track"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
-@pytest.mark.parametrize("plan", QUALITY_PLANS, ids=_plan_id)
+@pytest.mark.parametrize("plan", QUALITY_PLANS, ids=plan_id)
 def test_lion_quality_every_configuration(plan, weight_decay, track):
-    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=False, maximize=True, l2=False,
-                          adam=False, seed=13, contiguous_flags=SMALL_CONTIGUOUS, track=track)
+    bucket = make_bucket(LION, plan, SMALL_SHAPES, flags=dict(maximize=True), seed=13,
+                         layouts=SMALL_CONTIGUOUS, track=track)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
-    _run_both(bucket, False, group, steps=3, alternate_maximize=True,
-              where=f"{_plan_id(plan)} wd={weight_decay} track={track}")
+    run_both(bucket, group, steps=3, alternate_maximize=True,
+             where=f"{plan_id(plan)} wd={weight_decay} track={track}")
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("plan, group, first, track", sgd_plan_cases(QUALITY_PLANS))
+def test_sgd_quality_every_configuration(plan, group, first, track):
+    """Three steps (minimize, maximize, minimize), transposed, strided and channels_last
+    tensors among contiguous ones; stochastic rounding draws a new stream each step."""
+    bucket = make_bucket(SGD, plan, SMALL_SHAPES_4D, flags=sgd_flags(group, first=first, maximize=True),
+                         track=track, seed=31, layouts=SMALL_LAYOUTS_4D)
+    run_both(bucket, group, steps=3, alternate_maximize=True,
+             where=f"{plan_id(plan)} {group} first={first} track={track}")
 
 
 @pytest.mark.usefixtures("small_chunks")
 # ---------------------------------------------------------------- telemetry on the plain plans
 @pytest.mark.parametrize("weight_decay", sorted(WEIGHT_DECAY))
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
-@pytest.mark.parametrize("plan", PLAIN_PLANS, ids=_plan_id)
+@pytest.mark.parametrize("plan", PLAIN_PLANS, ids=plan_id)
 def test_adam_telemetry_plain_plans(plan, amsgrad, weight_decay):
-    wd, decoupled = WEIGHT_DECAY[weight_decay]
-    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=amsgrad, maximize=True,
-                          l2=wd != 0.0 and not decoupled, adam=True, seed=17,
-                          contiguous_flags=SMALL_CONTIGUOUS, track=True)
-    _run_both(bucket, True, ADAM_GROUPS[weight_decay], steps=3, alternate_maximize=True,
-              where=f"{_plan_id(plan)} amsgrad={amsgrad} {weight_decay}")
+    group = ADAM_GROUPS[weight_decay]
+    bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad, maximize=True),
+                         seed=17, layouts=SMALL_CONTIGUOUS, track=True)
+    run_both(bucket, group, steps=3, alternate_maximize=True,
+             where=f"{plan_id(plan)} amsgrad={amsgrad} {weight_decay}")
 
 
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
-@pytest.mark.parametrize("plan", PLAIN_PLANS, ids=_plan_id)
+@pytest.mark.parametrize("plan", PLAIN_PLANS, ids=plan_id)
 def test_lion_telemetry_plain_plans(plan, weight_decay):
-    bucket = _make_bucket(plan, SMALL_SHAPES, amsgrad=False, maximize=False, l2=False,
-                          adam=False, seed=19, contiguous_flags=SMALL_CONTIGUOUS, track=True)
+    bucket = make_bucket(LION, plan, SMALL_SHAPES, seed=19, layouts=SMALL_CONTIGUOUS, track=True)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
-    _run_both(bucket, False, group, steps=3, alternate_maximize=True, where=_plan_id(plan))
+    run_both(bucket, group, steps=3, alternate_maximize=True, where=plan_id(plan))
+
+
+# the algorithm, its flags and a group whose updates are far below a bf16 ulp
+VACUOUS_CASES = {
+    "adam": (dict(amsgrad=True), dict(lr=1e-7, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                      decoupled_weight_decay=True)),
+    "lion": ({}, dict(lr=1e-7, betas=(0.9, 0.99), weight_decay=0.0)),
+    # a zero buffer (not its first step) and dampening 0.9: it takes 0.1 * g, as exp_avg does
+    "sgd": (dict(momentum=True), sgd_group(lr=1e-7, momentum=0.9, dampening=0.9)),
+}
 
 
 @pytest.mark.parametrize("preset", ["bf16", "bf16-sr", "bf16-kahan", "fp32-remainder-bf16-states",
                                     "bf16-states"])
-@pytest.mark.parametrize("adam", [True, False], ids=["adam", "lion"])
-def test_telemetry_counts_are_not_vacuous(preset, adam):
+@pytest.mark.parametrize("algorithm", list(VACUOUS_CASES))
+def test_telemetry_counts_are_not_vacuous(preset, algorithm):
     """Updates far below a bf16 ulp and gradients that underflow bf16 moments: the counts
     are large, and equal the reference's."""
     plan = plan_for(PRESETS[preset], torch.bfloat16)
-    bucket = _make_bucket(plan, [(4096,), (3, 1000)], amsgrad=adam, maximize=False, l2=False,
-                          adam=adam, seed=23, specials=True, track=True)
-    for grad, exp_avg, exp_avg_sq in zip(bucket.grads, bucket.exp_avgs,
-                                         bucket.exp_avg_sqs or bucket.exp_avgs):
+    flags, group = VACUOUS_CASES[algorithm]
+    bucket = make_bucket(ALGORITHMS[algorithm], plan, [(4096,), (3, 1000)], flags=flags, seed=23,
+                         specials=True, track=True)
+    for i, grad in enumerate(bucket["grad"]):
         # zero moments and tiny gradients: ~2e-40 * 0.1 underflows a bf16 exp_avg (not the
         # float32 value), 1e-20 * g a bf16 exp_avg_sq (g * g ~ 1e-40)
         scale = torch.tensor([1e-20, 2e-39]).repeat(grad.numel() // 2).view(grad.shape)
         grad.copy_(encode(grad.float() * scale, grad.dtype))
-        exp_avg.zero_()
-        exp_avg_sq.zero_()
-    group = (dict(lr=1e-7, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                  decoupled_weight_decay=True)
-             if adam else dict(lr=1e-7, betas=(0.9, 0.99), weight_decay=0.0))
-    _run_both(bucket, adam, group, steps=2, where=preset)
+        for role in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if role in [r.name for r in bucket.config.algorithm.roles]:
+                bucket[role][i].zero_()
+    run_both(bucket, group, steps=2, where=preset)
     counts = bucket.counts
     if plan.master is None and plan.compensation != "remainder" and plan.rounding == "nearest":
         assert (counts[:, 0] > 0).all(), counts  # round to nearest swallows tiny updates
-    if plan.exp_avg == torch.bfloat16:
+    if plan.exp_avg == torch.bfloat16:  # exp_avg, or SGD's momentum buffer
         assert (counts[:, 1] > 0).all(), counts
-    if adam and plan.exp_avg_sq == torch.bfloat16:
+    if algorithm == "adam" and plan.exp_avg_sq == torch.bfloat16:
         assert (counts[:, 2] > 0).all(), counts
 
 
@@ -233,11 +235,10 @@ def test_telemetry_counts_are_not_vacuous(preset, adam):
 def test_quality_vector_tail_sizes_large(preset, param_dtype):
     """1048577 = 2^20 + 1 elements: many chunks (random streams continue across chunks)."""
     plan = plan_for(PRESETS[preset], param_dtype)
-    bucket = _make_bucket(plan, [(1048577,), (22,)], amsgrad=True, maximize=False, l2=False,
-                          adam=True, seed=3, track=True)
+    bucket = make_bucket(ADAM, plan, [(1048577,), (22,)], flags=dict(amsgrad=True), seed=3, track=True)
     group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  decoupled_weight_decay=True)
-    _run_both(bucket, True, group, steps=2, where=f"{preset} {param_dtype}")
+    run_both(bucket, group, steps=2, where=f"{preset} {param_dtype}")
 
 
 # ---------------------------------------------------------------- through the optimizers
@@ -245,21 +246,19 @@ QUALITY_PRESETS = sorted(name for name, precision in PRESETS.items()
                          if precision.rounding != "nearest" or precision.compensation is not None)
 
 
-@pytest.mark.parametrize("optimizer", ["Adam", "AdamW", "Lion"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZER_OPTIONS))
 @pytest.mark.parametrize("precision", QUALITY_PRESETS)
 def test_optimizer_quality_numba_equals_reference(optimizer, precision):
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
     shapes = [(4, 6), (6,), (), (3, 5, 2), (130,)]
+    options, second_group = OPTIMIZER_OPTIONS[optimizer]
     results = {}
     for backend in ("reference", "numba"):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in zip(shapes, dtypes)]
-        kwargs = dict(weight_decay=0.1, precision=precision, backend=backend, seed=1234,
-                      track_precision=True)
-        if optimizer != "Lion":
-            kwargs["amsgrad"] = True
-        opt = getattr(bf16opt, optimizer)([{"params": params[:2]},
-                                           {"params": params[2:], "maximize": True}], **kwargs)
+        opt = getattr(bf16opt, optimizer)([{"params": params[:2]}, {"params": params[2:], **second_group}],
+                                          weight_decay=0.1, precision=precision, backend=backend,
+                                          seed=1234, track_precision=True, **options)
         stats = []
         for _ in range(4):
             for p in params:
@@ -272,8 +271,8 @@ def test_optimizer_quality_numba_equals_reference(optimizer, precision):
         results["reference"], results["numba"]
     assert ref_stats == nb_stats
     for a, b in zip(ref_params, nb_params):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bits(a), bits(b))
     for sa, sb in zip(ref_state, nb_state):
         assert sa.keys() == sb.keys()
         for key in sa:
-            assert torch.equal(_bits(sa[key]), _bits(sb[key])), key
+            assert torch.equal(bits(sa[key]), bits(sb[key])), key

@@ -334,6 +334,11 @@ def prepare(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch]
         return lambda: None
     if any(bucket.offsets):
         raise ValueError("the CUDA kernels update whole tensors (bucket.offsets must be 0)")
+    if kernel_name(config) not in kernel_configs(config.algorithm.name):
+        # a hand-made plan no precision produces (e.g. a remainder for float16 params) would
+        # compile and read the wrong bits: only the instantiations the policy allows run
+        raise NotImplementedError(f"backend='cupy' has no kernel for {config.plan}; no precision "
+                                  f"produces it")
     check(bucket, "cupy")
     for field, value in zip(scalars._fields, scalars):
         if float(np.float32(value)) != float(value) and not np.isnan(value):
