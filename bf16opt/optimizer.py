@@ -86,6 +86,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     _SAVED_GROUP_KEYS: tuple = ()
     _FOREIGN_GROUP_KEYS: tuple = ()
 
+    def __init__(self, params, defaults: dict):
+        if isinstance(params, set):  # torch would list it, in an order that changes between runs
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
+                            "ordering of tensors in sets will change between runs. Please use a list instead.")
+        super().__init__(params, defaults)
+
     # ---- subclass interface
     def _check_hyperparameters(self, group: dict) -> None:
         raise NotImplementedError
@@ -113,6 +119,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError("param_group must have a 'params' entry (a tensor or a list of tensors)")
         group = dict(param_group)
         params = group["params"]
         if isinstance(params, torch.Tensor):
@@ -221,16 +229,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return made
 
     # ---- step
-    def _params_with_grad(self, group: dict) -> list:
-        """The group's params that have grads; raises on grads the step cannot use."""
+    def _params_with_grad(self, group: dict, first_index: int = 0) -> list:
+        """The group's params that have grads; raises on grads the step cannot use (naming each
+        param by its index in the optimizer, as state dicts do)."""
         params = []
-        for index, param in enumerate(group["params"]):
+        for index, param in enumerate(group["params"], start=first_index):
             grad = param.grad
             if grad is None:
                 continue
             if grad.is_sparse or grad.layout != torch.strided:
                 raise TypeError(f"{type(self).__name__} does not support sparse gradients "
-                                f"(param {index} of its group has a {grad.layout} grad)")
+                                f"(param {index} has a {grad.layout} grad)")
             if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
                 raise ValueError(f"grad of param {index} ({tuple(grad.shape)}, {grad.dtype}, "
                                  f"{grad.device}) does not match the param "
@@ -244,6 +253,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex():
             raise ValueError(f"state['step'] of param {number} must be a one-element tensor, got {step!r:.60}")
         return step
+
+    @staticmethod
+    def _check_steps(steps: list, numbers: list) -> None:
+        for value, number in zip(steps, numbers):
+            if not (math.isfinite(value) and value >= 0 and value == int(value) and value < 2 ** 53):
+                raise ValueError(f"state['step'] of param {number} is {value!r}; it must be a whole number "
+                                 f"in [0, 2**53)")
 
     def _prepare_step(self) -> "_StepPlan":
         """Phase one of a step: check everything and make everything the step needs -- converted
@@ -259,7 +275,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         index = 0
         for group_number, group in enumerate(self.param_groups):
             precision = self._checked_precision(group)
-            params = self._params_with_grad(group)
+            params = self._params_with_grad(group, index)
             first_index, index = index, index + len(group["params"])
             if not params:
                 continue
@@ -319,7 +335,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                                                    for e in entries])
                 entries = [(mirror, grad, *entry[2:]) for (mirror, grad), entry in zip(staged, entries)]
             plan.counters.extend(entry[4] for entry in entries)
-            steps = [int(s) + 1 for s in torch.stack([e[4].double() for e in entries]).tolist()]
+            counts = torch.stack([e[4].double() for e in entries]).tolist()
+            self._check_steps(counts, [e[5] for e in entries])
+            steps = [int(s) + 1 for s in counts]
             buckets, originals = {}, {}
             for (param, grad, config, state, _, number, original), step in zip(entries, steps):
                 key = (param.device, config, step)

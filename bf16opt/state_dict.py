@@ -232,6 +232,8 @@ def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str) -> tor
     """A new tensor laid out like ``param`` holding ``encode(value, dtype)``."""
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         raise TypeError(f"{what} must be a floating-point tensor, got {value!r:.80}")
+    if value.is_meta:
+        raise ValueError(f"{what} is a meta tensor (no data to load)")
     if value.shape != param.shape:
         raise ValueError(f"{what} has shape {tuple(value.shape)}, but the param has shape "
                          f"{tuple(param.shape)}")

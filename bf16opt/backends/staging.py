@@ -67,16 +67,21 @@ class Staged:
             torch.autograd.graph.increment_version(written)
 
 
-def _check(role, tensor, dtype, param, i: int, backend: str) -> None:
+def _check(role, tensor, dtype, param, i: int, backend: str, name: str = None) -> None:
+    """The detailed check of one tensor; ``i`` is the param's index in the optimizer and
+    ``name`` the state key of the role (``master``, ``exp_avg``...)."""
+    name = name or role.name
+    if tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{backend} backend: {name} of param {i} must be a tensor, got {type(tensor).__name__}")
     if tensor is None:
-        raise ValueError(f"{backend} backend: {role.name} of param {i} is missing; the "
+        raise ValueError(f"{backend} backend: {name} of param {i} is missing; the "
                          f"configuration needs a {dtype} tensor")
     if tensor.dtype != dtype or tensor.shape != param.shape or tensor.device != param.device:
-        raise ValueError(f"{backend} backend: {role.name} of param {i} is {tensor.dtype} of shape "
+        raise ValueError(f"{backend} backend: {name} of param {i} is {tensor.dtype} of shape "
                          f"{tuple(tensor.shape)} on {tensor.device}; the configuration needs "
                          f"{dtype} of shape {tuple(param.shape)} on {param.device}")
     if tensor.numel() and not tensor.data_ptr():
-        raise TypeError(f"{backend} backend: {role.name} of param {i} has no data pointer "
+        raise TypeError(f"{backend} backend: {name} of param {i} has no data pointer "
                         f"({type(tensor).__name__}); the kernels address plain dense tensors")
 
 
@@ -89,12 +94,13 @@ def check(bucket: Bucket, backend: str) -> None:
     for k, role in enumerate(roles):
         if config.dtypes[k] is None and any(t is not None for t in bucket.tensors[k]):
             raise ValueError(f"{backend} backend: {role.name} is not part of this configuration")
-    for k, role, dtype, _ in config.present():
+    for k, role, dtype, key in config.present():
         for i, (tensor, param) in enumerate(zip(bucket.tensors[k], bucket.tensors[0])):
             # the common case in a few C calls; anything else gets the detailed check
-            if tensor is None or tensor.dtype != dtype or tensor.shape != param.shape \
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tensor.shape != param.shape \
                     or tensor.get_device() != param.get_device() or not tensor.data_ptr():
-                _check(role, tensor, dtype, param, i, backend)
+                number = bucket.indices[i] if len(bucket.indices) == len(bucket.tensors[0]) else i
+                _check(role, tensor, dtype, param, number, backend, key)
 
 
 def stage(bucket: Bucket, backend: str, checked: bool = False) -> Staged:
