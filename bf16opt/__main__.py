@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 from . import __version__
 
@@ -39,9 +39,11 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     return parser, {"compare": compare_parser}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser, commands = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if unknown:  # reported by the sub-command whose options they are not
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "compare":
         from .compare import run
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
 from .algorithms import ADAM, AdamScalars
 from .backends import f32
 from .checks import (check_betas, check_flag, check_number, check_tensor_hyperparameters_without_foreach,
                      default_seed)
 from .optimizer import MixedPrecisionOptimizer
+from .precision import Precision
 
 __all__ = ["Adam", "AdamW", "adam_scalars"]
 
@@ -71,11 +75,14 @@ class Adam(MixedPrecisionOptimizer):
     algorithm = ADAM
     _SAVED_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=False,
-                 precision="fp32", backend="auto", seed=None, track_precision=False, offload=None,
-                 offload_threads=None):
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3,
+                 betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: bool | None = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, decoupled_weight_decay: bool = False,
+                 precision: str | Precision = "fp32", backend: str = "auto", seed: int | None = None,
+                 track_precision: bool = False, offload: str | None = None,
+                 offload_threads: int | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         foreach=foreach, maximize=maximize, capturable=capturable,
                         differentiable=differentiable, fused=fused,
@@ -110,10 +117,13 @@ class AdamW(Adam):
     see :class:`Adam` for ``precision`` and ``backend``.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, precision="fp32", backend="auto", seed=None,
-                 track_precision=False, offload=None, offload_threads=None):
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3,
+                 betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
+                 seed: int | None = None, track_precision: bool = False, offload: str | None = None,
+                 offload_threads: int | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, precision=precision,

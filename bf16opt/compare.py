@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any
 
 import torch
 from torch import nn
@@ -37,15 +37,16 @@ from . import PRESETS, SGD, Adam, AdamW, Lion, __version__, memory_report
 from .memory import MemoryReport, format_table
 
 try:  # the live progress bar (bf16opt[plot]); plain progress lines without it
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
-__all__ = ["CharGPT", "DEFAULT_PRESETS", "OPTIMIZERS", "Progress", "StepPeakMemory", "add_arguments",
-           "main", "run", "stdlib_corpus", "train"]
+__all__ = ["DEFAULT_PRESETS", "OPTIMIZERS", "CharGPT", "Progress", "StepPeakMemory", "add_arguments", "main",
+           "run", "stdlib_corpus", "train"]
 
 DEFAULT_PRESETS = ("fp32", "bf16", "bf16-kahan", "bf16-sr", "fp32-remainder")
-OPTIMIZERS: dict[str, type[Adam] | type[Lion] | type[SGD]] = {"adamw": AdamW, "adam": Adam, "lion": Lion, "sgd": SGD}
+OPTIMIZERS: dict[str, type[Adam | Lion | SGD]] = {"adamw": AdamW, "adam": Adam, "lion": Lion,
+                                                   "sgd": SGD}
 #: default peak learning rate per optimizer (--lr overrides)
 DEFAULT_LR = {"adamw": 3e-3, "adam": 3e-3, "lion": 3e-4, "sgd": 0.3}
 #: extra constructor arguments per optimizer
@@ -93,7 +94,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 class CharGPT(nn.Module):
@@ -113,7 +115,8 @@ class CharGPT(nn.Module):
         mask = torch.ones(length, length, dtype=torch.bool, device=tokens.device).triu(1)
         for block in self.blocks:
             x = block(x, mask)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float = 0.1,
@@ -147,14 +150,14 @@ class StepPeakMemory:
     LABELS = {"proc": "/proc/self peak RSS, exact", "psutil": "psutil, RSS sampled every 0.5 ms",
               None: "not measured: needs Linux /proc or psutil"}
 
-    def __init__(self, method: Optional[str] = None):
+    def __init__(self, method: str | None = None):
         if method not in (None, "proc", "psutil"):
             raise ValueError(f"method must be None, 'proc' or 'psutil', got {method!r}")
         self.peak = 0
         self.before = 0
         self._process: Any = None
-        self._sampling: Optional[threading.Event] = None
-        self._sampler: Optional[threading.Thread] = None
+        self._sampling: threading.Event | None = None
+        self._sampler: threading.Thread | None = None
         self._sampled = 0
         candidates = [method] if method else ["proc", "psutil"]
         self.method = next((m for m in candidates if self._usable(m)), None)
@@ -215,7 +218,7 @@ class StepPeakMemory:
             self.peak = max(self.peak, rss - self.before)
 
     @property
-    def mib(self) -> Optional[float]:
+    def mib(self) -> float | None:
         return self.peak / 2 ** 20 if self.available else None
 
 
@@ -226,7 +229,7 @@ class Progress:
     tqdm: a plain line every 10% of the steps, so logs get lines, not carriage returns.
     """
 
-    def __init__(self, label: str, total: int, stream: Optional[IO[str]] = None, enabled: bool = True):
+    def __init__(self, label: str, total: int, stream: IO[str] | None = None, enabled: bool = True):
         self.label, self.total = label, total
         self.stream = sys.stderr if stream is None else stream  # the current stderr, not import time's
         self.enabled = enabled
@@ -264,7 +267,7 @@ def _is_terminal(stream: IO[str]) -> bool:
 # ---------------------------------------------------------------- one run
 def train(preset: str, data: torch.Tensor, *, optimizer: str, steps: int, lr: float, seed: int,
           batch: int, block: int, width: int, layers: int, backend: str = "auto",
-          show_progress: bool = True, peak_method: Optional[str] = None) -> dict[str, Any]:
+          show_progress: bool = True, peak_method: str | None = None) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = CharGPT(width=width, layers=layers, block=block).to(torch.bfloat16)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr, precision=preset, seed=seed, backend=backend,
@@ -316,7 +319,8 @@ def memory_table(results: Sequence[dict[str, Any]]) -> str:
         return f"{report.bytes_per_param.get(name, 0.0):.2f} ({dtypes})" if dtypes else "-"
 
     rows = [[name, *(cell(r["memory"], name) for r in results)] for name in _components(results)]
-    rows.append(["**optimizer total**", *(f"**{r['memory'].optimizer_bytes_per_param:.2f}**" for r in results)])
+    rows.append(["**optimizer total**",
+                 *(f"**{r['memory'].optimizer_bytes_per_param:.2f}**" for r in results)])
     rows.append(["**total**", *(f"**{r['memory'].total_per_param:.2f}**" for r in results)])
     rows.append([f"step peak extra RSS (MiB; {results[0]['peak_method']})",
                  *("n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}" for r in results)])
@@ -336,7 +340,7 @@ def loss_table(results: Sequence[dict[str, Any]]) -> str:
               "on average; with round to nearest they are lost).")
 
 
-def _finite(value: Optional[float]) -> Optional[float]:
+def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
@@ -356,7 +360,8 @@ def results_json(results: Sequence[dict[str, Any]], settings: dict[str, Any]) ->
             "step_peak_extra_mib": _finite(r["peak_mib"])})
     loss = [{"preset": r["preset"], "final_loss": _finite(r["final"]),
              "vs_first_preset": _finite(r["final"] / base - 1), "mean_loss": _finite(r["mean"]),
-             "loss_std": _finite(r["std"]), "mean_step_ms": r["step_ms"], "swallowed_fraction": r["swallowed"],
+             "loss_std": _finite(r["std"]), "mean_step_ms": r["step_ms"],
+             "swallowed_fraction": r["swallowed"],
              "csv": f"loss_{r['preset']}.csv"} for r in results]
     return {"bf16opt": __version__, "settings": settings, "peak_memory_method": results[0]["peak_method"],
             "final_loss": "mean loss of the last 10% of steps", "memory": memory, "loss": loss}
@@ -371,7 +376,7 @@ def write_csv(result: dict[str, Any], out: Path) -> Path:
     return path
 
 
-def plot(results: Sequence[dict[str, Any]], out: Path) -> Optional[Path]:
+def plot(results: Sequence[dict[str, Any]], out: Path) -> Path | None:
     """loss_comparison.png: loss curves and the gap to the first preset; None without matplotlib."""
     try:
         import matplotlib
@@ -459,7 +464,7 @@ def _corpus(text: str) -> Path:
 
 
 def _out_dir(text: str) -> Path:
-    """Static checks of --out; whether it can be created and written is checked by run()."""
+    """Static checks of --out; whether it can be created and written is checked by _check()."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty; name a directory (it is created if missing)")
     path = Path(text)
@@ -479,18 +484,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(PRESETS)} (default: %(default)s)")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                         help="adamw, adam, lion, or sgd (momentum 0.9) (default: %(default)s)")
-    parser.add_argument("--steps", type=_positive_int, default=300, help="training steps per run (default: %(default)s)")
+    parser.add_argument("--steps", type=_positive_int, default=300,
+                        help="training steps per run (default: %(default)s)")
     parser.add_argument("--lr", type=_learning_rate, default=None,
                         help="peak learning rate (default: " + ", ".join(
                             f"{value:g} {name}" for name, value in DEFAULT_LR.items()) + ")")
     parser.add_argument("--corpus", type=_corpus, default=None, metavar="FILE",
                         help="text file to train on (default: the Python standard library's sources)")
-    parser.add_argument("--seed", type=_seed, default=0, help="model, data order and rounding seed (default: 0)")
-    parser.add_argument("--batch", type=_positive_int, default=32, help="sequences per step (default: %(default)s)")
-    parser.add_argument("--block", type=_positive_int, default=64, help="sequence length (default: %(default)s)")
+    parser.add_argument("--seed", type=_seed, default=0,
+                        help="model, data order and rounding seed (default: %(default)s)")
+    parser.add_argument("--batch", type=_positive_int, default=32,
+                        help="sequences per step (default: %(default)s)")
+    parser.add_argument("--block", type=_positive_int, default=64,
+                        help="sequence length (default: %(default)s)")
     parser.add_argument("--width", type=_positive_int, default=128,
                         help=f"model width, a multiple of {HEADS} (default: %(default)s)")
-    parser.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks (default: %(default)s)")
+    parser.add_argument("--layers", type=_positive_int, default=2,
+                        help="transformer blocks (default: %(default)s)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="bf16opt kernel backend; the model runs on the CPU (default: %(default)s)")
     parser.add_argument("--out", type=_out_dir, default="runs/compare", metavar="DIR",
@@ -506,9 +516,17 @@ class Corpus:
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Corpus:
-    """Checks that need more than one argument, or the file system; parser.error() on failure."""
+    """Checks that need more than one argument, or the file system; parser.error() on failure.
+    Nothing is created before every check has passed."""
     if args.width % HEADS:
-        parser.error(f"argument --width: must be a multiple of {HEADS} (the attention heads), got {args.width}")
+        parser.error(f"argument --width: must be a multiple of {HEADS} (the attention heads), "
+                     f"got {args.width}")
+    existing = next(path for path in (args.out, *args.out.parents) if path.exists())
+    try:  # --out, or the directory it will be created in, takes files
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        parser.error(f"argument --out: cannot write to {existing}: {exc.strerror or exc}")
     if args.corpus is not None:
         try:
             corpus = Corpus(args.corpus.read_bytes(), str(args.corpus))
@@ -519,20 +537,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Corpus:
     if len(corpus.text) < args.block + 2:
         parser.error(f"argument --corpus: {corpus.name} has {len(corpus.text)} bytes; --block {args.block} "
                      f"needs at least {args.block + 2}")
-    probe = [nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))]
-    for preset in args.presets:  # every preset with this optimizer and backend, without a step
-        try:
-            OPTIMIZERS[args.optimizer](probe, lr=args.lr, precision=preset, backend=args.backend,
-                                       **OPTIMIZER_KWARGS.get(args.optimizer, {}))
-        except (ValueError, TypeError) as exc:
-            parser.error(f"argument --presets: {preset} with --optimizer {args.optimizer} "
-                         f"--backend {args.backend}: {exc}")
-    try:  # last: creates the directory
+    try:
         args.out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=args.out):
-            pass
     except OSError as exc:
-        parser.error(f"argument --out: cannot write to {args.out}: {exc.strerror or exc}")
+        parser.error(f"argument --out: cannot create {args.out}: {exc.strerror or exc}")
     return corpus
 
 
@@ -558,7 +566,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         written.append(figure.name)
     if args.json:
         settings = {"optimizer": args.optimizer, "optimizer_kwargs": OPTIMIZER_KWARGS.get(args.optimizer, {}),
-                    "steps": args.steps, "lr": args.lr, "schedule": "LinearLR warm-up (10%), CosineAnnealingLR to 5%",
+                    "steps": args.steps, "lr": args.lr,
+                    "schedule": "LinearLR warm-up (10%), CosineAnnealingLR to 5%",
                     "seed": args.seed, "batch": args.batch, "block": args.block, "width": args.width,
                     "layers": args.layers, "heads": HEADS, "backend": args.backend, "presets": presets,
                     "corpus": corpus.name, "corpus_bytes": len(corpus.text)}
@@ -571,11 +580,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print("\nLoss (final = mean of the last 10% of steps)")
     print(loss_table(results))
     print(f"\nwrote {', '.join(written)} to {args.out}"
-          + ("" if figure else " (install matplotlib for loss_comparison.png: pip install 'bf16opt[plot]')"))
+          + ("" if figure else " (install matplotlib, bf16opt's [plot] extra, for loss_comparison.png)"))
     return 1 if any(math.isnan(r["final"]) for r in results) else 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``bf16opt compare ARGS`` (``argv`` without the command; default ``sys.argv[1:]``)."""
     from .__main__ import main as cli
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
 from .algorithms import LION, LionScalars
 from .backends import f32
 from .checks import check_betas, check_flag, check_number, default_seed
 from .optimizer import MixedPrecisionOptimizer
+from .precision import Precision
 
 __all__ = ["Lion", "lion_scalars"]
 
@@ -44,9 +48,11 @@ class Lion(MixedPrecisionOptimizer):
     _SAVED_GROUP_KEYS = ("lr", "betas", "weight_decay")
     _FOREIGN_GROUP_KEYS = ("eps", "amsgrad")  # Adam's
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
-                 precision="fp32", backend="auto", seed=None, track_precision=False, offload=None,
-                 offload_threads=None):
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-4,
+                 betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.99), weight_decay: float = 0.0, *,
+                 maximize: bool = False, precision: str | Precision = "fp32", backend: str = "auto",
+                 seed: int | None = None, track_precision: bool = False, offload: str | None = None,
+                 offload_threads: int | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
                         precision=precision, backend=backend,
                         seed=default_seed() if seed is None else seed, track_precision=track_precision,

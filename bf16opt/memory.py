@@ -118,7 +118,8 @@ def html_table(header: Sequence[str], rows: Sequence[Sequence[object]], align: s
     align = align.ljust(count, "l")
 
     def cell(tag: str, value: object, side: str) -> str:
-        return f'<{tag} style="text-align: {"right" if side == "r" else "left"}">{html.escape(str(value))}</{tag}>'
+        style = f"text-align: {'right' if side == 'r' else 'left'}"
+        return f'<{tag} style="{style}">{html.escape(str(value))}</{tag}>'
 
     parts = ["<table>"]
     if caption:

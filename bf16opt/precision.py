@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -98,6 +99,11 @@ class Precision:
     compensation: str | None = None
     compensation_dtype: torch.dtype = torch.bfloat16
     name: str | None = field(default=None, compare=False)
+
+    if TYPE_CHECKING:  # the generated __init__ also takes dtype names ("bf16"): __post_init__ converts them
+        def __init__(self, master: torch.dtype | str = ..., exp_avg: torch.dtype | str = ...,
+                     exp_avg_sq: torch.dtype | str = ..., rounding: str = ..., compensation: str | None = ...,
+                     compensation_dtype: torch.dtype | str = ..., name: str | None = ...) -> None: ...
 
     def __post_init__(self):
         for argument in ("master", "exp_avg", "exp_avg_sq", "compensation_dtype"):

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
 from .algorithms import SGD as SGD_ALGORITHM
 from .algorithms import SGDScalars
 from .backends import f32
 from .checks import check_flag, check_number, default_seed
 from .optimizer import MixedPrecisionOptimizer
+from .precision import Precision
 
 __all__ = ["SGD", "sgd_scalars"]
 
@@ -48,9 +52,12 @@ class SGD(MixedPrecisionOptimizer):
     _SAVED_GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
     _FOREIGN_GROUP_KEYS = ("betas",)  # Adam's and Lion's
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                 *, maximize=False, foreach=None, differentiable=False, fused=None, precision="fp32",
-                 backend="auto", seed=None, track_precision=False, offload=None, offload_threads=None):
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None, differentiable: bool = False,
+                 fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
+                 seed: int | None = None, track_precision: bool = False, offload: str | None = None,
+                 offload_threads: int | None = None) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused, precision=precision,

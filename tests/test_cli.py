@@ -1,0 +1,333 @@
+"""The ``bf16opt`` command line: one argparse parser with sub-commands, every argument checked
+before any training (exit status 2, one line naming the argument), progress output, --json."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import bf16opt
+from bf16opt import compare
+from bf16opt.__main__ import main
+
+TINY = ["--steps", "8", "--width", "16", "--layers", "1", "--batch", "4", "--block", "16",
+        "--backend", "reference"]
+TEXT = "the quick brown fox jumps over the lazy dog\n" * 200
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def bf16opt_command() -> list:
+    """The installed console script when it is beside this interpreter, else ``python -m bf16opt``."""
+    script = Path(sys.executable).with_name("bf16opt")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "bf16opt"]
+
+
+# ---------------------------------------------------------------- parser
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"bf16opt {bf16opt.__version__}\n"
+
+
+def test_version_from_the_installed_command():
+    result = subprocess.run([*bf16opt_command(), "--version"], capture_output=True, text=True)
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"bf16opt {bf16opt.__version__}\n", "")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--help"], ["usage: bf16opt", "--version", "compare"]),
+    (["compare", "--help"], ["usage: bf16opt compare", "--presets", "--optimizer {adamw,adam,lion,sgd}",
+                             "--json", "--no-progress", "--corpus FILE", "example:"]),
+])
+def test_help_per_command(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for word in words:
+        assert word in out
+
+
+@pytest.mark.parametrize("argv,start", [
+    ([], "bf16opt: error: the following arguments are required: COMMAND"),
+    (["frobnicate"], "bf16opt: error: argument COMMAND: invalid choice: 'frobnicate'"),
+    (["--bogus"], "bf16opt: error:"),
+])
+def test_top_level_usage_errors(argv, start, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(start) and err.count("\n") == 1
+
+
+def unwritable_directory(tmp_path: Path) -> Path:
+    """A directory this process cannot create files in (root ignores permission bits: then a
+    directory of a pseudo file system)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    candidates = [locked / "out", locked, Path("/sys/kernel"), Path("/proc/self")]
+    for candidate in candidates:
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            (candidate / ".probe").write_text("")
+        except OSError:
+            return candidate
+        (candidate / ".probe").unlink()
+    pytest.skip("found no directory this process cannot write (needs a non-root user or /sys, /proc)")
+
+
+BAD_ARGUMENTS = {
+    # id: (arguments, the argument the message names)
+    "unknown preset after a good one": (["--presets", "fp32,bogus"], "--presets"),
+    "only a comma": (["--presets", ","], "--presets"),
+    "empty presets": (["--presets", ""], "--presets"),
+    "a preset twice": (["--presets", "fp32,bf16,fp32"], "--presets"),
+    "empty out": (["--out", ""], "--out"),
+    "out is a file": (["--out", "{file}"], "--out"),
+    "out inside a file": (["--out", "{file}/runs"], "--out"),
+    "out unwritable": (["--out", "{unwritable}"], "--out"),
+    "steps 0": (["--steps", "0"], "--steps"),
+    "steps not a number": (["--steps", "many"], "--steps"),
+    "batch 0": (["--batch", "0"], "--batch"),
+    "block negative": (["--block", "-3"], "--block"),
+    "layers 0": (["--layers", "0"], "--layers"),
+    "width not a multiple of the heads": (["--width", "10"], "--width"),
+    "lr 0": (["--lr", "0"], "--lr"),
+    "lr nan": (["--lr", "nan"], "--lr"),
+    "negative seed": (["--seed", "-1"], "--seed"),
+    "missing corpus": (["--corpus", "{tmp}/missing.txt"], "--corpus"),
+    "corpus is a directory": (["--corpus", "{tmp}"], "--corpus"),
+    "corpus shorter than a block": (["--corpus", "{file}", "--block", "64"], "--corpus"),
+    "unknown optimizer": (["--optimizer", "rmsprop"], "--optimizer"),
+    "cupy backend for a CPU model": (["--backend", "cupy"], "--backend"),
+    "unknown option": (["--presetz", "fp32"], "--presetz"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS), ids=list(BAD_ARGUMENTS))
+def test_bad_argument_exits_2_with_one_line_before_training(case, tmp_path, capsys, monkeypatch):
+    arguments, name = BAD_ARGUMENTS[case]
+    small = tmp_path / "small.txt"
+    small.write_text("too short")
+    places = {"file": str(small), "tmp": str(tmp_path)}
+    if any("{unwritable}" in a for a in arguments):
+        places["unwritable"] = str(unwritable_directory(tmp_path))
+    arguments = [a.format(**places) for a in arguments]
+    out = tmp_path / "out"
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before every argument was checked")
+
+    monkeypatch.setattr(compare, "train", no_training)
+    defaults = ["--out", str(out)] if "--out" not in arguments else []
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *defaults, *TINY, *arguments])
+    elapsed = time.perf_counter() - start
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("bf16opt compare: error: ") and name in lines[0], lines[0]
+    assert "Traceback" not in captured.err
+    assert elapsed < 1.0, f"{elapsed:.2f} s to reject {arguments}"
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_bad_argument_from_the_command_line(tmp_path):
+    """A real process: exit status 2, one line on stderr, nothing trained or written."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "bf16opt", "compare", "--presets", "fp32,bogus",
+                             "--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("bf16opt compare: error: argument --presets: unknown preset 'bogus'")
+    assert result.stderr.count("\n") == 1
+    assert not out.exists()
+
+
+def test_compare_main_is_the_compare_sub_command(capsys):
+    """bf16opt.compare.main(ARGS) is ``bf16opt compare ARGS`` (the same parser and messages)."""
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--steps", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == \
+        "bf16opt compare: error: argument --steps: must be an integer >= 1, got '0'\n"
+
+
+# ---------------------------------------------------------------- progress
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_off_a_terminal_is_plain_lines():
+    stream = io.StringIO()
+    progress = compare.Progress("bf16", 20, stream=stream)
+    for step in range(1, 21):
+        progress.update(step, 2.5)
+    progress.close()
+    text = stream.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"bf16: step {s}/20" for s in range(2, 21, 2)]
+    assert all("loss 2.5000" in line for line in lines)
+
+
+def test_progress_on_a_terminal_is_a_live_bar():
+    pytest.importorskip("tqdm", reason="tqdm (bf16opt[plot]) draws the live bar")
+    stream = Terminal()
+    progress = compare.Progress("bf16", 20, stream=stream)
+    assert progress.bar is not None
+    for step in range(1, 21):
+        progress.update(step, 2.5)
+    progress.close()
+    text = stream.getvalue()
+    assert "\r" in text and "20/20" in text and "loss 2.5000" in text
+
+
+def test_progress_without_tqdm_is_plain_lines_on_a_terminal_too(monkeypatch):
+    monkeypatch.setattr(compare, "tqdm", None)
+    stream = Terminal()
+    progress = compare.Progress("fp32", 5, stream=stream)
+    for step in range(1, 6):
+        progress.update(step, 1.0)
+    progress.close()
+    assert "\r" not in stream.getvalue()
+    assert stream.getvalue().count("\n") == 5
+
+
+def test_no_progress_writes_nothing():
+    stream = Terminal()
+    progress = compare.Progress("fp32", 5, stream=stream, enabled=False)
+    for step in range(1, 6):
+        progress.update(step, 1.0)
+    progress.close()
+    assert stream.getvalue() == ""
+
+
+def test_piped_run_has_no_carriage_returns(tmp_path, corpus):
+    """A whole run with stdout and stderr piped (as in CI logs): line-based progress, no "\\r"."""
+    args = [*TINY, "--presets", "fp32,bf16", "--corpus", str(corpus), "--out", str(tmp_path / "out")]
+    result = subprocess.run([sys.executable, "-m", "bf16opt", "compare", *args], capture_output=True,
+                            cwd=tmp_path)  # bytes: any "\r" stays visible
+    stdout, stderr = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 0, stderr
+    assert "\r" not in stdout and "\r" not in stderr
+    for preset in ("fp32", "bf16"):
+        assert [line.split(" (")[0] for line in stderr.splitlines() if line.startswith(f"{preset}: ")] == \
+            [f"{preset}: step {s}/8" for s in range(1, 9)]
+    assert "Final loss" in stdout and "step 8/8" not in stdout
+
+
+# ---------------------------------------------------------------- results
+def test_json_has_both_tables_and_matches_the_csvs(tmp_path, corpus, capsys):
+    out = tmp_path / "out"
+    code = main(["compare", *TINY, "--no-progress", "--presets", "fp32,bf16-kahan", "--corpus", str(corpus),
+                 "--out", str(out), "--json"])
+    assert code == 0
+    assert "results.json" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["presets"] == ["fp32", "bf16-kahan"]
+    assert results["settings"]["corpus"] == str(corpus)
+    assert results["peak_memory_method"]
+    memory = {row["preset"]: row for row in results["memory"]}
+    assert memory["fp32"]["bytes_per_param"]["master"] == 4.0
+    assert memory["fp32"]["dtypes"]["master"] == ["fp32"]
+    assert memory["bf16-kahan"]["bytes_per_param"]["compensation"] == 2.0
+    assert memory["bf16-kahan"]["dtypes"]["compensation"] == ["bf16"]
+    assert memory["fp32"]["optimizer_bytes_per_param"] == pytest.approx(12, abs=0.1)
+    for row in results["loss"]:
+        losses = [float(r["loss"]) for r in csv.DictReader((out / row["csv"]).open())]
+        assert len(losses) == 8
+        assert row["final_loss"] == pytest.approx(statistics.fmean(losses[-1:]))
+        assert row["mean_loss"] == pytest.approx(statistics.fmean(losses))
+    assert results["loss"][0]["vs_first_preset"] == 0.0
+
+
+def test_schedule_is_torch_linear_warmup_then_cosine():
+    """warmup_cosine is LinearLR then CosineAnnealingLR in a SequentialLR: (k+1)/warm during the
+    first 10% of the steps, then a cosine from the peak to 5% of it."""
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = bf16opt.AdamW([param], lr=2e-3, backend="reference")
+    steps, warm = 50, 5
+    schedule = compare.warmup_cosine(opt, steps)
+    assert isinstance(schedule, torch.optim.lr_scheduler.SequentialLR)
+    kinds = [type(s) for s in schedule._schedulers]
+    assert kinds == [torch.optim.lr_scheduler.LinearLR, torch.optim.lr_scheduler.CosineAnnealingLR]
+    seen = []
+    for _ in range(steps):
+        seen.append(opt.param_groups[0]["lr"])
+        param.grad = torch.ones_like(param)
+        opt.step()
+        schedule.step()
+    expected = [2e-3 * (k + 1) / warm if k < warm else
+                2e-3 * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (k - warm) / (steps - warm))))
+                for k in range(steps)]
+    assert seen == pytest.approx(expected, rel=1e-9)
+
+
+def test_sgd_with_momentum(tmp_path, corpus, capsys):
+    code = main(["compare", *TINY, "--no-progress", "--optimizer", "sgd", "--presets", "fp32,bf16",
+                 "--corpus", str(corpus), "--out", str(tmp_path / "out")])
+    assert code == 0
+    printed = " ".join(capsys.readouterr().out.split())  # padding-insensitive
+    assert printed.startswith("bf16opt compare: sgd, 8 steps, 2 presets")
+    assert "| momentum_buffer | 4.00 (fp32) | 2.00 (bf16) |" in printed
+    assert "| exp_avg_sq |" not in printed
+    rows = list(csv.DictReader((tmp_path / "out" / "loss_bf16.csv").open()))
+    assert float(rows[0]["lr"]) == pytest.approx(compare.DEFAULT_LR["sgd"])
+    assert all(0 < float(r["loss"]) < 10 for r in rows)
+
+
+@pytest.mark.parametrize("method", ["proc", "psutil"])
+def test_step_peak_memory_methods(method):
+    """Each way of measuring a step's peak memory sees a 64 MiB temporary, and says which way it is."""
+    peak = compare.StepPeakMemory(method)
+    if not peak.available:
+        pytest.skip({"proc": "needs Linux's /proc/self/clear_refs", "psutil": "needs psutil"}[method])
+    assert peak.method == method
+    assert {"proc": "/proc", "psutil": "psutil"}[method] in peak.label
+    with peak:
+        temporary = torch.ones(64 << 20, dtype=torch.uint8)
+        time.sleep(0.05)
+        del temporary
+    assert 48 <= peak.mib <= 96, peak.mib
+
+
+def test_step_peak_memory_label_names_the_method():
+    assert "/proc" in compare.StepPeakMemory.LABELS["proc"]
+    assert "psutil" in compare.StepPeakMemory.LABELS["psutil"]
+    if not compare.StepPeakMemory().available:
+        assert compare.StepPeakMemory().mib is None
+
+
+def test_out_directory_is_created_and_reused(tmp_path, corpus):
+    out = tmp_path / "a" / "b"
+    for _ in range(2):
+        assert main(["compare", *TINY, "--steps", "2", "--no-progress", "--presets", "bf16",
+                     "--corpus", str(corpus), "--out", str(out)]) == 0
+    assert (out / "loss_bf16.csv").exists()
+    shutil.rmtree(out)
+
