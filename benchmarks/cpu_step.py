@@ -44,12 +44,31 @@ from numba import get_num_threads, njit, prange  # noqa: E402
 import bf16opt  # noqa: E402
 from bf16opt import _cpu  # noqa: E402
 
+try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.cpu_step
+    import compute_limit  # noqa: E402
+except ImportError:  # pragma: no cover
+    from benchmarks import compute_limit  # noqa: E402
+
 VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
         torch.int16: torch.int16}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+# algorithm -> (optimizer, hyper-parameters, compute_limit kernel family)
+OPTIMIZERS = {
+    "AdamW": (bf16opt.AdamW, HYPER, "adam"),
+    "Lion": (bf16opt.Lion, dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-2), "lion"),
+    "SGD": (bf16opt.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-4), "sgd"),
+}
 
 
-# ---------------------------------------------------------------- limit kernels
+# ---------------------------------------------------------------- memory-limit kernels
+@njit(parallel=True, nogil=True, cache=True)
+def _limit2(g, p, m):
+    for i in prange(p.size):
+        x = g[i]
+        p[i] += x
+        m[i] += x
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _limit3(g, p, m, v):
     for i in prange(p.size):
@@ -69,15 +88,30 @@ def _limit4(g, p, w, m, v):
         v[i] += x
 
 
+LIMITS = {2: _limit2, 3: _limit3, 4: _limit4}
+
+
 def _raw(t: torch.Tensor) -> np.ndarray:
     """Integer view (same bytes, trivial adds) of a tensor's memory."""
     return t.view(VIEW[t.dtype]).numpy()
 
 
-def limit_step(param, grad, master, exp_avg, exp_avg_sq):
-    if master is None:
-        return lambda: _limit3(_raw(grad), _raw(param), _raw(exp_avg), _raw(exp_avg_sq))
-    return lambda: _limit4(_raw(grad), _raw(param), _raw(master), _raw(exp_avg), _raw(exp_avg_sq))
+def limit_step(param, grad, buffers):
+    """Read the grad, read and write the param and every state buffer, in their dtypes."""
+    arrays = [_raw(grad), _raw(param)] + [_raw(b) for b in buffers]
+    kernel = LIMITS[len(arrays) - 1]
+    return lambda: kernel(*arrays)
+
+
+def compute_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str, block: int = 1 << 13):
+    """The compute-limit kernel (``compute_limit.py``) doing ``n`` element updates over one
+    cache-resident block per thread."""
+    storage = compute_limit.FP32_PARAMS if dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
+    threads = get_num_threads()
+    operands = compute_limit.arrays(threads, block, storage)
+    run = compute_limit.kernel(algorithm, storage)
+    passes = max(1, n // (threads * block))
+    return lambda: run(*operands, passes)
 
 
 # ---------------------------------------------------------------- contenders
@@ -88,20 +122,20 @@ def _param(n: int, dtype: torch.dtype, seed: int) -> torch.nn.Parameter:
     return p
 
 
-def bf16opt_step(params: list, preset: str):
-    opt = bf16opt.AdamW(params, precision=preset, backend="numba", **HYPER)
+def bf16opt_step(params: list, preset: str, algorithm: str = "AdamW"):
+    cls, hyper, _ = OPTIMIZERS[algorithm]
+    opt = cls(params, precision=preset, backend="numba", **hyper)
     opt.step()  # creates state, compiles or loads the kernel
     return opt.step, opt
 
 
-def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13):
+def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13, algorithm: str = "AdamW"):
     """bf16opt's kernel updating ``n`` elements as repeated passes over one cache-resident
     ``block`` per thread: its chunk table, captured from a real step, with every thread's
     rows pointing at that thread's block."""
     threads = get_num_threads()
     params = [_param(block, dtype, 10 + t) for t in range(threads)]
-    opt = bf16opt.AdamW(params, precision=preset, backend="numba", **HYPER)
-    opt.step()  # creates state
+    _, opt = bf16opt_step(params, preset, algorithm)
     captured = {}
     run = _cpu.chunks.run_chunks
     _cpu.chunks.run_chunks = lambda *args: captured.update(args=args)
@@ -173,42 +207,68 @@ def _x(a, b):
     return "-" if a is None or b is None else f"{b / a:5.2f}x"
 
 
-def preset_table(n: int, repeats: int, presets=None) -> None:
-    print(f"AdamW step, {n} params (2^{n.bit_length() - 1}), {torch.get_num_threads()} torch threads, "
-          f"median of {repeats} interleaved repetitions; times in ms")
-    header = (f"{'configuration':29} {'bf16opt':>8} {'limit':>8} {'of limit':>8} {'in cache':>8} "
-              f"{'torch fused':>11} "
-              f"{'speedup':>7} {'DeepSpeed':>9} {'speedup':>7}")
+def _state_buffers(state: dict) -> list:
+    return [value for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor)]
+
+
+def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion", "SGD")) -> list:
+    """One row per (algorithm, configuration); returns the rows as dicts (times in seconds)."""
+    print(f"step of 2^{n.bit_length() - 1} params, {get_num_threads()} Numba threads, {_cpu_name()}, "
+          f"median of {repeats} interleaved repetitions; times in ms.\n"
+          f"memory: the memory-limit kernel (same arrays, trivial math); compute: the compute-limit kernel "
+          f"in cache (compute_limit.py); ceiling = the slower; in cache: bf16opt's kernel in cache")
+    header = (f"{'configuration':36} {'bf16opt':>8} {'memory':>8} {'compute':>8} {'of ceil':>7} "
+              f"{'in cache':>8} {'torch fused':>11} {'DeepSpeed':>9}")
     print(header)
     print("-" * len(header))
-    for label, dtype, preset, has_torch, ds_fp32 in CONFIGS:
-        if presets and preset not in presets:
-            continue
-        mine = [_param(n, dtype, 0)]
-        ours, opt = bf16opt_step(mine, preset)
-        state = opt.state[mine[0]]
-        # the fourth array: master copy, Kahan compensation or int16 remainder
-        extra = next((state[k] for k in ("master", "compensation", "remainder") if k in state), None)
-        limit = limit_step(mine[0], mine[0].grad, extra, state["exp_avg"], state["exp_avg_sq"])
-        contenders = {"bf16opt": ours, "limit": limit}
-        contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset)
-        keep = [opt, cache_opt]
-        if has_torch:
-            theirs = [_param(n, dtype, 0)]
-            contenders["torch"], t_opt = torch_fused_step(theirs)
-            keep.append(t_opt)
-        if ds_fp32 is not None:
-            ds = [_param(n, dtype, 0)]
-            contenders["deepspeed"], ds_opt = deepspeed_step(ds, ds_fp32)
-            keep.append(ds_opt)
-        t = measure(contenders, repeats)
-        ours_t, limit_t = t["bf16opt"], t["limit"]
-        print(f"{label:29} {_ms(ours_t)} {_ms(limit_t)} {100 * limit_t / ours_t:7.0f}% "
-              f"{_ms(t['in cache'])} "
-              f"{_ms(t.get('torch')):>11} {_x(ours_t, t.get('torch')):>7} "
-              f"{_ms(t.get('deepspeed')):>9} {_x(ours_t, t.get('deepspeed')):>7}", flush=True)
-        del contenders, keep, mine, opt, state, limit
-        gc.collect()
+    rows = []
+    for algorithm in algorithms:
+        family = OPTIMIZERS[algorithm][2]
+        for label, dtype, preset, has_torch, ds_fp32 in CONFIGS:
+            if presets and preset not in presets:
+                continue
+            has_torch = has_torch and algorithm == "AdamW"
+            ds_fp32 = ds_fp32 if algorithm == "AdamW" else None
+            mine = [_param(n, dtype, 0)]
+            ours, opt = bf16opt_step(mine, preset, algorithm)
+            state = opt.state[mine[0]]
+            contenders = {"bf16opt": ours, "memory": limit_step(mine[0], mine[0].grad, _state_buffers(state)),
+                          "compute": compute_limit_step(n, family, dtype, preset)}
+            contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset, algorithm=algorithm)
+            keep = [opt, cache_opt]
+            if has_torch:
+                theirs = [_param(n, dtype, 0)]
+                contenders["torch"], t_opt = torch_fused_step(theirs)
+                keep.append(t_opt)
+            if ds_fp32 is not None:
+                ds = [_param(n, dtype, 0)]
+                contenders["deepspeed"], ds_opt = deepspeed_step(ds, ds_fp32)
+                keep.append(ds_opt)
+            t = measure(contenders, repeats)
+            ceiling = max(t["memory"], t["compute"])
+            row = dict(algorithm=algorithm, configuration=label, preset=preset, ceiling=ceiling,
+                       of_ceiling=ceiling / t["bf16opt"], **t)
+            rows.append(row)
+            warn = " (compute limit slower than bf16opt in cache: not a limit)" \
+                if t["compute"] > t["in cache"] else ""
+            print(f"{algorithm + ' ' + label:36} {_ms(t['bf16opt'])} {_ms(t['memory'])} {_ms(t['compute'])} "
+                  f"{100 * row['of_ceiling']:6.0f}% {_ms(t['in cache'])} "
+                  f"{_ms(t.get('torch')):>11} {_ms(t.get('deepspeed')):>9}{warn}", flush=True)
+            del contenders, keep, mine, opt, state
+            gc.collect()
+    return rows
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({isa}{', AVX512-BF16' if 'avx512_bf16' in flags else ''})"
 
 
 def gpt2_small_shapes() -> list:
@@ -249,10 +309,11 @@ def main() -> None:
     parser.add_argument("--log2-params", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--presets", help="comma-separated presets to time (default: all)")
+    parser.add_argument("--algorithms", default="AdamW,Lion,SGD", help="comma-separated (default: %(default)s)")
     parser.add_argument("--skip-multi-tensor", action="store_true")
     args = parser.parse_args()
     preset_table(1 << args.log2_params, args.repeats,
-                 set(args.presets.split(",")) if args.presets else None)
+                 set(args.presets.split(",")) if args.presets else None, tuple(args.algorithms.split(",")))
     if not args.skip_multi_tensor:
         multi_tensor_table(args.repeats)
 
