@@ -378,3 +378,35 @@ def test_every_table_is_drawn_by_the_one_helper(monkeypatch):
     compare.loss_table(results)
     str(report)
     assert [header[0] for header in drawn] == ["Component", "Preset", "Component"]
+
+
+def readme_commands() -> list[list[str]]:
+    """The ``bf16opt ...`` command lines of the README's shell examples, without comments."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.DOTALL)
+    return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()
+            if line.startswith("bf16opt ")]
+
+
+def test_readme_shows_the_commands_and_each_one_parses(tmp_path, monkeypatch):
+    """The README's examples: --version, --help, a run on the user's own text (--corpus) with
+    --json; every one is accepted by the parser (files it names are made here)."""
+    from bf16opt.__main__ import build_parser
+
+    commands = readme_commands()
+    flat = [" ".join(command) for command in commands]
+    for shown in ("bf16opt --version", "bf16opt compare --help"):
+        assert shown in flat
+    assert any("--corpus" in command and "--json" in command for command in commands)
+    monkeypatch.chdir(tmp_path)
+    parser, _ = build_parser()
+    for command in commands:
+        if "--corpus" in command:
+            (tmp_path / command[command.index("--corpus") + 1]).write_text(TEXT)
+        if "--help" in command or "--version" in command:
+            continue  # they exit: test_help_per_command, test_version
+        args = parser.parse_args(command[1:])
+        assert args.command == "compare"
