@@ -289,9 +289,11 @@ def test_run_writes_csvs_plot_json_and_prints_both_tables(tmp_path, corpus, caps
         assert row["mean_loss"] == pytest.approx(statistics.fmean(losses))
     assert results["loss"][0]["vs_first_preset"] == 0.0
     # every preset runs under the same torch schedule: the peak, then the cosine decay
-    schedules = [[float(r["lr"]) for r in csv.DictReader((out / row["csv"]).open())] for row in results["loss"]]
+    schedules = [[float(r["lr"]) for r in csv.DictReader((out / row["csv"]).open())]
+                 for row in results["loss"]]
     assert schedules[0] == schedules[1] and schedules[0][0] == compare.DEFAULT_LR["adamw"]
-    assert all(a >= b for a, b in zip(schedules[0], schedules[0][1:])) and schedules[0][-1] < schedules[0][0] / 2
+    assert all(a >= b for a, b in zip(schedules[0], schedules[0][1:]))
+    assert schedules[0][-1] < schedules[0][0] / 2
     pytest.importorskip("matplotlib", reason="matplotlib (bf16opt[plot]) draws loss_comparison.png")
     assert (out / "loss_comparison.png").stat().st_size > 1000
 

@@ -59,7 +59,8 @@ def state_dtypes(opt: torch.optim.Optimizer) -> set[tuple[str, torch.dtype]]:
 # ---------------------------------------------------------------- Hugging Face Trainer
 def hf_args(tmp_path, **extra):
     transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
-    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate "
+                                              "(pip install accelerate)")
     settings = dict(output_dir=str(tmp_path / "trainer"), max_steps=4, per_device_train_batch_size=8,
                     learning_rate=1e-3, weight_decay=0.1, report_to=[], save_strategy="no",
                     logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
@@ -194,7 +195,8 @@ def test_accelerate_prepare_changes_no_bit(tmp_path):
     accelerator.save_state(checkpoint_dir)
     # ---
     trained = plain()
-    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), MyModel().to(torch.bfloat16).parameters()))
+    untrained = MyModel().to(torch.bfloat16)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), untrained.parameters()))
     for a, b in zip(model.parameters(), trained.parameters()):
         assert torch.equal(a, b)
     inner = opt.optimizer

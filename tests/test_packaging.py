@@ -122,7 +122,7 @@ def test_readme_installs_from_a_checkout_or_the_wheel_it_names(wheel):
     assert targets
     for target in targets:
         target = target.strip("`'\"")
-        assert target.startswith((".", "dist/", "torch")), f"README installs {target!r}, which is not published"
+        assert target.startswith((".", "dist/", "torch")), f"README installs {target!r}: not published"
     assert f"dist/{wheel.name}" in readme, f"README does not name the wheel {wheel.name}"
     assert "pip wheel --no-deps -w dist ." in readme
 
