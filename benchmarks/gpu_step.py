@@ -108,7 +108,8 @@ def main() -> int:
     try:
         import cupy  # noqa: F401
     except ImportError:
-        print("gpu_step: CuPy is not installed; pip install 'bf16opt[cuda12]' or 'bf16opt[cuda13]'.")
+        print("gpu_step: CuPy is not installed; pip install cupy-cuda12x or cupy-cuda13x "
+              "(in the checkout: pip install '.[cuda12]' or '.[cuda13]').")
         return 1
     import bf16opt
 

@@ -21,9 +21,15 @@ import bf16opt
 from bf16opt import compare
 from bf16opt.__main__ import main
 
-TINY = ["--steps", "8", "--width", "16", "--layers", "1", "--batch", "4", "--block", "16",
+TINY = ["--steps", "4", "--width", "16", "--layers", "1", "--batch", "4", "--block", "16",
         "--backend", "reference"]
 TEXT = "the quick brown fox jumps over the lazy dog\n" * 200
+
+
+@pytest.fixture
+def no_plot(monkeypatch):
+    """For runs whose figure nobody looks at (drawing it is most of a tiny run's time)."""
+    monkeypatch.setattr(compare, "plot", lambda results, out: None)
 
 
 @pytest.fixture
@@ -230,28 +236,44 @@ def test_no_progress_writes_nothing():
 def test_piped_run_has_no_carriage_returns(tmp_path, corpus):
     """A whole run with stdout and stderr piped (as in CI logs): line-based progress, no "\\r"."""
     args = [*TINY, "--presets", "fp32,bf16", "--corpus", str(corpus), "--out", str(tmp_path / "out")]
-    result = subprocess.run([sys.executable, "-m", "bf16opt", "compare", *args], capture_output=True,
+    # `python -m bf16opt compare ARGS` without the figure (importing matplotlib and drawing would
+    # be most of the run; the figure is tested in-process)
+    script = ("import sys; from bf16opt import compare; compare.plot = lambda results, out: None; "
+              "sys.exit(compare.main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
                             cwd=tmp_path)  # bytes: any "\r" stays visible
     stdout, stderr = result.stdout.decode(), result.stderr.decode()
     assert result.returncode == 0, stderr
     assert "\r" not in stdout and "\r" not in stderr
     for preset in ("fp32", "bf16"):
         assert [line.split(" (")[0] for line in stderr.splitlines() if line.startswith(f"{preset}: ")] == \
-            [f"{preset}: step {s}/8" for s in range(1, 9)]
-    assert "Final loss" in stdout and "step 8/8" not in stdout
+            [f"{preset}: step {s}/4" for s in range(1, 5)]
+    assert "Final loss" in stdout and "step 4/4" not in stdout
 
 
 # ---------------------------------------------------------------- results
-def test_json_has_both_tables_and_matches_the_csvs(tmp_path, corpus, capsys):
+def unpadded(text: str) -> str:
+    """Printed tables without their alignment padding: ``| a | b |``."""
+    return "\n".join(" ".join(line.split()) for line in text.splitlines())
+
+
+def test_run_writes_csvs_plot_json_and_prints_both_tables(tmp_path, corpus, capsys):
     out = tmp_path / "out"
     code = main(["compare", *TINY, "--no-progress", "--presets", "fp32,bf16-kahan", "--corpus", str(corpus),
                  "--out", str(out), "--json"])
     assert code == 0
-    assert "results.json" in capsys.readouterr().out
+    printed = unpadded(capsys.readouterr().out)
+    assert "results.json" in printed
+    for text in ("Memory breakdown", "| master | 4.00 (fp32) | - |", "| compensation | - | 2.00 (bf16) |",
+                 "Final loss", "Swallowed updates", "| bf16-kahan |"):
+        assert text in printed
+    # the peak-memory row says how it was measured
+    (peak_row,) = [line for line in printed.splitlines() if line.startswith("| step peak extra RSS")]
+    assert compare.StepPeakMemory().label in peak_row
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["presets"] == ["fp32", "bf16-kahan"]
     assert results["settings"]["corpus"] == str(corpus)
-    assert results["peak_memory_method"]
+    assert results["peak_memory_method"] == compare.StepPeakMemory().label
     memory = {row["preset"]: row for row in results["memory"]}
     assert memory["fp32"]["bytes_per_param"]["master"] == 4.0
     assert memory["fp32"]["dtypes"]["master"] == ["fp32"]
@@ -259,11 +281,21 @@ def test_json_has_both_tables_and_matches_the_csvs(tmp_path, corpus, capsys):
     assert memory["bf16-kahan"]["dtypes"]["compensation"] == ["bf16"]
     assert memory["fp32"]["optimizer_bytes_per_param"] == pytest.approx(12, abs=0.1)
     for row in results["loss"]:
-        losses = [float(r["loss"]) for r in csv.DictReader((out / row["csv"]).open())]
-        assert len(losses) == 8
+        rows = list(csv.DictReader((out / row["csv"]).open()))
+        assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+        losses = [float(r["loss"]) for r in rows]
+        assert all(loss > 0 for loss in losses)
         assert row["final_loss"] == pytest.approx(statistics.fmean(losses[-1:]))
         assert row["mean_loss"] == pytest.approx(statistics.fmean(losses))
     assert results["loss"][0]["vs_first_preset"] == 0.0
+    # every preset runs under the same torch schedule: the peak, then the cosine decay
+    schedules = [[float(r["lr"]) for r in csv.DictReader((out / row["csv"]).open())]
+                 for row in results["loss"]]
+    assert schedules[0] == schedules[1] and schedules[0][0] == compare.DEFAULT_LR["adamw"]
+    assert all(a >= b for a, b in zip(schedules[0], schedules[0][1:]))
+    assert schedules[0][-1] < schedules[0][0] / 2
+    pytest.importorskip("matplotlib", reason="matplotlib (bf16opt[plot]) draws loss_comparison.png")
+    assert (out / "loss_comparison.png").stat().st_size > 1000
 
 
 def test_schedule_is_torch_linear_warmup_then_cosine():
@@ -288,12 +320,12 @@ def test_schedule_is_torch_linear_warmup_then_cosine():
     assert seen == pytest.approx(expected, rel=1e-9)
 
 
-def test_sgd_with_momentum(tmp_path, corpus, capsys):
+def test_sgd_with_momentum(tmp_path, corpus, capsys, no_plot):
     code = main(["compare", *TINY, "--no-progress", "--optimizer", "sgd", "--presets", "fp32,bf16",
                  "--corpus", str(corpus), "--out", str(tmp_path / "out")])
     assert code == 0
     printed = " ".join(capsys.readouterr().out.split())  # padding-insensitive
-    assert printed.startswith("bf16opt compare: sgd, 8 steps, 2 presets")
+    assert printed.startswith("bf16opt compare: sgd, 4 steps, 2 presets")
     assert "| momentum_buffer | 4.00 (fp32) | 2.00 (bf16) |" in printed
     assert "| exp_avg_sq |" not in printed
     rows = list(csv.DictReader((tmp_path / "out" / "loss_bf16.csv").open()))
@@ -323,7 +355,7 @@ def test_step_peak_memory_label_names_the_method():
         assert compare.StepPeakMemory().mib is None
 
 
-def test_out_directory_is_created_and_reused(tmp_path, corpus):
+def test_out_directory_is_created_and_reused(tmp_path, corpus, no_plot):
     out = tmp_path / "a" / "b"
     for _ in range(2):
         assert main(["compare", *TINY, "--steps", "2", "--no-progress", "--presets", "bf16",
@@ -331,3 +363,60 @@ def test_out_directory_is_created_and_reused(tmp_path, corpus):
     assert (out / "loss_bf16.csv").exists()
     shutil.rmtree(out)
 
+
+
+def test_every_table_is_drawn_by_the_one_helper(monkeypatch):
+    """The memory table, the loss table and MemoryReport's text all come from memory.format_table
+    (and MemoryReport's HTML from html_table, with the same rows)."""
+    from bf16opt import memory
+
+    drawn = []
+
+    def recording(header, rows, align=""):
+        drawn.append(list(header))
+        return real(header, rows, align)
+
+    real = memory.format_table
+    monkeypatch.setattr(memory, "format_table", recording)
+    monkeypatch.setattr(compare, "format_table", recording)
+    report = memory.MemoryReport(bytes={"params": 8, "grads": 8, "master": 16}, dtypes={"params": {"bf16"}},
+                                 num_params=4)
+    results = [{"preset": preset, "memory": report, "peak_mib": None, "peak_method": "not measured",
+                "final": 2.0, "mean": 2.5, "std": 0.1, "step_ms": 1.0, "swallowed": 0.0}
+               for preset in ("fp32", "bf16")]
+    compare.memory_table(results)
+    compare.loss_table(results)
+    str(report)
+    assert [header[0] for header in drawn] == ["Component", "Preset", "Component"]
+
+
+def readme_commands() -> list[list[str]]:
+    """The ``bf16opt ...`` command lines of the README's shell examples, without comments."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.DOTALL)
+    return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()
+            if line.startswith("bf16opt ")]
+
+
+def test_readme_shows_the_commands_and_each_one_parses(tmp_path, monkeypatch):
+    """The README's examples: --version, --help, a run on the user's own text (--corpus) with
+    --json; every one is accepted by the parser (files it names are made here)."""
+    from bf16opt.__main__ import build_parser
+
+    commands = readme_commands()
+    flat = [" ".join(command) for command in commands]
+    for shown in ("bf16opt --version", "bf16opt compare --help"):
+        assert shown in flat
+    assert any("--corpus" in command and "--json" in command for command in commands)
+    monkeypatch.chdir(tmp_path)
+    parser, _ = build_parser()
+    for command in commands:
+        if "--corpus" in command:
+            (tmp_path / command[command.index("--corpus") + 1]).write_text(TEXT)
+        if "--help" in command or "--version" in command:
+            continue  # they exit: test_help_per_command, test_version
+        args = parser.parse_args(command[1:])
+        assert args.command == "compare"

@@ -25,7 +25,7 @@ from bf16opt.backends import cupy as cuda_backend
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
 if importlib.util.find_spec("cupy") is None:
-    pytest.skip("CuPy is not installed: pip install 'bf16opt[cuda12]' or 'bf16opt[cuda13]'",
+    pytest.skip("CuPy is not installed: pip install cupy-cuda12x or cupy-cuda13x",
                 allow_module_level=True)
 
 from buckets import bucket_to, make_bucket, run_both, sgd_group  # noqa: E402

@@ -1,11 +1,16 @@
-"""cpu_src/ and cuda_src/ ship inside the package, for regular and editable installs alike."""
+"""cpu_src/ and cuda_src/ ship inside the package, for regular and editable installs alike; the
+wheel has py.typed and LICENSE; the README installs what exists; the extras resolve and the test
+extra needs no GPU."""
 
 from __future__ import annotations
 
+import configparser
+import hashlib
 import importlib.metadata
 import importlib.resources
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +52,7 @@ def copy_project(source: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.nbi", "*.nbc")
     for name in ("bf16opt", "cpu_src", "cuda_src"):
         shutil.copytree(ROOT / name, source / name, ignore=ignore)
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     return source
 
@@ -90,6 +95,36 @@ def test_wheel_contains_every_kernel_source(wheel):
         assert expected, f"{directory} has no sources"
         missing = {f"{package}/{name}" for name in expected} - names
         assert not missing, f"wheel lacks {sorted(missing)}"
+
+
+# the SHA-256 of https://www.apache.org/licenses/LICENSE-2.0.txt (LICENSE: tests/test_typing.py)
+APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+
+
+@pytest.mark.packaging
+def test_wheel_ships_py_typed_and_license(wheel):
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
+    assert "bf16opt/py.typed" in names
+    licenses = [n for n in names if ".dist-info/" in n and n.rsplit("/", 1)[-1] == "LICENSE"]
+    assert licenses, names
+    assert hashlib.sha256(archive.read(licenses[0])).hexdigest() == APACHE_2_SHA256
+
+
+@pytest.mark.packaging
+def test_readme_installs_from_a_checkout_or_the_wheel_it_names(wheel):
+    """bf16opt is not on PyPI: every `pip install` the README shows installs the checkout (".",
+    ".[extra]") or the wheel that `pip wheel` builds from it, by the file name it gets."""
+    readme = (ROOT / "README.md").read_text()
+    warning = "`pip install bf16opt` does not install it"
+    assert warning in readme
+    targets = re.findall(r"pip install (?:-e )?(\S+)", readme.replace(warning, ""))
+    assert targets
+    for target in targets:
+        target = target.strip("`'\"")
+        assert target.startswith((".", "dist/", "torch")), f"README installs {target!r}: not published"
+    assert f"dist/{wheel.name}" in readme, f"README does not name the wheel {wheel.name}"
+    assert "pip wheel --no-deps -w dist ." in readme
 
 
 @pytest.mark.packaging
@@ -145,3 +180,79 @@ def test_this_install_finds_kernel_sources():
         package_dir = Path(bf16opt.__file__).parent
         assert cpu_dir == package_dir / "_cpu" and cuda_dir == package_dir / "_cuda"
     assert {p.name for p in cuda_dir.iterdir()} >= {n for n in source_files("cuda_src") if "/" not in n}
+
+
+# ---------------------------------------------------------------- extras
+def extra(name: str) -> list[str]:
+    """The requirements of an extra, as setup.cfg declares them."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    lines = config["options.extras_require"][name].splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def distribution(requirement: str) -> str:
+    match = re.match(r"[A-Za-z0-9._-]+", requirement)
+    assert match, requirement
+    return re.sub(r"[-_.]+", "-", match.group(0)).lower()
+
+
+# GPU packages the test extra may hold: both work on a machine without a GPU (NVRTC compiles the
+# CUDA kernels in tests/test_cuda_compile.py; cupy imports and drives NVRTC without a device)
+GPU_PACKAGES_WITHOUT_A_GPU = {"cupy-cuda13x", "nvidia-cuda-nvrtc"}
+GPU_ONLY = re.compile(r"^(nvidia-.*|cupy-.*|triton.*|torch.*|deepspeed|jax.*cuda.*|.*-cu\d+)$")
+
+
+def test_test_extra_has_expecttest_and_the_tools_the_suite_imports() -> None:
+    names = {distribution(r) for r in extra("test")}
+    for needed in ("expecttest", "mypy", "pytest", "hypothesis", "nbclient", "matplotlib", "tqdm"):
+        assert needed in names
+
+
+def test_test_extra_installs_nothing_a_cpu_only_machine_cannot_use() -> None:
+    names = {distribution(r) for r in extra("test")}
+    assert {n for n in names if GPU_ONLY.match(n)} == GPU_PACKAGES_WITHOUT_A_GPU
+    assert not any(GPU_ONLY.match(n) for n in {distribution(r) for r in extra("plot")})
+    cupy = pytest.importorskip("cupy", reason="cupy-cuda13x (bf16opt[test]) is not installed")
+    from cupy.cuda import nvrtc
+
+    assert nvrtc.getVersion() >= (13, 0)  # NVRTC works here, GPU or not
+    import importlib.metadata
+
+    for name in GPU_PACKAGES_WITHOUT_A_GPU:  # and they pull in no CUDA runtime of their own
+        required = [r for r in importlib.metadata.requires(name) or [] if "extra ==" not in r]
+        assert not [r for r in required if GPU_ONLY.match(distribution(r))], (name, required)
+    del cupy
+
+
+# pip's words for an index it cannot reach (then the resolution says nothing about the extras)
+UNREACHABLE = ("NewConnectionError", "ConnectTimeout", "Failed to establish a new connection",
+               "Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
+               "ConnectionResetError", "ReadTimeoutError")
+
+
+@pytest.mark.packaging
+def test_cuda_extras_resolve(tmp_path: Path) -> None:
+    """``pip install .[cuda12]`` / ``.[cuda13]`` would succeed here: pip resolves them (dry run,
+    against PyPI and what is installed) to wheels only."""
+    source = copy_project(tmp_path / "src")
+    report = tmp_path / "report.json"
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation",
+                             "--quiet", "--retries", "1", "--timeout", "20", "--report", str(report),
+                             f"{source}[cuda12,cuda13]"], capture_output=True, text=True, cwd=ROOT, env=env)
+    if result.returncode and any(word in result.stderr for word in UNREACHABLE):
+        pytest.skip("the package index is not reachable: pip cannot resolve the CUDA extras")
+    assert result.returncode == 0, result.stderr[-3000:]
+    installs = json.loads(report.read_text())["install"]
+    names = {distribution(item["metadata"]["name"]): item for item in installs}
+    assert "bf16opt" in names
+    import importlib.metadata
+
+    for requirement in extra("cuda12") + extra("cuda13"):
+        name = distribution(requirement)
+        if name not in names:  # already installed here, and pip found that it fits
+            assert importlib.metadata.version(name)
+    for name, item in names.items():
+        if name != "bf16opt":
+            assert item["download_info"]["url"].endswith(".whl"), f"{name} would be built from source"

@@ -39,8 +39,8 @@ from .staging import Staged, check, stage
 
 name = "cupy"
 
-INSTALL_HINT = ("install CuPy for your CUDA version: pip install 'bf16opt[cuda12]' (CUDA 12) "
-                "or pip install 'bf16opt[cuda13]' (CUDA 13)")
+INSTALL_HINT = ("install CuPy for your CUDA version: pip install cupy-cuda12x (CUDA 12) or cupy-cuda13x "
+                "(CUDA 13); in a bf16opt checkout: pip install '.[cuda12]' or '.[cuda13]'")
 
 # ---------------------------------------------------------------- kernel names
 STORAGE_TYPES = {torch.float32: "bf16opt::Fp32", torch.bfloat16: "bf16opt::Bf16",
