@@ -524,8 +524,9 @@ def _run_step(optimizer: MixedPrecisionOptimizer, closure, grad_scale, found_inf
 # torch.compile: a step is Python bookkeeping around raw-pointer kernel calls (Numba,
 # CuPy), which Dynamo cannot trace (tracing into Numba's compiler crashes).  Excluded from
 # tracing: ``torch.compile(opt.step)`` runs it eagerly, and a compiled training step breaks
-# its graph around ``opt.step()``.  (torch's lazy wrapper: ``torch._dynamo`` is imported at
-# the first step, not by ``import bf16opt``, which it would slow by seconds.)
+# its graph around ``opt.step()``.  torch's lazy wrapper, as torch.optim uses it: its frame
+# is on Dynamo's skip list, and it imports ``torch._dynamo`` at its first call (which
+# torch.optim.Optimizer's constructor has made already), not at ``import bf16opt``.
 _step_outside_compile = torch._disable_dynamo(_run_step)
 
 
