@@ -416,10 +416,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             scale = values["grad_scale"]
             # float32 of the float64 reciprocal: GradScaler.unscale_'s inv_scale, so folding the
             # unscale gives the bits of unscale_ followed by a step, whatever the scale
-            inv_grad_scale = f32(1.0 / scale) if math.isfinite(scale) and scale > 0 else math.inf
-            if not math.isfinite(inv_grad_scale):
+            # (reciprocals from 2**128 - 2**103 on round to float32 infinity)
+            if not (math.isfinite(scale) and scale > 0 and 1.0 / scale < 2.0 ** 128 - 2.0 ** 103):
                 raise ValueError(f"grad_scale is {scale!r}; it must be a positive float32 whose "
-                                 f"reciprocal is finite (>= 2**-127)")
+                                 f"reciprocal is a finite float32 (about 2**-128 or more)")
+            inv_grad_scale = f32(1.0 / scale)
         return inv_grad_scale, values.get("found_inf", 0.0) != 0.0
 
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
