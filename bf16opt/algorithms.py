@@ -6,7 +6,8 @@ order** (the columns of the chunk table both kernel backends build), its per-ste
 param's :class:`~bf16opt.precision.StoragePlan` says how each role is stored; the two meet
 in :func:`kernel_config`, the one place that turns (algorithm, plan, flags) into what a
 backend runs: each role's dtype (``None``: absent), the state key that holds it and how
-the master weights are held.  The Numba and CuPy adapters, the staging of a bucket, state
+the master weights are held (and the grads' dtype: the param's, or float32 for
+bfloat16/float16 params whose grads are accumulated in float32).  The Numba and CuPy adapters, the staging of a bucket, state
 creation, the state-dict code and ``memory_report`` all read a :class:`KernelConfig`; none
 of them names a buffer.
 
@@ -33,11 +34,16 @@ import torch
 from .precision import StoragePlan
 from .storage import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS
 
-__all__ = ["ADAM", "ALGORITHMS", "LION", "SGD", "AdamScalars", "Algorithm", "KernelConfig",
-           "LionScalars", "Role", "SGDScalars", "kernel_config"]
+__all__ = ["ADAM", "ALGORITHMS", "FLOAT32_GRAD_BIT", "LION", "SGD", "AdamScalars", "Algorithm",
+           "KernelConfig", "LionScalars", "Role", "SGDScalars", "grad_dtypes", "kernel_config"]
 
 
 # ---------------------------------------------------------------- per-step scalars
+# Every algorithm's scalars end with ``inv_grad_scale``: the factor the kernels multiply
+# each decoded grad by before anything else (``g = decode(grad) * inv_grad_scale``), the
+# float32 reciprocal of a GradScaler's loss scale (``step(grad_scale=...)``), so
+# unscaling costs no pass over the grads.  It is exactly 1.0 without a scaler, and
+# ``g * 1.0`` is ``g`` bit for bit (NaNs are stored canonical whatever their payload).
 class AdamScalars(NamedTuple):
     beta1: float
     beta2: float
@@ -48,6 +54,7 @@ class AdamScalars(NamedTuple):
     eps: float
     weight_decay: float               # L2 coefficient (Adam); 0.0 when decay is decoupled
     decay: float                      # 1 - lr * weight_decay (AdamW); 1.0 for Adam
+    inv_grad_scale: float = 1.0       # float32(1 / loss scale); 1.0 without GradScaler
 
 
 class LionScalars(NamedTuple):
@@ -57,6 +64,7 @@ class LionScalars(NamedTuple):
     one_minus_beta2: float
     lr: float
     decay: float                      # 1 - lr * weight_decay
+    inv_grad_scale: float = 1.0       # float32(1 / loss scale); 1.0 without GradScaler
 
 
 class SGDScalars(NamedTuple):
@@ -64,6 +72,7 @@ class SGDScalars(NamedTuple):
     one_minus_dampening: float
     lr: float
     weight_decay: float               # L2 coefficient (torch.optim.SGD's weight_decay)
+    inv_grad_scale: float = 1.0       # float32(1 / loss scale); 1.0 without GradScaler
 
 
 # ---------------------------------------------------------------- descriptions
@@ -84,7 +93,7 @@ class Role:
 
 
 PARAM = Role("param", "param", stream=WEIGHTS)
-GRAD = Role("grad", "param", written=False)
+GRAD = Role("grad", "param", written=False)  # the param's dtype, or float32 (kernel_config's ``grad``)
 COMPANION = Role("companion", "companion")
 
 
@@ -117,8 +126,22 @@ class Algorithm:
         return tuple(r for r in self.roles if r.name not in ("param", "grad", "companion"))
 
     def flag_bits(self, flags: dict) -> int:
-        """The kernels' run-time ``flags`` argument."""
+        """The algorithm's bits of the kernels' run-time ``flags`` argument."""
         return sum(1 << k for k, name in enumerate(self.runtime_flags) if flags.get(name))
+
+
+#: bit of the CUDA kernels' ``flags`` argument shared by every algorithm (above their own
+#: bits): the grads are float32 while the param is bfloat16/float16 (cuda_src/multi_tensor.cuh's
+#: kFloat32Grad).  A run-time bit like maximize, not a template parameter: it would double
+#: the 360 instantiations (NVRTC time, the emulation build) for a one-instruction difference.
+FLOAT32_GRAD_BIT = 1 << 15
+
+
+def grad_dtypes(param: torch.dtype) -> tuple:
+    """The grad dtypes the kernels read for ``param`` dtype: the param's own, and float32 for
+    16-bit params (gradients accumulated in float32, as DeepSpeed's ``grad_accum_dtype``,
+    Megatron's ``main_grad`` or a leaf's ``grad_dtype = torch.float32`` make them)."""
+    return (param, torch.float32) if param in (torch.bfloat16, torch.float16) else (param,)
 
 
 ADAM = Algorithm(
@@ -190,7 +213,18 @@ class KernelConfig:
 
     @property
     def flag_bits(self) -> int:
-        return self.algorithm.flag_bits(dict(self.flags))
+        """The CUDA kernels' run-time ``flags`` argument."""
+        return self.algorithm.flag_bits(dict(self.flags)) | (FLOAT32_GRAD_BIT if self.float32_grad else 0)
+
+    @property
+    def grad(self) -> torch.dtype:
+        """The grads' dtype."""
+        return self.dtypes[1]
+
+    @property
+    def float32_grad(self) -> bool:
+        """float32 grads of a 16-bit param."""
+        return self.dtypes[1] != self.dtypes[0]
 
     @property
     def stochastic(self) -> bool:
@@ -222,11 +256,16 @@ def _weights(plan: StoragePlan) -> str:
 
 @functools.lru_cache(maxsize=None)  # pure; asked for every bucket of every step
 def kernel_config(algorithm: Algorithm, plan: StoragePlan, flags: tuple = (),
-                  track: bool = False) -> KernelConfig:
-    """The one translation of (description, plan, flags) into a kernel configuration.
+                  track: bool = False, grad: Optional[torch.dtype] = None) -> KernelConfig:
+    """The one translation of (description, plan, flags, grad dtype) into a kernel configuration.
 
-    ``flags``: (name, value) pairs; flags not named are False.
+    ``flags``: (name, value) pairs; flags not named are False.  ``grad``: the grads' dtype,
+    one of :func:`grad_dtypes` (default: the param's).
     """
+    grad = plan.param if grad is None else grad
+    if grad not in grad_dtypes(plan.param):
+        raise ValueError(f"the kernels read {' or '.join(map(str, grad_dtypes(plan.param)))} grads "
+                         f"for {plan.param} params, not {grad}")
     given = dict(flags)
     unknown = set(given) - set(algorithm.flags)
     if unknown:
@@ -239,6 +278,8 @@ def kernel_config(algorithm: Algorithm, plan: StoragePlan, flags: tuple = (),
             dtype, key = None, None
         elif role.storage == "companion":
             dtype, key = plan.companion, plan.companion_key
+        elif role is GRAD:
+            dtype, key = grad, role.name
         else:
             dtype, key = getattr(plan, role.storage), role.name
         dtypes.append(dtype)

@@ -153,3 +153,20 @@ def check_no_aliasing(tensors: list, names: list) -> None:
             if start < end:
                 raise ValueError(f"{first} and {second} share memory (views of one buffer); their "
                                  f"in-place updates would race: give each param its own storage")
+
+
+def check_amp_tensor(value, argument: str, devices: set) -> None:
+    """``grad_scale`` / ``found_inf`` of a step (torch.amp.GradScaler's protocol): a
+    one-element float32 tensor, as GradScaler makes them, on the CPU or on a device of the
+    optimizer's params (read on the host either way)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{argument} must be a one-element float32 tensor (as torch.amp.GradScaler "
+                        f"passes it), got {type(value).__name__}")
+    if value.numel() != 1:
+        raise ValueError(f"{argument} must be a one-element tensor, got shape {tuple(value.shape)}")
+    if value.dtype != torch.float32:
+        raise ValueError(f"{argument} must be a float32 tensor (as torch.amp.GradScaler makes it), "
+                         f"got {value.dtype}")
+    if value.device.type != "cpu" and value.device not in devices:
+        raise ValueError(f"{argument} is on {value.device}; it must be on the CPU or on a device of the "
+                         f"optimizer's params ({', '.join(sorted(map(str, devices)))})")

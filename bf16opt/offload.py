@@ -29,7 +29,8 @@ The pipeline of one step:
    engines) or ordered before any later work on the device's current stream (CUDA).
 
 Device memory: no device staging at all (grads are read and params written in place).
-Host memory per param: the state, a mirror of the param and a grad staging buffer.
+Host memory per param: the state, a mirror of the param and a grad staging buffer (in the
+grad's dtype: float32 grads of a 16-bit param are staged as float32, never rounded).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class _HostParam:
     def __init__(self, engine: CopyEngine, param: torch.Tensor):
         real = _real(param)
         self.mirror = engine.host_empty(real.shape, real.dtype)   # the param's value on the host
-        self.grad = engine.host_empty(real.shape, real.dtype)     # its grad's staging buffer
+        self.grad = engine.host_empty(real.shape, real.dtype)     # its grad's staging buffer (the grad's dtype)
         self.grad_ref = None          # weakref to the grad tensor last copied
         self.grad_version = None      # that grad's version counter at the copy
         self.grad_print = None        # and its fingerprint
@@ -222,8 +223,11 @@ class Offloader:
         if record.grad_transfer is not None:
             record.grad_transfer.wait()  # one copy into the staging buffer at a time
         grad = param.grad
+        real = _real(grad)
+        if record.grad.dtype != real.dtype:  # float32 grads of a 16-bit param: staged as float32, not rounded
+            record.grad = self.engine(param.device).host_empty(real.shape, real.dtype)
         record.grad_print = fingerprint(grad)
-        record.grad_transfer = self.engine(param.device).to_host(record.grad, _real(grad))
+        record.grad_transfer = self.engine(param.device).to_host(record.grad, real)
         record.grad_ref, record.grad_version = weakref.ref(grad), grad._version
 
     def stage(self, params: list, reads_param: list) -> list:

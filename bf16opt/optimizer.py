@@ -13,6 +13,12 @@ in ``backends/reference.py`` and the kernels.
 Guarantee kept throughout: a call that raises (``step``, ``load_state_dict``,
 ``add_param_group``) leaves params, state and param groups exactly as they were.
 Everything is checked first, and only then mutated.
+
+Integrations (docs/integrations_amp.md): ``torch.amp.GradScaler``'s protocol for optimizers
+that unscale inside their kernels (``_step_supports_amp_scaling``: ``step`` takes
+``grad_scale`` and ``found_inf``, as keywords or as the attributes GradScaler sets);
+float32 grads of bfloat16/float16 params, read by the kernels as they are; and
+``torch.compile``: ``step`` is excluded from tracing (one graph break around it).
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import state_dict as state_dicts
-from .algorithms import Algorithm, KernelConfig, kernel_config
+from .algorithms import Algorithm, KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, check_backend_name, f32, reference, resolve_backend
-from .checks import check_flag, check_implementation_flags, check_no_aliasing, check_param, check_seed
+from .checks import (check_amp_tensor, check_flag, check_implementation_flags, check_no_aliasing,
+                     check_param, check_seed)
 from .offload import Offloader, check_offload
 from .precision import Precision, as_precision, plan_for
 
@@ -79,6 +86,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     #: the update's kernel description (``algorithms.py``); a state dict only loads into an
     #: optimizer of the same algorithm
     algorithm: Algorithm
+
+    #: torch.amp.GradScaler.step hands this optimizer the loss scale and the inf check
+    #: (attributes ``grad_scale``, ``found_inf``) instead of unscaling the grads itself: the
+    #: kernels fold the unscale into their one pass, and a step with infs changes nothing
+    _step_supports_amp_scaling = True
 
     #: hyper-parameters every saved param group of this optimizer kind has, and ones that
     #: betray another kind (e.g. Adam's eps in a state dict offered to Lion); an empty
@@ -240,10 +252,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if grad.is_sparse or grad.layout != torch.strided:
                 raise TypeError(f"{type(self).__name__} does not support sparse gradients "
                                 f"(param {index} has a {grad.layout} grad)")
-            if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+            # float32 grads of 16-bit params are read as they are (float32 accumulation);
+            # complex params keep grads of their own dtype
+            dtype_ok = grad.dtype == param.dtype or (
+                grad.dtype in grad_dtypes(param.dtype) and not param.is_complex())
+            if grad.shape != param.shape or not dtype_ok or grad.device != param.device:
                 raise ValueError(f"grad of param {index} ({tuple(grad.shape)}, {grad.dtype}, "
                                  f"{grad.device}) does not match the param "
-                                 f"({tuple(param.shape)}, {param.dtype}, {param.device})")
+                                 f"({tuple(param.shape)}, {param.dtype}, {param.device}); grads "
+                                 f"have the param's shape, device and dtype (or float32 for a "
+                                 f"bfloat16/float16 param)")
             params.append(param)
         return params
 
@@ -261,7 +279,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"state['step'] of param {number} is {value!r}; it must be a whole number "
                                  f"in [0, 2**53)")
 
-    def _prepare_step(self) -> "_StepPlan":
+    def _prepare_step(self, inv_grad_scale: float = 1.0) -> "_StepPlan":
         """Phase one of a step: check everything and make everything the step needs -- converted
         or new state (aside, not installed), each bucket's tensors, scalars and launch (the
         backends check dtypes, shapes, devices and compile their kernels here) -- without
@@ -269,6 +287,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         it was.  States made for another configuration (the group's precision, or a param's
         dtype, was changed since the last step) are converted into the new one, as
         ``load_state_dict`` converts a state dict saved with another preset.
+        ``inv_grad_scale``: every algorithm's last scalar (1 / GradScaler's scale).
         """
         plan = _StepPlan()
         known = self._state_configs
@@ -324,9 +343,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     plan.buffers[original] = made
                 plan.known[original] = (config, home, offloader is not None)
                 fresh = self._fresh_flags(set(made))
-                if fresh:
+                grad_dtype = real_view(original.grad).dtype
+                if fresh or grad_dtype != config.grad:  # the launch's config (the state's is known above)
                     config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
-                                           config.track)
+                                           config.track, grad_dtype)
                 entries.append((param, real_view(original.grad), config, {**state, **made}, counter, number,
                                 original))
             if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
@@ -352,6 +372,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 device, config, step = key
                 float64 = config.plan.param == torch.float64
                 scalars = self._scalars(group, step, float if float64 else f32)
+                if inv_grad_scale != 1.0:
+                    scalars = scalars._replace(inv_grad_scale=inv_grad_scale)
                 backend = _float64_backend(group["backend"]) if float64 else \
                     backends[originals[key][0].device]
                 bad = [name for name, value in zip(scalars._fields, scalars) if not math.isfinite(value)]
@@ -370,14 +392,59 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             plan.offloaded = {p for g in self.param_groups if g.get("offload") == "cpu" for p in g["params"]}
         return plan
 
+    def _amp_arguments(self, grad_scale, found_inf) -> tuple:
+        """(inv_grad_scale, skip) of a step: from its keywords, or from the attributes
+        torch.amp.GradScaler.step sets (``grad_scale``: the loss scale, None once the user
+        called ``unscale_``; ``found_inf``: non-zero when a grad had an inf or NaN).  Both are
+        checked before anything changes; reading them is a host sync."""
+        devices = None
+        values = {}
+        for name, given in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+            attribute = getattr(self, name, None)
+            if given is not None and attribute is not None:
+                raise ValueError(f"{name} was given to step() and set as an attribute (by "
+                                 f"torch.amp.GradScaler.step); give it one way")
+            value = given if given is not None else attribute
+            if value is None:
+                continue
+            if devices is None:
+                devices = {p.device for group in self.param_groups for p in group["params"]}
+            check_amp_tensor(value, name, devices)
+            values[name] = float(value.item())
+        inv_grad_scale = 1.0
+        if "grad_scale" in values:
+            scale = values["grad_scale"]
+            # float32 of the float64 reciprocal: GradScaler.unscale_'s inv_scale, so folding the
+            # unscale gives the bits of unscale_ followed by a step, whatever the scale
+            # (reciprocals from 2**128 - 2**103 on round to float32 infinity)
+            if not (math.isfinite(scale) and scale > 0 and 1.0 / scale < 2.0 ** 128 - 2.0 ** 103):
+                raise ValueError(f"grad_scale is {scale!r}; it must be a positive float32 whose "
+                                 f"reciprocal is a finite float32 (about 2**-128 or more)")
+            inv_grad_scale = f32(1.0 / scale)
+        return inv_grad_scale, values.get("found_inf", 0.0) != 0.0
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
+             found_inf: Optional[torch.Tensor] = None):
+        """Perform a single optimization step; ``closure`` re-evaluates the model (optional).
+
+        ``grad_scale``: the loss scale the grads carry (a one-element float32 tensor); the
+        kernels multiply every grad by float32(1 / grad_scale) as they read it.
+        ``found_inf``: a one-element float32 tensor; non-zero skips the step (params, state
+        and step counters unchanged).  torch.amp.GradScaler passes both as attributes
+        (``_step_supports_amp_scaling``); a step called by hand may pass them here.
+        """
+        return _step_outside_compile(self, closure, grad_scale, found_inf)
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None):
-        """Perform a single optimization step; ``closure`` re-evaluates the model (optional)."""
+    def _step(self, closure, grad_scale, found_inf):
+        inv_grad_scale, skip = self._amp_arguments(grad_scale, found_inf)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = self._prepare_step()
+        if skip:  # inf/NaN grads: GradScaler lowers its scale, the optimizer changes nothing
+            return loss
+        plan = self._prepare_step(inv_grad_scale)
         # ---- phase two: nothing has changed so far, and nothing below raises on user input
         for group, precision in plan.precisions:
             group["precision"] = precision
@@ -449,6 +516,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         does not fit raises before the optimizer changes.
         """
         state_dicts.load(self, state_dict)
+
+
+def _run_step(optimizer: MixedPrecisionOptimizer, closure, grad_scale, found_inf):
+    return optimizer._step(closure, grad_scale, found_inf)
+
+
+# torch.compile: a step is Python bookkeeping around raw-pointer kernel calls (Numba,
+# CuPy), which Dynamo cannot trace (tracing into Numba's compiler crashes).  Excluded from
+# tracing: ``torch.compile(opt.step)`` runs it eagerly, and a compiled training step breaks
+# its graph around ``opt.step()``.  torch's lazy wrapper, as torch.optim uses it: its frame
+# is on Dynamo's skip list, and it imports ``torch._dynamo`` at its first call (which
+# torch.optim.Optimizer's constructor has made already), not at ``import bf16opt``.
+_step_outside_compile = torch._disable_dynamo(_run_step)
 
 
 __all__ = ["MixedPrecisionOptimizer", "Precision"]

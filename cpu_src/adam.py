@@ -10,7 +10,9 @@ views, see ``storage.py``), the flags (amsgrad, L2, telemetry) and the storage p
 (how the master is loaded and stored, nearest or stochastic rounding of the moments) are
 closure constants, so LLVM folds them away: no run-time branch in the loop.  ``maximize``
 is the run-time scalar ``sign`` (+1 or -1): ``g * -1`` is ``-g`` exactly, a
-loop-invariant multiplication rather than a branch or another compiled kernel.
+loop-invariant multiplication rather than a branch or another compiled kernel.  The grad
+is read in its own format (the param's, or float32 for float32-accumulated grads of 16-bit
+params) and multiplied by ``inv_grad_scale`` first (1.0 without a GradScaler).
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps):
 
 @njit
 def _adamw_pair_element(g, w, m, v, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size,
-                        inv_sqrt_bias_correction2, eps, decay, sign):
+                        inv_sqrt_bias_correction2, eps, decay, inv_grad_scale, sign):
     """AdamW (decoupled decay, no amsgrad) on one element of the paired bf16 loop."""
+    g = g * inv_grad_scale
     g = g * sign
     w = w * decay
     m, v = _adam_moments(g, m, v, beta1, beta2, one_minus_beta1, one_minus_beta2)
@@ -91,27 +94,28 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
 
     ``formats``: numpy element classes of the roles, in the order of
     ``bf16opt.algorithms.ADAM.roles`` (param, grad, companion, exp_avg, exp_avg_sq,
-    max_exp_avg_sq; absent roles any class), which is also the row's address order;
+    max_exp_avg_sq; absent roles any class), which is also the row's address order; the
+    grad's class is the param's or np.float32;
     ``weights``: a key of ``storage.WEIGHT_POLICIES`` (how the master is held);
     ``moments``: a key of ``storage.MOMENT_ROUNDINGS``;
     ``track``: count telemetry into the row's counters.  The scalars are
-    ``AdamScalars`` followed by ``sign`` (-1 to maximize).
+    ``AdamScalars`` (``inv_grad_scale`` last) followed by ``sign`` (-1 to maximize).
     """
-    param_format, _, companion_format, exp_avg_format, exp_avg_sq_format, _ = formats
+    param_format, grad_format, companion_format, exp_avg_format, exp_avg_sq_format, _ = formats
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments = str(weights), str(moments)
     amsgrad, l2, track = bool(amsgrad), bool(l2), bool(track)
     # all-bf16 AdamW: two elements per uint32 word (one load, shift/mask decode, one
     # shift/merge encode per pair); odd last element by the general loop
-    paired = (param_format is np.int16 and exp_avg_format is np.int16
+    paired = (param_format is np.int16 and grad_format is np.int16 and exp_avg_format is np.int16
               and exp_avg_sq_format is np.int16 and weights == "param"
               and moments == "nearest" and not amsgrad and not l2 and not track)
 
     @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
-        grad = pointer_to(row[1], param_format)
+        grad = pointer_to(row[1], grad_format)
         companion = pointer_to(row[2], companion_format)
         exp_avg = pointer_to(row[3], exp_avg_format)
         exp_avg_sq = pointer_to(row[4], exp_avg_sq_format)
@@ -120,7 +124,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         beta1, beta2 = scalars[0], scalars[1]
         one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
         step_size, inv_sqrt_bias_correction2, eps = scalars[4], scalars[5], scalars[6]
-        weight_decay, decay, sign = scalars[7], scalars[8], scalars[9]
+        weight_decay, decay = scalars[7], scalars[8]
+        inv_grad_scale, sign = scalars[9], scalars[10]
         key_w, key_m, key_v, key_max = keys[0], keys[1], keys[2], keys[3]
         swallowed, m_underflow, v_underflow = 0, 0, 0
         first = 0
@@ -137,17 +142,18 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
                 v0, v1 = _bf16_pair_bits(exp_avg_sq_words[j])
                 w0, m0, v0 = _adamw_pair_element(g0, w0, m0, v0, beta1, beta2, one_minus_beta1,
                                            one_minus_beta2, step_size, inv_sqrt_bias_correction2,
-                                           eps, decay, sign)
+                                           eps, decay, inv_grad_scale, sign)
                 w1, m1, v1 = _adamw_pair_element(g1, w1, m1, v1, beta1, beta2, one_minus_beta1,
                                            one_minus_beta2, step_size, inv_sqrt_bias_correction2,
-                                           eps, decay, sign)
+                                           eps, decay, inv_grad_scale, sign)
                 exp_avg_words[j] = _bf16_pair_word(m0, m1)
                 exp_avg_sq_words[j] = _bf16_pair_word(v0, v1)
                 param_words[j] = _bf16_pair_word(w0, w1)
             first = n - (n & 1)
         for i in range(first, n):
             element = start + i
-            g = load(grad, i) * sign
+            g = load(grad, i) * inv_grad_scale
+            g = g * sign
             w0 = load_weights(weights, param, companion, i)
             w = w0
             if l2:

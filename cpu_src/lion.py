@@ -20,9 +20,9 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool):
 
     ``formats``: numpy element classes of ``bf16opt.algorithms.LION.roles`` (param, grad,
     companion, exp_avg); the other arguments as for :func:`adam.chunk_function`.  The
-    scalars are ``LionScalars`` followed by ``sign``.
+    scalars are ``LionScalars`` (``inv_grad_scale`` last) followed by ``sign``.
     """
-    param_format, _, companion_format, exp_avg_format = formats
+    param_format, grad_format, companion_format, exp_avg_format = formats
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments, track = str(weights), str(moments), bool(track)
@@ -30,18 +30,19 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool):
     @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
-        grad = pointer_to(row[1], param_format)
+        grad = pointer_to(row[1], grad_format)
         companion = pointer_to(row[2], companion_format)
         exp_avg = pointer_to(row[3], exp_avg_format)
         n, start = row[4], row[5]
         beta1, beta2 = scalars[0], scalars[1]
         one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
-        lr, decay, sign = scalars[4], scalars[5], scalars[6]
+        lr, decay, inv_grad_scale, sign = scalars[4], scalars[5], scalars[6], scalars[7]
         key_w, key_m = keys[0], keys[1]
         swallowed, m_underflow = 0, 0
         for i in range(n):
             element = start + i
-            g = load(grad, i) * sign
+            g = load(grad, i) * inv_grad_scale
+            g = g * sign
             w0 = load_weights(weights, param, companion, i)
             w = w0 * decay
             m_old = load(exp_avg, i)

@@ -23,9 +23,9 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     ``formats``: numpy element classes of ``bf16opt.algorithms.SGD.roles`` (param, grad,
     companion, momentum_buffer); ``momentum``: the buffer exists; ``first``: its first
     step (the buffer becomes the gradient, as torch clones it); the other arguments as for
-    :func:`adam.chunk_function`.  The scalars are ``SGDScalars`` followed by ``sign``.
+    :func:`adam.chunk_function`.  The scalars are ``SGDScalars`` (``inv_grad_scale`` last) followed by ``sign``.
     """
-    param_format, _, companion_format, buffer_format = formats
+    param_format, grad_format, companion_format, buffer_format = formats
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments, track = str(weights), str(moments), bool(track)
@@ -34,17 +34,19 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
-        grad = pointer_to(row[1], param_format)
+        grad = pointer_to(row[1], grad_format)
         companion = pointer_to(row[2], companion_format)
         momentum_buffer = pointer_to(row[3], buffer_format)
         n, start = row[4], row[5]
         momentum_factor, one_minus_dampening = scalars[0], scalars[1]
-        lr, weight_decay, sign = scalars[2], scalars[3], scalars[4]
+        lr, weight_decay = scalars[2], scalars[3]
+        inv_grad_scale, sign = scalars[4], scalars[5]
         key_w, key_b = keys[0], keys[1]
         swallowed, b_underflow = 0, 0
         for i in range(n):
             element = start + i
-            g = load(grad, i) * sign
+            g = load(grad, i) * inv_grad_scale
+            g = g * sign
             w0 = load_weights(weights, param, companion, i)
             w = w0
             if l2:

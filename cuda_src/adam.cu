@@ -4,7 +4,9 @@
 // (each line one IEEE-rounded operation, docs/numerics.md; the loader compiles with
 // --fmad=false, IEEE division and square root, no flush-to-zero):
 //
-//   g = decode(grad);  if maximize: g = -g
+//   g = decode(grad) * inv_grad_scale;  if maximize: g = -g
+//       (grad stored like the param, or float32 with the kFloat32Grad flag bit;
+//        inv_grad_scale = 1 / GradScaler's scale, 1.0 without one: GradReader)
 //   w0 = w = master value (the master policy's read)
 //   if l2: t = w * weight_decay;  g = g + t
 //   w = w * decay
@@ -17,7 +19,7 @@
 //   MAX_EXP_AVG_SQ when stochastic); the master policy's write(w0, w) (stream WEIGHTS)
 //   telemetry (TRACK): u != 0 with the stored master unchanged; m, v != 0 stored as 0
 //
-// Template parameters: storage type of param (and grad; Stochastic<...> when the
+// Template parameters: storage type of param (and of grad, unless kFloat32Grad; Stochastic<...> when the
 // param is a stochastically rounded master), master policy (NoMaster, Master<S>,
 // Kahan<C>, Remainder), exp_avg, exp_avg_sq (and max_exp_avg_sq) storage types; flags
 // AMSGRAD (an extra array) and TRACK (telemetry).  maximize and L2 are run-time flags
@@ -45,9 +47,9 @@ enum AdamRole {
 enum AdamFlag { kAdamMaximize = 1, kAdamL2 = 2 };
 
 struct AdamCoefficients {
-  bool maximize, l2;
+  bool maximize, l2, float32_grad;
   float beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2,
-      eps, weight_decay, decay;
+      eps, weight_decay, decay, inv_grad_scale;
 };
 
 // One tensor's Adam update (the Update interface of update_chunks, multi_tensor.cuh).
@@ -74,8 +76,9 @@ struct AdamUpdate {
         exp_avg_sq(tab.pointer(kAdamExpAvgSq, tensor)),
         max_exp_avg_sq(tab.pointer(kAdamMaxExpAvgSq, tensor)) {}
 
-  __device__ __forceinline__ bool vector_ok(i64 start) const {
-    bool ok = aligned16(grad, P::kBytes, start) && aligned16(param, P::kBytes, start) &&
+  __device__ __forceinline__ bool vector_ok(i64 start, const AdamCoefficients& c) const {
+    const GradReader<P> grads{c.float32_grad, c.inv_grad_scale};
+    bool ok = aligned16(grad, grads.bytes(), start) && aligned16(param, P::kBytes, start) &&
               aligned16(exp_avg, EA::kBytes, start) && aligned16(exp_avg_sq, EAS::kBytes, start);
     if (M::kCompanion) ok = ok && aligned16(companion, M::kBytes, start);
     if (AMSGRAD) ok = ok && aligned16(max_exp_avg_sq, EAS::kBytes, start);
@@ -86,11 +89,12 @@ struct AdamUpdate {
   template <int N, bool VEC>
   __device__ __forceinline__ void run(i64 index, const Streams& streams, const AdamCoefficients& c,
                                       Tally<TRACK>& tally) const {
-    typename P::bits_t g_bits[N], p_bits[N];
+    float g_values[N];
+    typename P::bits_t p_bits[N];
     typename M::bits_t c_bits[N];
     typename EA::bits_t m_bits[N];
     typename EAS::bits_t v_bits[N], vmax_bits[N];
-    load_bits<VEC>(grad, index, g_bits);
+    GradReader<P>{c.float32_grad, c.inv_grad_scale}.template load<VEC>(grad, index, g_values);
     if constexpr (M::kReadsParam) load_bits<VEC>(param, index, p_bits);
     if constexpr (M::kCompanion) load_bits<VEC>(companion, index, c_bits);
     load_bits<VEC>(exp_avg, index, m_bits);
@@ -99,7 +103,7 @@ struct AdamUpdate {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const i64 i = index + k;
-      float g = P::decode(g_bits[k]);
+      float g = g_values[k];
       if (c.maximize) g = -g;
       const float w0 = M::template read<P>(p_bits[k], c_bits[k]);
       float w = w0;
@@ -147,10 +151,11 @@ __global__ void adam_kernel(const i64* table, int n_tensors, i64 n_chunks, int c
                             i64 step, u64* counts, int flags, float beta1, float beta2,
                             float one_minus_beta1, float one_minus_beta2, float step_size,
                             float inv_sqrt_bias_correction2, float eps, float weight_decay,
-                            float decay) {
-  const AdamCoefficients c{(flags & kAdamMaximize) != 0, (flags & kAdamL2) != 0, beta1, beta2,
-                           one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2,
-                           eps, weight_decay, decay};
+                            float decay, float inv_grad_scale) {
+  const AdamCoefficients c{(flags & kAdamMaximize) != 0, (flags & kAdamL2) != 0,
+                           (flags & kFloat32Grad) != 0, beta1, beta2, one_minus_beta1,
+                           one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps,
+                           weight_decay, decay, inv_grad_scale};
   update_chunks<AdamUpdate<P, M, EA, EAS, AMSGRAD, TRACK>>(table, n_tensors, n_chunks, chunk_size,
                                                            seed, step, counts, c);
 }

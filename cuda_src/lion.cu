@@ -3,7 +3,9 @@
 // Per element, in exactly the float32 operation order of bf16opt/backends/reference.py
 // (each line one IEEE-rounded operation, docs/numerics.md):
 //
-//   g = decode(grad);  if maximize: g = -g
+//   g = decode(grad) * inv_grad_scale;  if maximize: g = -g
+//       (grad stored like the param, or float32 with the kFloat32Grad flag bit;
+//        inv_grad_scale = 1 / GradScaler's scale, 1.0 without one: GradReader)
 //   w0 = master value (the master policy's read);  w = w0 * decay
 //   c = decode(exp_avg) * beta1;  t = g * one_minus_beta1;  c = c + t
 //   s = sign(c)                           (+1, -1, +0 for +-0, NaN for NaN)
@@ -12,7 +14,7 @@
 //   store m (stream EXP_AVG when stochastic); the master policy's write(w0, w)
 //   telemetry (TRACK): u != 0 with the stored master unchanged; m != 0 stored as 0
 //
-// Template parameters: storage type of param (and grad), master policy (NoMaster,
+// Template parameters: storage type of param (and of grad, unless kFloat32Grad), master policy (NoMaster,
 // Master<S>, Kahan<C>, Remainder), exp_avg storage type; flag TRACK (telemetry).
 // maximize is a run-time flag (kernel argument ``flags``, as in adam.cu).
 #include "storage.cuh"
@@ -27,8 +29,8 @@ enum LionRole { kLionParam = 0, kLionGrad = 1, kLionCompanion = 2, kLionExpAvg =
 enum LionFlag { kLionMaximize = 1 };
 
 struct LionCoefficients {
-  bool maximize;
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay;
+  bool maximize, float32_grad;
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, inv_grad_scale;
 };
 
 // One tensor's Lion update (the Update interface of update_chunks, multi_tensor.cuh).
@@ -51,8 +53,9 @@ struct LionUpdate {
         companion(tab.pointer(kLionCompanion, tensor)),
         exp_avg(tab.pointer(kLionExpAvg, tensor)) {}
 
-  __device__ __forceinline__ bool vector_ok(i64 start) const {
-    bool ok = aligned16(grad, P::kBytes, start) && aligned16(param, P::kBytes, start) &&
+  __device__ __forceinline__ bool vector_ok(i64 start, const LionCoefficients& c) const {
+    const GradReader<P> grads{c.float32_grad, c.inv_grad_scale};
+    bool ok = aligned16(grad, grads.bytes(), start) && aligned16(param, P::kBytes, start) &&
               aligned16(exp_avg, EA::kBytes, start);
     if (M::kCompanion) ok = ok && aligned16(companion, M::kBytes, start);
     return ok;
@@ -61,17 +64,18 @@ struct LionUpdate {
   template <int N, bool VEC>
   __device__ __forceinline__ void run(i64 index, const Streams& streams, const LionCoefficients& c,
                                       Tally<TRACK>& tally) const {
-    typename P::bits_t g_bits[N], p_bits[N];
+    float g_values[N];
+    typename P::bits_t p_bits[N];
     typename M::bits_t c_bits[N];
     typename EA::bits_t m_bits[N];
-    load_bits<VEC>(grad, index, g_bits);
+    GradReader<P>{c.float32_grad, c.inv_grad_scale}.template load<VEC>(grad, index, g_values);
     if constexpr (M::kReadsParam) load_bits<VEC>(param, index, p_bits);
     if constexpr (M::kCompanion) load_bits<VEC>(companion, index, c_bits);
     load_bits<VEC>(exp_avg, index, m_bits);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const i64 i = index + k;
-      float g = P::decode(g_bits[k]);
+      float g = g_values[k];
       if (c.maximize) g = -g;
       const float w0 = M::template read<P>(p_bits[k], c_bits[k]);
       float w = w0 * c.decay;
@@ -99,9 +103,10 @@ struct LionUpdate {
 template <class P, class M, class EA, bool TRACK>
 __global__ void lion_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
                             i64 step, u64* counts, int flags, float beta1, float beta2,
-                            float one_minus_beta1, float one_minus_beta2, float lr, float decay) {
-  const LionCoefficients c{(flags & kLionMaximize) != 0, beta1, beta2, one_minus_beta1,
-                           one_minus_beta2, lr, decay};
+                            float one_minus_beta1, float one_minus_beta2, float lr, float decay,
+                            float inv_grad_scale) {
+  const LionCoefficients c{(flags & kLionMaximize) != 0, (flags & kFloat32Grad) != 0, beta1, beta2,
+                           one_minus_beta1, one_minus_beta2, lr, decay, inv_grad_scale};
   update_chunks<LionUpdate<P, M, EA, TRACK>>(table, n_tensors, n_chunks, chunk_size, seed, step,
                                              counts, c);
 }

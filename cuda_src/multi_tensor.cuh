@@ -113,6 +113,38 @@ __device__ __forceinline__ bool aligned16(const void* base, int bytes, i64 index
   return ((static_cast<u64>(reinterpret_cast<u64>(base)) + static_cast<u64>(index * bytes)) & 15u) == 0;
 }
 
+// Bits of the kernels' ``flags`` argument shared by every algorithm, above their own
+// (bf16opt/algorithms.py's FLOAT32_GRAD_BIT).  kFloat32Grad: the grads are float32 while
+// the param is bfloat16/float16 (gradients accumulated in float32).  A run-time bit like
+// maximize: a template parameter would double every instantiation for one load.
+enum SharedFlag { kFloat32Grad = 1 << 15 };
+
+// The gradient as the update reads it: its decoded float32 value times the inverse loss
+// scale (1.0 without GradScaler), in the grad's own format: the param's storage type P,
+// or float32 (``float32_grad``; never rounded to P).
+template <class P>
+struct GradReader {
+  bool float32_grad;
+  float inv_grad_scale;
+
+  __device__ __forceinline__ int bytes() const { return float32_grad ? 4 : P::kBytes; }
+
+  template <bool VEC, int N>
+  __device__ __forceinline__ void load(const void* grad, i64 index, float (&g)[N]) const {
+    if (P::kBytes != 4 && float32_grad) {
+      u32 bits[N];
+      load_bits<VEC>(grad, index, bits);
+#pragma unroll
+      for (int k = 0; k < N; ++k) g[k] = __uint_as_float(bits[k]) * inv_grad_scale;
+    } else {
+      typename P::bits_t bits[N];
+      load_bits<VEC>(grad, index, bits);
+#pragma unroll
+      for (int k = 0; k < N; ++k) g[k] = P::decode(bits[k]) * inv_grad_scale;
+    }
+  }
+};
+
 // Elements per vector step: 16 bytes of the narrowest array.
 template <int MinBytes>
 struct VectorWidth {
@@ -160,7 +192,7 @@ __device__ __forceinline__ void for_each_chunk(const ChunkTable<R>& tab, i64 n_c
 //   kRoles, kVec, kStochastic, kTrack   chunk-table roles, vector width, whether any
 //                                       storage rounds stochastically, telemetry
 //   Update(const ChunkTable<kRoles>&, int tensor)    the tensor's arrays
-//   vector_ok(start)                    every array it touches 16-byte aligned at start
+//   vector_ok(start, c)                 every array it touches 16-byte aligned at start
 //   run<N, VEC>(index, streams, c, tally)
 //                                       N elements from index: N == kVec with packed
 //                                       accesses (VEC) or N == 1
@@ -178,7 +210,7 @@ __device__ __forceinline__ void update_chunks(const i64* table, int n_tensors, i
     Tally<Update::kTrack> tally;
     const i64 stride = blockDim.x;
     i64 scalar_from = 0;
-    if (up.vector_ok(start)) {
+    if (up.vector_ok(start, c)) {
       const i64 vector_end = start + (count / kVec) * kVec;
       for (i64 i = start + threadIdx.x * static_cast<i64>(kVec); i < vector_end; i += stride * kVec)
         up.template run<kVec, true>(i, streams, c, tally);

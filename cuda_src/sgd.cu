@@ -4,7 +4,9 @@
 // Per element, in exactly the float32 operation order of bf16opt/backends/reference.py's
 // sgd (each line one IEEE-rounded operation, docs/numerics.md):
 //
-//   g = decode(grad);  if maximize: g = -g
+//   g = decode(grad) * inv_grad_scale;  if maximize: g = -g
+//       (grad stored like the param, or float32 with the kFloat32Grad flag bit;
+//        inv_grad_scale = 1 / GradScaler's scale, 1.0 without one: GradReader)
 //   w0 = w = master value (the master policy's read)
 //   if l2: t = w * weight_decay;  g = g + t
 //   if MOMENTUM:
@@ -17,7 +19,7 @@
 //   the master policy's write(w0, w) (stream WEIGHTS)
 //   telemetry (TRACK): u != 0 with the stored master unchanged; b != 0 stored as 0
 //
-// Template parameters: storage type of param (and grad), master policy (NoMaster,
+// Template parameters: storage type of param (and of grad, unless kFloat32Grad), master policy (NoMaster,
 // Master<S>, Kahan<C>, Remainder), momentum_buffer storage type (Fp32, and unused,
 // without MOMENTUM); flags MOMENTUM (the buffer exists; its pointer is 0 otherwise and
 // never touched) and TRACK (telemetry).  maximize, L2, nesterov and first are run-time
@@ -35,8 +37,8 @@ enum SgdRole { kSgdParam = 0, kSgdGrad = 1, kSgdCompanion = 2, kSgdMomentumBuffe
 enum SgdFlag { kSgdMaximize = 1, kSgdL2 = 2, kSgdNesterov = 4, kSgdFirst = 8 };
 
 struct SgdCoefficients {
-  bool maximize, l2, nesterov, first;
-  float momentum, one_minus_dampening, lr, weight_decay;
+  bool maximize, l2, nesterov, first, float32_grad;
+  float momentum, one_minus_dampening, lr, weight_decay, inv_grad_scale;
 };
 
 // One tensor's SGD update (the Update interface of update_chunks, multi_tensor.cuh).
@@ -59,8 +61,9 @@ struct SgdUpdate {
         companion(tab.pointer(kSgdCompanion, tensor)),
         momentum_buffer(tab.pointer(kSgdMomentumBuffer, tensor)) {}
 
-  __device__ __forceinline__ bool vector_ok(i64 start) const {
-    bool ok = aligned16(grad, P::kBytes, start) && aligned16(param, P::kBytes, start);
+  __device__ __forceinline__ bool vector_ok(i64 start, const SgdCoefficients& c) const {
+    const GradReader<P> grads{c.float32_grad, c.inv_grad_scale};
+    bool ok = aligned16(grad, grads.bytes(), start) && aligned16(param, P::kBytes, start);
     if constexpr (M::kCompanion) ok = ok && aligned16(companion, M::kBytes, start);
     if constexpr (MOMENTUM) ok = ok && aligned16(momentum_buffer, EA::kBytes, start);
     return ok;
@@ -70,10 +73,11 @@ struct SgdUpdate {
   template <int N, bool VEC>
   __device__ __forceinline__ void run(i64 index, const Streams& streams, const SgdCoefficients& c,
                                       Tally<TRACK>& tally) const {
-    typename P::bits_t g_bits[N], p_bits[N];
+    float g_values[N];
+    typename P::bits_t p_bits[N];
     typename M::bits_t c_bits[N];
     typename EA::bits_t b_bits[N];
-    load_bits<VEC>(grad, index, g_bits);
+    GradReader<P>{c.float32_grad, c.inv_grad_scale}.template load<VEC>(grad, index, g_values);
     if constexpr (M::kReadsParam) load_bits<VEC>(param, index, p_bits);
     if constexpr (M::kCompanion) load_bits<VEC>(companion, index, c_bits);
     if constexpr (MOMENTUM) {
@@ -82,7 +86,7 @@ struct SgdUpdate {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const i64 i = index + k;
-      float g = P::decode(g_bits[k]);
+      float g = g_values[k];
       if (c.maximize) g = -g;
       const float w0 = M::template read<P>(p_bits[k], c_bits[k]);
       float w = w0;
@@ -123,10 +127,12 @@ struct SgdUpdate {
 template <class P, class M, class EA, bool MOMENTUM, bool TRACK>
 __global__ void sgd_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
                            i64 step, u64* counts, int flags, float momentum,
-                           float one_minus_dampening, float lr, float weight_decay) {
+                           float one_minus_dampening, float lr, float weight_decay,
+                           float inv_grad_scale) {
   const SgdCoefficients c{(flags & kSgdMaximize) != 0, (flags & kSgdL2) != 0,
-                          (flags & kSgdNesterov) != 0, (flags & kSgdFirst) != 0, momentum,
-                          one_minus_dampening, lr, weight_decay};
+                          (flags & kSgdNesterov) != 0, (flags & kSgdFirst) != 0,
+                          (flags & kFloat32Grad) != 0, momentum, one_minus_dampening, lr,
+                          weight_decay, inv_grad_scale};
   update_chunks<SgdUpdate<P, M, EA, MOMENTUM, TRACK>>(table, n_tensors, n_chunks, chunk_size, seed,
                                                       step, counts, c);
 }

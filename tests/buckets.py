@@ -120,13 +120,16 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(chunks, "CHUNK", 256)
 
 
-def scalars(algorithm: str, group: dict, step: int):
-    """The step's float32 scalars, as the optimizer computes them."""
+def scalars(algorithm: str, group: dict, step: int, inv_grad_scale: float = 1.0):
+    """The step's float32 scalars, as the optimizer computes them (``inv_grad_scale``:
+    GradScaler's folded unscale)."""
     if algorithm == "adam":
-        return adam_scalars(group, step)
-    if algorithm == "lion":
-        return lion_scalars(group)
-    return sgd_scalars(group)
+        values = adam_scalars(group, step)
+    elif algorithm == "lion":
+        values = lion_scalars(group)
+    else:
+        values = sgd_scalars(group)
+    return values._replace(inv_grad_scale=inv_grad_scale)
 
 
 def plan_id(plan) -> str:
@@ -225,7 +228,7 @@ def at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def make_bucket(algorithm, plan, shapes, *, seed: int, flags=(), track: bool = False,
-                specials: bool = True, layouts=None, misalign: float = 0.0) -> Bucket:
+                specials: bool = True, layouts=None, misalign: float = 0.0, grad=None) -> Bucket:
     """Random tensors for every role of ``kernel_config(algorithm, plan, flags, track)``.
 
     ``algorithm``: an :class:`~bf16opt.algorithms.Algorithm` or its name; ``flags``: a
@@ -234,20 +237,20 @@ def make_bucket(algorithm, plan, shapes, *, seed: int, flags=(), track: bool = F
     its layout.  ``misalign``: the fraction of tensors placed 1..8 elements into their
     buffer.  ``specials`` puts NaN, infinities, zeros, subnormals and ties into the
     gradients.  Params get optimizer indices 1, 4, 7, ...; ``track`` allocates telemetry
-    counts.
+    counts.  ``grad``: the grads' dtype (default the param's; float32 for 16-bit params).
     """
     if isinstance(algorithm, str):
         algorithm = ALGORITHMS[algorithm]
-    config = kernel_config(algorithm, plan, tuple(dict(flags).items()), track)
+    config = kernel_config(algorithm, plan, tuple(dict(flags).items()), track, grad)
     gen = torch.Generator().manual_seed(seed)
     bucket = Bucket(config, seed=seed * 0x9E3779B97F4A7C15 % 2**64)
     for index, shape in enumerate(shapes):
         layout = _layout(None if layouts is None else layouts[index], shape)
         param = random_tensor(shape, plan.param, gen, layout=layout)
-        grad = random_tensor(shape, plan.param, gen, scale=0.1, layout=layout)
+        grad = random_tensor(shape, config.grad, gen, scale=0.1, layout=layout)
         numel = grad.numel()
         if specials and numel > 0:
-            values = special_values(plan.param)
+            values = special_values(config.grad)
             flat_positions = torch.randperm(numel, generator=gen)[:min(numel, values.numel())]
             flat = grad.contiguous().view(-1).clone()
             flat[flat_positions] = values[:flat_positions.numel()]
@@ -322,7 +325,8 @@ def with_flags(bucket: Bucket, **flags) -> None:
     memoised values: a new one is asked for, never edited)."""
     config = bucket.config
     changed = {**dict(config.flags), **flags}
-    bucket.config = kernel_config(config.algorithm, config.plan, tuple(changed.items()), config.track)
+    bucket.config = kernel_config(config.algorithm, config.plan, tuple(changed.items()), config.track,
+                                  config.grad)
 
 
 # ---------------------------------------------------------------- comparing
@@ -354,7 +358,8 @@ def assert_same_bits(expected: Bucket, got: Bucket, where: str, other: str = "nu
 
 
 def run_both(bucket: Bucket, group: dict, steps: int, where: str, *, run=None, other: Bucket = None,
-             fetch=None, name: str = "numba", alternate_maximize: bool = False) -> Bucket:
+             fetch=None, name: str = "numba", alternate_maximize: bool = False,
+             inv_grad_scale: float = 1.0) -> Bucket:
     """``steps`` consecutive steps of the reference (on ``bucket``) and of ``run`` (numba's
     by default) on ``other`` (default: a clone), every role compared after each step (on
     ``fetch(other)`` when given, e.g. a copy back from the GPU); returns ``other``.
@@ -384,7 +389,7 @@ def run_both(bucket: Bucket, group: dict, steps: int, where: str, *, run=None, o
         if expected.counts is not None:
             expected.counts.fill_(-1)
             got.counts.copy_(expected.counts)
-        step_scalars = scalars(kind, group, step)
+        step_scalars = scalars(kind, group, step, inv_grad_scale)
         reference.run(expected, step_scalars)
         run(got, step_scalars)
         flags = ",".join(flag for flag, value in expected.config.flags if value)

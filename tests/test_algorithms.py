@@ -48,6 +48,32 @@ def test_cuda_role_and_flag_enums_follow_the_description(name):
     assert enum_entries(source, camel(name) + "Flag") == flags
 
 
+def test_cuda_shared_flag_bit_follows_the_description():
+    """kFloat32Grad (float32 grads of 16-bit params) is FLOAT32_GRAD_BIT, above every
+    algorithm's own run-time bits."""
+    from bf16opt.algorithms import FLOAT32_GRAD_BIT
+
+    source = (CUDA_SRC / "multi_tensor.cuh").read_text().replace("1 << 15", str(1 << 15))
+    assert enum_entries(source, "SharedFlag") == {"kFloat32Grad": FLOAT32_GRAD_BIT}
+    assert all(FLOAT32_GRAD_BIT > 1 << len(a.runtime_flags) for a in ALGORITHMS.values())
+
+
+def test_grad_dtype_is_part_of_the_configuration():
+    """float32 grads of 16-bit params: the grad role's dtype and the kernels' flag bit; other
+    grad dtypes are refused."""
+    from bf16opt.algorithms import FLOAT32_GRAD_BIT, grad_dtypes
+
+    for plan in all_plans(quality=True):
+        for name, algorithm in ALGORITHMS.items():
+            for grad in grad_dtypes(plan.param):
+                config = kernel_config(algorithm, plan, grad=grad)
+                assert config.dtypes[1] == config.grad == grad
+                assert config.dtypes[0] == plan.param and config.dtypes[2:] == kernel_config(algorithm, plan).dtypes[2:]
+                assert bool(config.flag_bits & FLOAT32_GRAD_BIT) == (grad != plan.param)
+            with pytest.raises(ValueError, match="grads"):
+                kernel_config(algorithm, plan, grad=torch.float64)
+
+
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_cuda_kernel_takes_the_description_scalars_in_order(name):
     algorithm = ALGORITHMS[name]

@@ -249,6 +249,33 @@ for row_id, change, opt_class in [
     case(row_id)(step_after(change, opt_class))
 
 
+def step_with(**arguments):
+    """step() row with GradScaler's arguments (``grad_scale`` / ``found_inf``) as keywords."""
+    def make():
+        opt, a, b = live()
+        return opt, lambda: opt.step(**arguments)
+    return make
+
+
+for row_id, arguments in [
+    ("grad-scale-not-a-tensor", dict(grad_scale=1024.0)),
+    ("grad-scale-two-elements", dict(grad_scale=torch.tensor([2.0, 2.0]))),
+    ("grad-scale-float64", dict(grad_scale=torch.tensor(2.0, dtype=torch.float64))),
+    ("grad-scale-meta", dict(grad_scale=torch.tensor(2.0, device="meta"))),
+    ("grad-scale-zero", dict(grad_scale=torch.tensor(0.0))),
+    ("found-inf-int", dict(found_inf=torch.tensor(0, dtype=torch.int32))),
+    ("found-inf-two-elements", dict(found_inf=torch.zeros(2))),
+]:
+    case(row_id)(step_with(**arguments))
+
+
+@case("grad-scale-given-twice")
+def _():
+    opt, a, b = live()
+    opt.grad_scale = torch.tensor(2.0)  # as torch.amp.GradScaler.step sets it
+    return opt, lambda: opt.step(grad_scale=torch.tensor(2.0))
+
+
 @case("state-master-wrong-shape")
 def _():
     param = nn.Parameter(torch.randn(3).to(torch.bfloat16))

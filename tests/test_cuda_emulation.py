@@ -11,7 +11,9 @@ storage plans of ``all_plans(quality=True)`` (stochastic rounding, Kahan with bf
 buffers, bf16 + int16 remainder included) x the algorithm's template flags (Adam's
 amsgrad, SGD's momentum) x precision telemetry on/off, crossed with run-time flags:
 maximize and L2/decoupled decay for Adam, maximize for Lion, maximize, L2, nesterov and
-the momentum buffer's first step for SGD.  Buckets hold many tensors of odd sizes, views
+the momentum buffer's first step for SGD, and with float32 grads of bfloat16/float16 params
+(the kFloat32Grad bit) for half of those combinations; the scalars' inv_grad_scale (GradScaler's
+folded unscale) is 1, a power of two or 1/3.  Buckets hold many tensors of odd sizes, views
 at odd offsets (so chunks take the 16-byte vector path, its scalar tail, or the
 all-scalar misaligned path), a non-contiguous tensor (staged through a contiguous
 copy), NaN/inf/subnormal/tie values, optimizer indices past 2**32 (the random streams
@@ -48,11 +50,13 @@ pytestmark = pytest.mark.skipif(emulator.compiler_problem() is not None,
 
 
 # ---------------------------------------------------------------- configurations
-def with_flags(config: KernelConfig, **flags) -> KernelConfig:
+def with_flags(config: KernelConfig, float32_grad: bool = None, **flags) -> KernelConfig:
     """``config`` with ``flags`` changed (configurations are memoised values: a new one is
-    asked for, never edited)."""
+    asked for, never edited); ``float32_grad``: float32 grads (16-bit params only)."""
+    grad = config.grad if float32_grad is None else \
+        (torch.float32 if float32_grad else config.plan.param)
     return kernel_config(config.algorithm, config.plan,
-                         tuple({**dict(config.flags), **flags}.items()), config.track)
+                         tuple({**dict(config.flags), **flags}.items()), config.track, grad)
 
 
 def sgd_runtime_flags(config: KernelConfig) -> list:
@@ -65,15 +69,22 @@ def sgd_runtime_flags(config: KernelConfig) -> list:
 
 # (kernel name, KernelConfig) of every instantiation the adapter can request, crossed with
 # the run-time flags (which never change the instantiation)
-ADAM_CONFIGS = [(name, with_flags(config, maximize=maximize, l2=l2))
+# (16-bit params read float32 grads in half the combinations: the grad's dtype is a run-time
+# bit of the same instantiation)
+def float32_grad(config: KernelConfig, k: int) -> bool:
+    return config.plan.param != torch.float32 and k % 2 == 1
+
+
+ADAM_CONFIGS = [(name, with_flags(config, maximize=maximize, l2=l2,
+                                  float32_grad=float32_grad(config, maximize + l2)))
                 for name, config in cuda_backend.kernel_configs("adam").items()
                 for maximize in (False, True) for l2 in (False, True)]
-LION_CONFIGS = [(name, with_flags(config, maximize=maximize))
+LION_CONFIGS = [(name, with_flags(config, maximize=maximize, float32_grad=float32_grad(config, maximize)))
                 for name, config in cuda_backend.kernel_configs("lion").items()
                 for maximize in (False, True)]
-SGD_CONFIGS = [(name, with_flags(config, **flags))
+SGD_CONFIGS = [(name, with_flags(config, **flags, float32_grad=float32_grad(config, k)))
                for name, config in cuda_backend.kernel_configs("sgd").items()
-               for flags in sgd_runtime_flags(config)]
+               for k, flags in enumerate(sgd_runtime_flags(config))]
 CONFIGS = {"adam": ADAM_CONFIGS, "lion": LION_CONFIGS, "sgd": SGD_CONFIGS}
 
 # SGD's four run-time flags give 16 combinations per momentum instantiation; the
@@ -89,12 +100,13 @@ def sgd_instantiation_cases() -> list:
     cases = []
     for k, (name, config) in enumerate(cuda_backend.kernel_configs("sgd").items()):
         if not config.flag("momentum"):
-            cases += [(name, with_flags(config, **flags)) for flags in sgd_runtime_flags(config)]
+            cases += [(name, with_flags(config, **flags, float32_grad=float32_grad(config, j)))
+                      for j, flags in enumerate(sgd_runtime_flags(config))]
             continue
-        for row in SGD_COVERING:
+        for j, row in enumerate(SGD_COVERING):
             flags = {flag: bool(v) != bool(k % 2)
                      for flag, v in zip(("maximize", "l2", "nesterov", "first"), row)}
-            cases.append((name, with_flags(config, **flags)))
+            cases.append((name, with_flags(config, **flags, float32_grad=float32_grad(config, j))))
     return cases
 
 
@@ -104,6 +116,7 @@ SGD_INSTANTIATION_CASES = sgd_instantiation_cases()
 def config_id(case) -> str:
     name, config = case
     extra = "".join(f",{flag}" for flag in config.algorithm.runtime_flags if config.flag(flag))
+    extra += ",float32_grad" if config.float32_grad else ""
     return name.replace("bf16opt::", "").replace(" ", "") + extra
 
 
@@ -118,6 +131,11 @@ def test_every_kind_is_covered():
                  if configs[0].flag("momentum") or f in ("maximize", "l2")]
         for flag in flags:
             assert {config.flag(flag) for config in configs} == {False, True}, (name, flag)
+    for kind, cases in (*CONFIGS.items(), ("sgd", SGD_INSTANTIATION_CASES)):  # and both grad dtypes
+        for name, config in cuda_backend.kernel_configs(kind).items():
+            grads = {c.grad for n, c in cases if n == name}
+            assert grads == ({config.plan.param} if config.plan.param == torch.float32
+                             else {config.plan.param, torch.float32}), (name, grads)
 
 
 # ---------------------------------------------------------------- values and tensors
@@ -205,7 +223,7 @@ def make_bucket(config: KernelConfig, sizes: list, rng: np.random.Generator, spe
         layout = "transposed" if transposed and index == 0 else "flat"
         param = placed(random_values(rng, n, plan.param, special), offset(), layout)
         columns["param"].append(param)
-        columns["grad"].append(same_shape_as(param, random_values(rng, n, plan.param, special), offset()))
+        columns["grad"].append(same_shape_as(param, random_values(rng, n, dtype["grad"], special), offset()))
         if config.weights == "copy":
             master = random_values(rng, n, plan.master, special)
             if plan.master == torch.float32:
@@ -308,22 +326,31 @@ def sgd_group(rng: np.random.Generator, momentum: bool, nesterov: bool, l2: bool
                 weight_decay=float(rng.choice([0.01, 0.3])) if l2 else float(rng.choice([0.0, 0.3])))
 
 
+# GradScaler's folded unscale: none, powers of two (its default scales), and 1/3 in float32
+# (a scale of 3 whose reciprocal is inexact)
+INV_GRAD_SCALES = (1.0, 1.0, 2.0 ** -16, 2.0 ** 7, float(np.float32(1 / 3)))
+
+
 def group_for(config: KernelConfig, rng: np.random.Generator) -> dict:
     kind = config.algorithm.name
     if kind == "adam":
-        return adam_group(rng, config.flag("l2"))
-    if kind == "lion":
-        return lion_group(rng)
-    return sgd_group(rng, config.flag("momentum"), config.flag("nesterov"), config.flag("l2"))
+        group = adam_group(rng, config.flag("l2"))
+    elif kind == "lion":
+        group = lion_group(rng)
+    else:
+        group = sgd_group(rng, config.flag("momentum"), config.flag("nesterov"), config.flag("l2"))
+    return dict(group, inv_grad_scale=float(rng.choice(INV_GRAD_SCALES)))
 
 
 def scalars_for(config: KernelConfig, group: dict, step: int):
     kind = config.algorithm.name
     if kind == "adam":
-        return adam_scalars(group, step)
-    if kind == "lion":
-        return lion_scalars(group)
-    return sgd_scalars(group)
+        scalars = adam_scalars(group, step)
+    elif kind == "lion":
+        scalars = lion_scalars(group)
+    else:
+        scalars = sgd_scalars(group)
+    return scalars._replace(inv_grad_scale=group.get("inv_grad_scale", 1.0))
 
 
 # ---------------------------------------------------------------- the comparison

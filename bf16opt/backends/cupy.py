@@ -9,7 +9,8 @@ Every configuration runs in the kernels: stochastic rounding is a storage type
 (``Stochastic<...>``), how the master is held is a master policy (``NoMaster``,
 ``Master<S>``, ``Kahan<C>``, ``Remainder``), an algorithm's template flags (amsgrad, SGD's
 momentum) and telemetry are template parameters, its run-time flags (maximize, L2, ...)
-bits of the ``flags`` argument.  The stochastic-rounding streams are computed in the
+bits of the ``flags`` argument, as is the grads' dtype (float32 grads of 16-bit params: the
+shared ``kFloat32Grad`` bit, ``KernelConfig.flag_bits``).  The stochastic-rounding streams are computed in the
 kernel from the seed, the step and each tensor's optimizer index (a row of the chunk
 table), so the table of a training loop stays the same from step to step.
 

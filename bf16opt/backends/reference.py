@@ -17,9 +17,18 @@ bits.  Rules that make that possible (``docs/numerics.md``):
   +0 for +-0: written out, since torch's maximum picks either zero on a +-0 tie and
   torch.sign(NaN) is 0 on CPU.
 
+Every update starts by reading the gradient the same way::
+
+    g  = decode(grad) * inv_grad_scale;  if maximize: g = -g
+
+``grad`` is stored like the param, or in float32 for a bfloat16/float16 param whose grads
+are accumulated in float32 (decode of float32 is the value itself: no rounding to the
+param's format).  ``inv_grad_scale`` is the float32 reciprocal of GradScaler's loss scale,
+exactly 1.0 without one (``g * 1.0`` is ``g``).  Below, "g = gradient" stands for this line.
+
 Adam / AdamW, per element (``w`` is the master value, ``g`` the gradient)::
 
-    g  = decode(grad);  if maximize: g = -g
+    g  = gradient
     w  = decode(master or param)
     if l2:  t = w * weight_decay;  g = g + t            # Adam's L2 decay, only if wd != 0
     w  = w * decay                                      # AdamW: 1 - lr*wd; Adam: 1.0
@@ -33,7 +42,7 @@ Adam / AdamW, per element (``w`` is the master value, ``g`` the gradient)::
 
 Lion (Chen et al. 2023), per element::
 
-    g  = decode(grad);  if maximize: g = -g
+    g  = gradient
     w  = decode(master or param);  w = w * decay           # decay = 1 - lr*wd
     c  = decode(exp_avg) * beta1;  t = g * one_minus_beta1;  c = c + t
     s  = sign(c), with +0 for c == +-0 and NaN for NaN
@@ -43,7 +52,7 @@ Lion (Chen et al. 2023), per element::
 
 SGD (torch.optim.SGD's order), per element::
 
-    g  = decode(grad);  if maximize: g = -g
+    g  = gradient
     w  = decode(master or param)
     if l2:  t = w * weight_decay;  g = g + t           # only if wd != 0
     if momentum:                                       # momentum != 0: a momentum buffer
@@ -198,8 +207,9 @@ def _sign(c: torch.Tensor) -> torch.Tensor:
     return torch.where(c > 0, ones, torch.where(c < 0, -ones, torch.add(c, 0.0)))
 
 
-def _gradient(bucket: Bucket, i: int) -> torch.Tensor:
-    g = _value(bucket, bucket["grad"][i])
+def _gradient(bucket: Bucket, i: int, s) -> torch.Tensor:
+    """decode(grad) * inv_grad_scale, negated to maximize (float64 math for float64 params)."""
+    g = torch.mul(_value(bucket, bucket["grad"][i]), s.inv_grad_scale)
     return torch.neg(g) if bucket.config.flag("maximize") else g
 
 
@@ -207,7 +217,7 @@ def adam(bucket: Bucket, s) -> None:
     amsgrad, l2 = bucket.config.flag("amsgrad"), bucket.config.flag("l2")
     for i in range(len(bucket.params)):
         before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
-        g = _gradient(bucket, i)
+        g = _gradient(bucket, i, s)
         w0 = w = _master_value(bucket, i)
         if l2:
             g = torch.add(g, torch.mul(w, s.weight_decay))
@@ -231,7 +241,7 @@ def adam(bucket: Bucket, s) -> None:
 def lion(bucket: Bucket, s) -> None:
     for i in range(len(bucket.params)):
         before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
-        g = _gradient(bucket, i)
+        g = _gradient(bucket, i, s)
         w0 = _master_value(bucket, i)
         w = torch.mul(w0, s.decay)
         m_old = _value(bucket, bucket["exp_avg"][i])
@@ -251,7 +261,7 @@ def sgd(bucket: Bucket, s) -> None:
     nesterov, first = config.flag("nesterov"), config.flag("first")
     for i in range(len(bucket.params)):
         before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
-        g = _gradient(bucket, i)
+        g = _gradient(bucket, i, s)
         w0 = w = _master_value(bucket, i)
         if l2:
             g = torch.add(g, torch.mul(w, s.weight_decay))
