@@ -10,6 +10,15 @@ when a group's precision or a param's dtype changes between steps.
 
 Everything here checks before it changes anything: :func:`load` builds the new groups
 and state aside and swaps them in only when all of it fits.
+
+DTensor params (FSDP2): state buffers are DTensors sharded like the param (as torch.optim's,
+so ``torch.distributed.checkpoint`` saves and reshards them); a saved buffer is loaded as
+this rank's shard -- a DTensor placed like the param gives its local tensor, a plain tensor
+of the param's whole shape (a full state dict) the slice this rank holds.
+
+Format (``STATE_DICT_FORMAT``): 2 since stochastic rounding names a named param's random
+streams by its name; a format-1 state dict keeps position streams (see below and
+docs/numerics.md, "State-dict format").
 """
 
 from __future__ import annotations
