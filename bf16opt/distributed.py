@@ -27,14 +27,24 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_known_tensor", "global_offset", "is_dtensor", "local", "shard_of", "wrap_like"]
+__all__ = ["check_known_tensor", "dtensor_type", "global_offset", "is_dtensor", "local", "shard_of", "wrap_like"]
 
 
-def _dtensor_class():
-    """DTensor's class once torch.distributed.tensor is imported (no DTensor exists before that,
-    so bf16opt never imports it itself)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+_DTENSOR: Optional[type] = None
+
+
+def dtensor_type() -> Optional[type]:
+    """DTensor's class once torch.distributed.tensor is imported, else None: no DTensor exists
+    before that, so bf16opt never imports it itself, and a step without DTensors can skip
+    every per-param DTensor test."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        module = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = getattr(module, "DTensor", None)
+    return _DTENSOR
+
+
+_dtensor_class = dtensor_type
 
 
 # torch.Tensor's own protocol slots: a subclass that keeps both changes no op
@@ -59,6 +69,8 @@ def check_known_tensor(tensor, what: str) -> None:
     """TypeError unless ``tensor`` is a plain tensor, a Parameter or a DTensor (or a subclass
     that overrides no op): any other subclass may hold no memory or change what ops do."""
     kind = type(tensor)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case first
+        return
     if is_dtensor(tensor):
         inner = local(tensor)
         if type(inner) is not torch.Tensor and not _plain_subclass(type(inner)):

@@ -28,7 +28,7 @@ from . import state_dict as state_dicts
 from .algorithms import Algorithm, KernelConfig, kernel_config
 from .backends import Bucket, check_backend_name, f32, reference, resolve_backend
 from .checks import check_flag, check_implementation_flags, check_no_aliasing, check_param, check_seed
-from .distributed import check_known_tensor, global_offset, is_dtensor, local, wrap_like
+from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local, wrap_like
 from .offload import Offloader, check_offload
 from .precision import Precision, as_precision, plan_for
 from .storage import stream_id
@@ -67,7 +67,8 @@ def _at_home(state: dict, device: torch.device, offloaded: bool) -> bool:
 
 
 def _layout(tensor) -> str:
-    return f"a DTensor placed {tuple(tensor.placements)}" if is_dtensor(tensor) else "a plain tensor"
+    return f"a DTensor placed {tuple(tensor.placements)} on {tensor.device_mesh}" if is_dtensor(tensor) \
+        else "a plain tensor"
 
 
 def _stream_ids(group: dict, first_index: int) -> list:
@@ -268,6 +269,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """The group's params that have grads; raises on grads the step cannot use (naming each
         param by its index in the optimizer, as state dicts do)."""
         params = []
+        distributed = dtensor_type() is not None  # else no DTensor exists in this process
         for index, param in enumerate(group["params"], start=first_index):
             grad = param.grad
             if grad is None:
@@ -275,9 +277,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if grad.is_sparse or grad.layout != torch.strided:
                 raise TypeError(f"{type(self).__name__} does not support sparse gradients "
                                 f"(param {index} has a {grad.layout} grad)")
-            check_known_tensor(grad, f"grad of param {index}")
-            if is_dtensor(grad) != is_dtensor(param) or (is_dtensor(grad) and (
-                    grad.device_mesh != param.device_mesh or tuple(grad.placements) != tuple(param.placements))):
+            if type(grad) is not torch.Tensor:  # (one C-level test for the common case)
+                check_known_tensor(grad, f"grad of param {index}")
+            if distributed and _layout(grad) != _layout(param):
                 raise TypeError(f"grad of param {index} is {_layout(grad)} but the param is {_layout(param)}; "
                                 f"the update pairs each shard of a param with the same shard of its grad")
             if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
@@ -312,6 +314,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         plan = _StepPlan()
         known = self._state_configs
+        distributed = dtensor_type() is not None  # else no DTensor exists in this process
         index = 0
         for group_number, group in enumerate(self.param_groups):
             precision = self._checked_precision(group)
@@ -332,7 +335,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for original in params:
                 number = position[id(original)]
                 # complex params are updated as real views, like torch; a DTensor as its local shard
-                param = real_view(local(original))
+                sharded = distributed and is_dtensor(original)
+                param = real_view(local(original) if sharded else original)
                 config = configs.get(param.dtype)
                 if config is None:
                     config = configs[param.dtype] = kernel_config(self.algorithm, plan_for(precision, param.dtype),
@@ -340,7 +344,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 home = HOST if offloader else param.device
                 # the state as the kernels see it: a DTensor param's buffers are DTensors
                 # sharded like it (what state_dict() and DCP save), read as their local shards
-                state = shards(self.state.get(original))
+                state = shards(self.state.get(original)) if sharded else self.state.get(original)
                 if not state:  # first step: a new state, installed in phase two
                     state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
                 elif known.get(original) != (config, home, offloader is not None):
@@ -375,8 +379,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
                                            config.track)
                 # stochastic rounding numbers a shard's elements by their index in the whole param
-                offset = global_offset(original, f"param {number}") if config.stochastic else 0
-                entries.append((param, real_view(local(original.grad)), config, {**state, **made}, counter,
+                offset = global_offset(original, f"param {number}") if sharded and config.stochastic else 0
+                entries.append((param, real_view(local(original.grad) if sharded else original.grad), config,
+                                {**state, **made}, counter,
                                 number, original, offset, ids[number - first_index]))
             if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
                 written = {id(p) for p, _ in plan.mirror_writes}

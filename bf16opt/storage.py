@@ -45,6 +45,7 @@ M the float32 bits, ``param = (M + 0x8000) >> 16`` (nearest, ties away from zero
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -115,6 +116,7 @@ def fmix32_int(h: int) -> int:
     return h ^ (h >> 16)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # asked for every named param at every step
 def name_id(name: str) -> int:
     """A param name's 32-bit stream identity: the first 4 bytes of its UTF-8 BLAKE2b-32
     digest, little-endian (deterministic across processes, unlike Python's salted hash)."""
