@@ -61,7 +61,9 @@ def local(tensor):
     """A DTensor's local shard (the same memory, not a copy); anything else as it is."""
     if not is_dtensor(tensor):
         return tensor
-    with torch.no_grad():  # to_local is differentiable; without grad it is the local tensor itself
+    if not torch.is_grad_enabled():  # (a step) to_local is then the local tensor itself
+        return tensor.to_local()
+    with torch.no_grad():  # to_local is differentiable
         return tensor.to_local()
 
 

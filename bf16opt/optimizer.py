@@ -277,9 +277,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if grad.is_sparse or grad.layout != torch.strided:
                 raise TypeError(f"{type(self).__name__} does not support sparse gradients "
                                 f"(param {index} has a {grad.layout} grad)")
-            if type(grad) is not torch.Tensor:  # (one C-level test for the common case)
-                check_known_tensor(grad, f"grad of param {index}")
-            if distributed and _layout(grad) != _layout(param):
+            grad_sharded = distributed and is_dtensor(grad)
+            if type(grad) is not torch.Tensor and not grad_sharded:  # (one C-level test for the common case)
+                check_known_tensor(grad, f"grad of param {index}")  # (a DTensor's local: staging checks it)
+            if distributed and (grad_sharded != is_dtensor(param) or grad_sharded and (
+                    grad.placements != param.placements or grad.device_mesh != param.device_mesh)):
                 raise TypeError(f"grad of param {index} is {_layout(grad)} but the param is {_layout(param)}; "
                                 f"the update pairs each shard of a param with the same shard of its grad")
             if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
@@ -288,6 +290,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                  f"({tuple(param.shape)}, {param.dtype}, {param.device})")
             params.append(param)
         return params
+
+    def _shard_offset(self, param, number: int) -> int:
+        """``distributed.global_offset`` of a DTensor param, cached while its placement holds."""
+        key = (param.placements, param.device_mesh, param.shape, local(param).shape)
+        cached = self._side_dict("_shard_offsets").get(param)
+        if cached is None or cached[0] != key:
+            cached = self._side_dict("_shard_offsets")[param] = (key, global_offset(param, f"param {number}"))
+        return cached[1]
 
     @staticmethod
     def _step_count(state: dict, number: int) -> int:
@@ -379,7 +389,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
                                            config.track)
                 # stochastic rounding numbers a shard's elements by their index in the whole param
-                offset = global_offset(original, f"param {number}") if sharded and config.stochastic else 0
+                offset = self._shard_offset(original, number) if sharded and config.stochastic else 0
                 entries.append((param, real_view(local(original.grad) if sharded else original.grad), config,
                                 {**state, **made}, counter,
                                 number, original, offset, ids[number - first_index]))
