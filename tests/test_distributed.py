@@ -224,6 +224,51 @@ def check_ddp(rank: int) -> list:
         ([] if torch.equal(gathered[0], gathered[1]) else ["DDP: ranks out of sync"])
 
 
+def check_full_state_dict(rank: int) -> list:
+    """StateDictOptions(full_state_dict=True): whole tensors out (rank 0), each rank's slice back in.
+    (Not with fp32-remainder: torch gathers the int16 remainder with an all-gather, which gloo,
+    like NCCL, has no int16 for -- docs/integrations_dist.md.)"""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,  # noqa: PLC0415
+                                                         set_optimizer_state_dict)
+
+    failures = []
+    for preset in ("bf16-sr", "fp32"):
+        model = _fsdp2_model()
+        opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision=preset, seed=3)
+        train(model, opt, 1, 2)
+        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                             cpu_offload=True))
+        shapes = {key: tuple(value.shape) for key, value in full["state"]["0.weight"].items()} if rank == 0 else {}
+        if rank == 0 and shapes.get("exp_avg") != (5, 8):
+            failures.append(f"{preset}: full state dict holds {shapes}")
+        restored = _fsdp2_model(seed=1)
+        restored.load_state_dict(model.state_dict())
+        restored_opt = bf16opt.AdamW(restored.named_parameters(), lr=1e-2, precision=preset, seed=3)
+        set_optimizer_state_dict(restored, restored_opt, full if rank == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        train(model, opt, 2, 1)
+        train(restored, restored_opt, 2, 1)
+        if not all(torch.equal(bits(p.to_local()), bits(q.to_local()))
+                   for p, q in zip(model.parameters(), restored.parameters())):
+            failures.append(f"{preset}: a full state dict does not continue bit for bit")
+    return failures
+
+
+def check_integration_examples(rank: int, path: str) -> list:
+    """Every python block of docs/integrations_dist.md, run as written on this rank."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "integrations_dist.md"),
+                encoding="utf-8").read()
+    blocks = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+    failures = [] if len(blocks) == 3 else [f"docs/integrations_dist.md has {len(blocks)} python blocks, expected 3"]
+    for number, block in enumerate(blocks):
+        try:
+            exec(compile(block, f"integrations_dist.md block {number}", "exec"),  # noqa: S102
+                 {"rank": rank, "path": os.path.join(path, f"docs{number}"), "__name__": "example"})
+        except Exception as error:  # noqa: BLE001  (reported with its block)
+            failures.append(f"block {number}: {type(error).__name__}: {error}")
+    return failures
+
+
 def _worker(rank: int, world: int, port: int, path: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -234,6 +279,8 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
             "dcp": check_dcp_round_trip(rank, path),
             "zero": check_zero_redundancy(rank),
             "ddp": check_ddp(rank),
+            "full_state_dict": check_full_state_dict(rank),
+            "docs": check_integration_examples(rank, path),
         }
     finally:
         dist.destroy_process_group()
@@ -249,11 +296,13 @@ def _free_port() -> int:
 def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks():
     """FSDP2 (uneven shards, an empty shard) equals one process bit for bit for every preset,
     Lion and SGD with stochastic rounding, offload='cpu'; Shard(1) placements; DCP save/load
-    continues bit for bit; ZeroRedundancyOptimizer and DDP equal one process."""
+    and full state dicts continue bit for bit; ZeroRedundancyOptimizer and DDP equal one
+    process; docs/integrations_dist.md's examples run."""
     results = mp.Manager().dict()
     with tempfile.TemporaryDirectory() as path:
         mp.spawn(_worker, args=(2, _free_port(), path, results), nprocs=2, join=True)
-    expected = {"fsdp2": [], "tensor_parallel": [], "dcp": [], "zero": [], "ddp": []}
+    expected = {"fsdp2": [], "tensor_parallel": [], "dcp": [], "zero": [], "ddp": [], "full_state_dict": [],
+                "docs": []}
     assert dict(results) == {0: expected, 1: expected}
 
 
