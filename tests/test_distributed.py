@@ -142,7 +142,28 @@ def check_tensor_parallel_placements(rank: int) -> list:
             failures.append(f"grad placement: {error}")
     if not torch.equal(before, bits(sharded.to_local())) or sr.state:
         failures.append("a refused step changed the param or made state")
+    from torch.distributed.tensor import DTensor, Partial  # noqa: PLC0415
+    partial = nn.Parameter(DTensor.from_local(torch.ones(3), mesh, [Partial()]))
+    try:
+        bf16opt.AdamW([partial])
+        failures.append("a Partial DTensor param: no TypeError")
+    except TypeError as error:
+        if "Partial placement" not in str(error):
+            failures.append(f"Partial: {error}")
     return failures
+
+
+def check_precision_change(rank: int) -> list:
+    """A group's precision edited between steps converts DTensor state on the shards (here into
+    fp32-remainder, which rewrites the param) exactly as it does in one process."""
+    single, sharded = make_model(), _fsdp2_model()
+    opts = [bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision="bf16-sr", seed=2)
+            for model in (single, sharded)]
+    for model, opt in zip((single, sharded), opts):
+        train(model, opt, 1, 2)
+        opt.param_groups[0]["precision"] = "fp32-remainder"
+        train(model, opt, 2, 2)
+    return [f"bf16-sr -> fp32-remainder: {what}" for what in _same_shards(single, opts[0], sharded, opts[1])]
 
 
 def check_dcp_round_trip(rank: int, path: str) -> list:
@@ -276,6 +297,7 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
         results[rank] = {
             "fsdp2": check_fsdp2_matches_one_process(rank),
             "tensor_parallel": check_tensor_parallel_placements(rank),
+            "precision_change": check_precision_change(rank),
             "dcp": check_dcp_round_trip(rank, path),
             "zero": check_zero_redundancy(rank),
             "ddp": check_ddp(rank),
@@ -301,7 +323,7 @@ def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks():
     results = mp.Manager().dict()
     with tempfile.TemporaryDirectory() as path:
         mp.spawn(_worker, args=(2, _free_port(), path, results), nprocs=2, join=True)
-    expected = {"fsdp2": [], "tensor_parallel": [], "dcp": [], "zero": [], "ddp": [], "full_state_dict": [],
+    expected = {"fsdp2": [], "tensor_parallel": [], "precision_change": [], "dcp": [], "zero": [], "ddp": [], "full_state_dict": [],
                 "docs": []}
     assert dict(results) == {0: expected, 1: expected}
 
