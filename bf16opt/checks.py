@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from .distributed import check_known_tensor, local
 from .precision import FLOAT64, PARAM_DTYPES
 
 def check_number(value, argument: str, label: Optional[str] = None, *, low: float = 0.0,
@@ -103,6 +104,7 @@ def check_param(param, name: str) -> None:
     state exists (``name``: e.g. "params[3]" or the param's name)."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(param).__name__}")
+    check_known_tensor(param, name)
     if param.is_sparse or param.layout != torch.strided:
         raise TypeError(f"{name} has layout {param.layout}; only dense (strided) params "
                         f"are supported")
@@ -119,7 +121,7 @@ def check_param(param, name: str) -> None:
     if param.is_inference():
         raise ValueError(f"{name} was created under torch.inference_mode() and cannot be updated "
                          f"in place outside it; create it (or clone it) outside inference mode")
-    if param.numel() > 1 and torch._debug_has_internal_overlap(param) == 1:
+    if param.numel() > 1 and torch._debug_has_internal_overlap(local(param)) == 1:
         raise ValueError(f"{name} has elements that share memory (an expanded, stride-0 view?); "
                          f"an in-place update would write each location several times; pass a "
                          f"materialised tensor (.clone())")
@@ -143,6 +145,7 @@ def check_no_aliasing(tensors: list, names: list) -> None:
         seen[id(tensor)] = name
     by_storage: dict = {}
     for tensor, name in zip(tensors, names):
+        tensor = local(tensor)  # a DTensor's memory is its local shard's
         if tensor.numel() == 0:
             continue
         key = (tensor.device, tensor.untyped_storage().data_ptr())

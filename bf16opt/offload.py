@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from .distributed import local
 from .offload_copies import CopyEngine, engine_for
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "Offloader", "check_offload", "use_copy_engine"]
@@ -122,7 +123,7 @@ class _HostParam:
                  "mirror_version", "mirror_print", "mirror_transfer", "uploads", "hook", "__weakref__")
 
     def __init__(self, engine: CopyEngine, param: torch.Tensor):
-        real = _real(param)
+        real = _real(local(param))  # a DTensor's host buffers hold its local shard
         self.mirror = engine.host_empty(real.shape, real.dtype)   # the param's value on the host
         self.grad = engine.host_empty(real.shape, real.dtype)     # its grad's staging buffer (the grad's dtype)
         self.grad_ref = None          # weakref to the grad tensor last copied
@@ -191,7 +192,7 @@ class Offloader:
 
     def host_like(self, param: torch.Tensor, dtype: torch.dtype, value: Optional[torch.Tensor] = None):
         """A host buffer shaped like ``param``'s real view: zeros, or ``value`` copied in."""
-        real = _real(param)
+        real = _real(local(param))
         buffer = self.engine(param.device).host_empty(real.shape, dtype)
         if value is None:
             buffer.zero_()
@@ -223,12 +224,13 @@ class Offloader:
         if record.grad_transfer is not None:
             record.grad_transfer.wait()  # one copy into the staging buffer at a time
         grad = param.grad
-        real = _real(grad)
+        data = local(grad)  # a DTensor grad: its local shard
+        real = _real(data)
         if record.grad.dtype != real.dtype:  # float32 grads of a 16-bit param: staged as float32, not rounded
             record.grad = self.engine(param.device).host_empty(real.shape, real.dtype)
-        record.grad_print = fingerprint(grad)
+        record.grad_print = fingerprint(data)
         record.grad_transfer = self.engine(param.device).to_host(record.grad, real)
-        record.grad_ref, record.grad_version = weakref.ref(grad), grad._version
+        record.grad_ref, record.grad_version = weakref.ref(grad), data._version
 
     def stage(self, params: list, reads_param: list) -> list:
         """(mirror, grad buffer) per param for this step's update: a staged grad is reused only
@@ -238,14 +240,15 @@ class Offloader:
         records = [self.record(param) for param in params]
         checks = []  # (record position, kind, recorded fingerprint, current fingerprint)
         for k, (param, record, reads) in enumerate(zip(params, records, reads_param)):
-            grad = param.grad
-            if record.grad_ref is not None and record.grad_ref() is grad and record.grad_version == grad._version:
-                checks.append((k, "grad", record.grad_print, fingerprint(grad)))
+            grad, shard = param.grad, local(param)
+            if record.grad_ref is not None and record.grad_ref() is grad and \
+                    record.grad_version == local(grad)._version:
+                checks.append((k, "grad", record.grad_print, fingerprint(local(grad))))
             else:
                 self._copy_grad(param, record)
             if reads:
-                if record.mirror_version == param._version and record.mirror_print is not None:
-                    checks.append((k, "mirror", record.mirror_print, fingerprint(param)))
+                if record.mirror_version == shard._version and record.mirror_print is not None:
+                    checks.append((k, "mirror", record.mirror_print, fingerprint(shard)))
                 else:
                     self._read_mirror(param, record)
         if checks:
@@ -262,8 +265,9 @@ class Offloader:
         for upload in record.uploads:  # they read the mirror
             upload.wait()
         record.uploads = []
-        record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(param.detach()))
-        record.mirror_version, record.mirror_print = param._version, fingerprint(param)
+        shard = local(param)
+        record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(shard.detach()))
+        record.mirror_version, record.mirror_print = shard._version, fingerprint(shard)
 
     def set_mirror(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """The param was just written with ``value`` (a state conversion): the mirror follows."""
@@ -273,7 +277,8 @@ class Offloader:
                 transfer.wait()
         record.uploads, record.mirror_transfer = [], None
         record.mirror.copy_(value)
-        record.mirror_version, record.mirror_print = param._version, fingerprint(param)
+        shard = local(param)
+        record.mirror_version, record.mirror_print = shard._version, fingerprint(shard)
 
     # ---- the pipeline
     @staticmethod
@@ -326,14 +331,15 @@ class Offloader:
                         transfer.wait()
                 tensors = [None if bucket.tensors[k][i] is None else
                            bucket.tensors[k][i].view(-1)[start:start + count] for k in range(n_roles)]
-                piece_bucket.append(tensors, bucket.indices[i], start)
+                # a piece keeps its elements' global indices and its param's streams
+                piece_bucket.append(tensors, bucket.indices[i], bucket.offset(i) + start, bucket.stream_id(i))
             if bucket.counts is not None:
                 piece_bucket.counts = torch.zeros(len(chunk), 3, dtype=torch.int64)
             backend.prepare(piece_bucket, scalars)()
             for row, (i, start, count) in enumerate(chunk):
                 if bucket.counts is not None:
                     bucket.counts[i] += piece_bucket.counts[row]
-                param = _real(params[i].detach())
+                param = _real(local(params[i]).detach())
                 record = records[i]
                 if param.is_contiguous():
                     transfer = self.engine(params[i].device).to_device(
@@ -348,8 +354,9 @@ class Offloader:
             engine.publish([t for t in uploads])
         reads_param = bucket.config.weights != "copy"  # (a master copy wins over param edits)
         for param, record in zip(params, records):  # the mirror is what the param now holds
-            record.mirror_version = param._version
-            record.mirror_print = fingerprint(param) if reads_param else None
+            shard = local(param)
+            record.mirror_version = shard._version
+            record.mirror_print = fingerprint(shard) if reads_param else None
 
     # ---- accounting
     def host_bytes(self) -> dict:

@@ -35,8 +35,10 @@ from .algorithms import Algorithm, KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, check_backend_name, f32, reference, resolve_backend
 from .checks import (check_amp_tensor, check_flag, check_implementation_flags, check_no_aliasing,
                      check_param, check_seed)
+from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local, wrap_like
 from .offload import Offloader, check_offload
 from .precision import Precision, as_precision, plan_for
+from .storage import stream_id
 
 
 def real_view(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -48,11 +50,42 @@ def real_view(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 HOST = torch.device("cpu")
 
 
+def shards(state: Optional[dict]) -> Optional[dict]:
+    """A param's state with every DTensor buffer as its local shard (what the backends update)."""
+    if not state or not any(is_dtensor(value) for value in state.values()):
+        return state
+    return {key: local(value) for key, value in state.items()}
+
+
+def wrapped(state: dict, param) -> dict:
+    """Local state buffers of ``param`` as DTensors sharded like it (``step`` stays a plain
+    tensor, as in torch.optim); unchanged for plain params."""
+    if not is_dtensor(param):
+        return state
+    return {key: value if key == "step" or not isinstance(value, torch.Tensor) else wrap_like(value, param)
+            for key, value in state.items()}
+
+
 def _at_home(state: dict, device: torch.device, offloaded: bool) -> bool:
     """True when every state buffer is on ``device`` (the step counter lives on the CPU), and
     contiguous when offloaded (the pipeline walks host buffers in flat pieces)."""
     return all(value.device == device and (not offloaded or value.is_contiguous())
                for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor))
+
+
+def _layout(tensor) -> str:
+    return f"a DTensor placed {tuple(tensor.placements)} on {tensor.device_mesh}" if is_dtensor(tensor) \
+        else "a plain tensor"
+
+
+def _stream_ids(group: dict, first_index: int) -> list:
+    """Each param's stochastic-rounding stream id: its name's hash when the group has names
+    (``model.named_parameters()``), else its position in the optimizer; a group loaded from
+    a format-1 state dict keeps positions (``sr_streams``, see state_dict.py)."""
+    names = group.get("param_names")
+    if names is None or group.get("sr_streams") == "position":
+        return [first_index + i for i in range(len(group["params"]))]
+    return [stream_id(first_index + i, name) for i, name in enumerate(names)]
 
 
 def _float64_backend(name: str):
@@ -192,6 +225,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         check_flag(group.get("track_precision", False), "track_precision")
         if "seed" in group:
             group["seed"] = check_seed(group["seed"])  # numpy integers become ints
+        if group.get("sr_streams", "position") != "position":
+            raise ValueError(f"sr_streams may only be 'position' (random streams named by position, as "
+                             f"in format-1 state dicts), got {group['sr_streams']!r}")
         self._check_hyperparameters(group)
         return precision
 
@@ -245,6 +281,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """The group's params that have grads; raises on grads the step cannot use (naming each
         param by its index in the optimizer, as state dicts do)."""
         params = []
+        distributed = dtensor_type() is not None  # else no DTensor exists in this process
         for index, param in enumerate(group["params"], start=first_index):
             grad = param.grad
             if grad is None:
@@ -252,6 +289,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if grad.is_sparse or grad.layout != torch.strided:
                 raise TypeError(f"{type(self).__name__} does not support sparse gradients "
                                 f"(param {index} has a {grad.layout} grad)")
+            grad_sharded = distributed and is_dtensor(grad)
+            if type(grad) is not torch.Tensor and not grad_sharded:  # (one C-level test for the common case)
+                check_known_tensor(grad, f"grad of param {index}")  # (a DTensor's local: staging checks it)
+            if distributed and (grad_sharded != is_dtensor(param) or grad_sharded and (
+                    grad.placements != param.placements or grad.device_mesh != param.device_mesh)):
+                raise TypeError(f"grad of param {index} is {_layout(grad)} but the param is {_layout(param)}; "
+                                f"the update pairs each shard of a param with the same shard of its grad")
             # float32 grads of 16-bit params are read as they are (float32 accumulation);
             # complex params keep grads of their own dtype
             dtype_ok = grad.dtype == param.dtype or (
@@ -264,6 +308,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                  f"bfloat16/float16 param)")
             params.append(param)
         return params
+
+    def _shard_offset(self, param, number: int) -> int:
+        """``distributed.global_offset`` of a DTensor param, cached while its placement holds."""
+        key = (param.placements, param.device_mesh, param.shape, local(param).shape)
+        cached = self._side_dict("_shard_offsets").get(param)
+        if cached is None or cached[0] != key:
+            cached = self._side_dict("_shard_offsets")[param] = (key, global_offset(param, f"param {number}"))
+        return cached[1]
 
     @staticmethod
     def _step_count(state: dict, number: int) -> int:
@@ -291,6 +343,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         plan = _StepPlan()
         known = self._state_configs
+        distributed = dtensor_type() is not None  # else no DTensor exists in this process
         index = 0
         for group_number, group in enumerate(self.param_groups):
             precision = self._checked_precision(group)
@@ -304,23 +357,29 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             backends = {device: resolve_backend(group["backend"], HOST if offloader else device)
                         for device in {param.device for param in params}}
             position = {id(p): first_index + i for i, p in enumerate(group["params"])}
+            ids = _stream_ids(group, first_index)
             flags, track = tuple(self._flags(group).items()), bool(group.get("track_precision"))
             configs = {}  # param dtype -> config (one lookup per dtype, not per param)
             entries = []
             for original in params:
                 number = position[id(original)]
-                param = real_view(original)  # complex params are updated as real views, like torch
+                # complex params are updated as real views, like torch; a DTensor as its local shard
+                sharded = distributed and is_dtensor(original)
+                param = real_view(local(original) if sharded else original)
                 config = configs.get(param.dtype)
                 if config is None:
                     config = configs[param.dtype] = kernel_config(self.algorithm, plan_for(precision, param.dtype),
                                                                   flags, track)
                 home = HOST if offloader else param.device
-                state = self.state.get(original)
+                # the state as the kernels see it: a DTensor param's buffers are DTensors
+                # sharded like it (what state_dict() and DCP save), read as their local shards
+                state = shards(self.state.get(original)) if sharded else self.state.get(original)
                 if not state:  # first step: a new state, installed in phase two
                     state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
                 elif known.get(original) != (config, home, offloader is not None):
+                    changed = False
                     if not _at_home(state, home, offloader is not None):  # `offload` was edited
-                        state = plan.states[original] = {
+                        changed, state = True, {
                             key: value if key == "step" or not isinstance(value, torch.Tensor)
                             else (offloader.to_host(value) if offloader else value.to(param.device))
                             for key, value in state.items()}
@@ -332,23 +391,28 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         if offloader:
                             state = {key: value if key == "step" else offloader.to_host(value)
                                      for key, value in state.items()}
-                        plan.states[original] = state
+                        changed = True
                         if new_param is not None:
                             plan.param_writes.append((param, new_param.to(param.device)))
                             if offloader:  # the host mirror takes the new bits too, not a stale read
                                 plan.mirror_writes.append((original, new_param))
+                    if changed:
+                        plan.states[original] = wrapped(state, original)
                 counter = self._step_count(state, number)
                 made = self._new_buffers(param, state, config, offloader)
                 if made:
-                    plan.buffers[original] = made
+                    plan.buffers[original] = wrapped(made, original)
                 plan.known[original] = (config, home, offloader is not None)
                 fresh = self._fresh_flags(set(made))
                 grad_dtype = real_view(original.grad).dtype
                 if fresh or grad_dtype != config.grad:  # the launch's config (the state's is known above)
                     config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
                                            config.track, grad_dtype)
-                entries.append((param, real_view(original.grad), config, {**state, **made}, counter, number,
-                                original))
+                # stochastic rounding numbers a shard's elements by their index in the whole param
+                offset = self._shard_offset(original, number) if sharded and config.stochastic else 0
+                entries.append((param, real_view(local(original.grad) if sharded else original.grad), config,
+                                {**state, **made}, counter,
+                                number, original, offset, ids[number - first_index]))
             if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
                 written = {id(p) for p, _ in plan.mirror_writes}
                 staged = offloader.stage([e[6] for e in entries], [e[2].weights != "copy" and id(e[6]) not in written
@@ -359,14 +423,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._check_steps(counts, [e[5] for e in entries])
             steps = [int(s) + 1 for s in counts]
             buckets, originals = {}, {}
-            for (param, grad, config, state, _, number, original), step in zip(entries, steps):
+            for (param, grad, config, state, _, number, original, offset, sid), step in zip(entries, steps):
                 key = (param.device, config, step)
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = Bucket(config, seed=group["seed"], step=step)
                     originals[key] = []
                 bucket.append([param, grad] + [None if state_key is None else state[state_key]
-                                               for state_key in config.state_keys[2:]], number)
+                                               for state_key in config.state_keys[2:]], number, offset, sid)
                 originals[key].append(original)
             for key, bucket in buckets.items():
                 device, config, step = key

@@ -10,6 +10,15 @@ when a group's precision or a param's dtype changes between steps.
 
 Everything here checks before it changes anything: :func:`load` builds the new groups
 and state aside and swaps them in only when all of it fits.
+
+DTensor params (FSDP2): state buffers are DTensors sharded like the param (as torch.optim's,
+so ``torch.distributed.checkpoint`` saves and reshards them); a saved buffer is loaded as
+this rank's shard -- a DTensor placed like the param gives its local tensor, a plain tensor
+of the param's whole shape (a full state dict) the slice this rank holds.
+
+Format (``STATE_DICT_FORMAT``): 2 since stochastic rounding names a named param's random
+streams by its name; a format-1 state dict keeps position streams (see below and
+docs/numerics.md, "State-dict format").
 """
 
 from __future__ import annotations
@@ -22,17 +31,29 @@ from collections.abc import Hashable, Mapping
 import torch
 
 from .algorithms import KernelConfig
+from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
 
 
 def real_view(tensor):
     from .optimizer import real_view as view  # (optimizer imports this module)
     return view(tensor)
+
+
+def wrapped(state, param):
+    from .optimizer import wrapped as wrap  # noqa: PLC0415
+    return wrap(state, param)
+
+
 from .storage import decode, encode, join_remainder, split_remainder
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "convert_state", "load", "save", "state_fits"]
 
-STATE_DICT_FORMAT = 1
+#: 2: stochastic rounding's streams are named by param names when the optimizer has them
+#: (1: always by position).  A format-1 state dict loads with ``sr_streams="position"`` in
+#: every named group, so a run saved by an older bf16opt continues with the same bits; the
+#: entry is saved with the group and survives later saves and loads (DCP's too).
+STATE_DICT_FORMAT = 2
 # Group entries that describe this optimizer object, not the training run: when a
 # state dict is loaded, the live optimizer keeps its own values for these.
 IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "offload_threads", "foreach", "fused", "capturable",
@@ -79,6 +100,7 @@ def load(optimizer, state_dict: dict) -> None:
     if isinstance(meta, dict) and meta.get("family") != optimizer.algorithm.name:
         raise ValueError(f"state_dict was saved by bf16opt.{meta.get('optimizer')}, which cannot "
                          f"be loaded into {name}")
+    legacy = isinstance(meta, dict) and meta.get("format") == 1
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
@@ -91,9 +113,11 @@ def load(optimizer, state_dict: dict) -> None:
             raise ValueError(f"loaded state dict's param group {number} has "
                              f"{len(saved['params'])} params, this optimizer's has "
                              f"{len(live['params'])}")
-        group = {key: value for key, value in live.items() if key != "params"}
+        group = {key: value for key, value in live.items() if key not in ("params", "sr_streams")}
         group.update({key: value for key, value in saved.items()
                       if key not in IMPLEMENTATION_KEYS and key != "params"})
+        if legacy and "param_names" in group:  # format 1 named every param's streams by position
+            group["sr_streams"] = "position"
         optimizer._force_group_entries(group)
         optimizer._check_group(group, live["params"])
         group["params"] = live["params"]
@@ -110,15 +134,18 @@ def load(optimizer, state_dict: dict) -> None:
             raise ValueError(f"loaded state dict holds state for param index {index!r}, "
                              f"which none of its param groups lists")
         param, group = param_of_index[index]
-        real = real_view(param)
+        real = real_view(local(param))  # a DTensor param: its local shard
         config = optimizer._state_config(group, real)
         offloaded = group.get("offload") == "cpu"  # its state lives in host RAM
         like = real.detach().to("cpu").contiguous() if offloaded else real
+        if is_dtensor(param) and isinstance(saved_state, Mapping):  # each saved buffer as this rank's shard
+            saved_state = {key: value if key == "step" else shard_of(value, param, f"{key} of param {index}")
+                           for key, value in saved_state.items()}
         state, new_param = convert_state(config, saved_state, like, index, name)
         if offloaded:
             state = {key: value if key == "step" else optimizer._offloader.to_host(value)
                      for key, value in state.items()}
-        new_state[param] = state
+        new_state[param] = wrapped(state, param)
         if new_param is not None:
             param_writes.append((real, new_param.to(real.device)))
 

@@ -25,7 +25,10 @@ and launch shape draws the same bits:
       for word in (seed & M, (seed >> 32 ^ step >> 32) & M, step & M, tensor_index & M, buffer):
           k = fmix32((k ^ word) + 0x9E3779B9)
 
-* per element ``i`` (the row-major index in the tensor):
+  ``tensor_index`` is the param's identity (``stream_id``): the 32-bit hash of its name
+  when the optimizer was given named params, else its position in the optimizer.
+* per element ``i`` (the row-major index in the whole, unsharded param: a shard of a
+  DTensor or a piece of an offloaded param adds its first element's global index):
   ``r = fmix32(k ^ (i * 0x9E3779B9 mod 2**32))``.
 * bfloat16: ``bits(x) + (r >> 16)``, then keep the upper 16 bits (rounds the magnitude
   up with probability equal to the dropped fraction).
@@ -42,6 +45,8 @@ M the float32 bits, ``param = (M + 0x8000) >> 16`` (nearest, ties away from zero
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 
 import torch
@@ -109,6 +114,19 @@ def fmix32_int(h: int) -> int:
     h ^= h >> 13
     h = (h * 0xC2B2AE35) & MASK32
     return h ^ (h >> 16)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # asked for every named param at every step
+def name_id(name: str) -> int:
+    """A param name's 32-bit stream identity: the first 4 bytes of its UTF-8 BLAKE2b-32
+    digest, little-endian (deterministic across processes, unlike Python's salted hash)."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=4).digest(), "little")
+
+
+def stream_id(position: int, name=None) -> int:
+    """What names a param's random streams (``stream_key``'s ``tensor_index``): its name's
+    hash when it has one, else its position in the optimizer."""
+    return position if name is None else name_id(name)
 
 
 def stream_key(seed: int, step: int, tensor_index: int, buffer: int) -> int:

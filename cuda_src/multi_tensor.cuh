@@ -10,8 +10,10 @@
 //
 //   table[r * n + t]        data pointer of role r of tensor t (0 when unused)
 //   table[R * n + t]        number of elements of tensor t
-//   table[(R + 1) * n + t]  tensor t's index in the optimizer (names its random streams)
+//   table[(R + 1) * n + t]  tensor t's stream id (names its random streams)
 //   table[(R + 2) * n + t]  index of tensor t's first chunk; entry n is the total
+//   table[(R + 3) * n + 1 + t]  global element index of tensor t's first element (a
+//                           DTensor shard's offset in the whole param; random streams only)
 //
 // Chunk c covers elements [k * chunk_size, min((k + 1) * chunk_size, size)) of the
 // tensor t whose chunk range holds c (k = c - first chunk of t).  Blocks walk the
@@ -45,6 +47,9 @@ struct ChunkTable {
   __device__ __forceinline__ i64 index(int tensor) const { return table[(R + 1) * n_tensors + tensor]; }
   __device__ __forceinline__ i64 first_chunk(int tensor) const {
     return table[(R + 2) * n_tensors + tensor];
+  }
+  __device__ __forceinline__ i64 first_element(int tensor) const {
+    return table[(R + 3) * n_tensors + 1 + tensor];
   }
   // The last tensor whose first chunk is <= chunk (tensors without chunks are skipped).
   __device__ __forceinline__ int tensor_of_chunk(i64 chunk) const {
@@ -206,7 +211,8 @@ __device__ __forceinline__ void update_chunks(const i64* table, int n_tensors, i
   const ChunkTable<Update::kRoles> tab{table, n_tensors};
   for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
     const Update up(tab, tensor);
-    const Streams streams = make_streams<Update::kStochastic>(seed, step, tab.index(tensor));
+    const Streams streams = make_streams<Update::kStochastic>(seed, step, tab.index(tensor),
+                                                                 tab.first_element(tensor));
     Tally<Update::kTrack> tally;
     const i64 stride = blockDim.x;
     i64 scalar_from = 0;

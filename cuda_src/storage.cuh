@@ -81,14 +81,15 @@ struct EncodeContext {
 // compute the keys (kNeeded = false).
 struct Streams {
   u32 key[kBuffers];
+  i64 first;  // global index of the tensor's element 0 (a shard's offset in its param)
   __device__ __forceinline__ EncodeContext at(int buffer, i64 index) const {
-    return EncodeContext{key[buffer], static_cast<u32>(index)};
+    return EncodeContext{key[buffer], static_cast<u32>(index + first)};
   }
 };
 
 template <bool kNeeded>
-__device__ __forceinline__ Streams make_streams(u64 seed, i64 step, i64 tensor_index) {
-  Streams s{{0u, 0u, 0u, 0u}};
+__device__ __forceinline__ Streams make_streams(u64 seed, i64 step, i64 tensor_index, i64 first = 0) {
+  Streams s{{0u, 0u, 0u, 0u}, first};
   if constexpr (kNeeded) {
 #pragma unroll
     for (int b = 0; b < kBuffers; ++b) s.key[b] = stream_key(seed, step, tensor_index, static_cast<u32>(b));

@@ -154,6 +154,26 @@ for row_id, opt_class, kwargs in [
     case(row_id)(construct(opt_class, **kwargs))
 
 
+class Overriding(torch.Tensor):
+    """A subclass that overrides torch's ops (as quantised or logging tensors do)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass: no storage of its own, data pointer 0."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"Wrapper does not implement {func}")
+
+
 def construct_with(params_of):
     """Constructor row with special params: ``params_of(a, b)`` gives the params argument."""
     def make():
@@ -184,6 +204,8 @@ for row_id, params_of in [
     ("param-meta", lambda a, b: [torch.empty(3, device="meta")]),
     ("param-expanded", lambda a, b: [torch.zeros(1).expand(4)]),
     ("param-inference-mode", lambda a, b: [_inference_tensor()]),
+    ("param-tensor-subclass", lambda a, b: [torch.zeros(3).as_subclass(Overriding)]),
+    ("param-storageless-subclass", lambda a, b: [Wrapper((3,), torch.float32)]),
 ]:
     case(row_id)(construct_with(params_of))
 
@@ -233,6 +255,11 @@ for row_id, change, opt_class in [
      bf16opt.AdamW),
     ("grad-sparse-sgd", lambda opt, a, b: setattr(b, "grad", torch.ones(3, dtype=b.dtype).to_sparse()),
      bf16opt.SGD),
+    ("grad-tensor-subclass", lambda opt, a, b: setattr(b, "grad", torch.ones(3, dtype=b.dtype)
+                                                       .as_subclass(Overriding)), bf16opt.AdamW),
+    ("state-tensor-subclass", lambda opt, a, b: _set(opt.state[b], "exp_avg", torch.zeros(3).as_subclass(Overriding)),
+     bf16opt.AdamW),
+    ("edited-sr-streams", lambda opt, a, b: _set(opt.param_groups[1], "sr_streams", "name"), bf16opt.AdamW),
     ("edited-lr-negative", lambda opt, a, b: _set(opt.param_groups[1], "lr", -1.0), bf16opt.AdamW),
     ("edited-lr-overflows-float32", lambda opt, a, b: _set(opt.param_groups[1], "lr", 1e39), bf16opt.AdamW),
     ("edited-precision-unknown", lambda opt, a, b: _set(opt.param_groups[1], "precision", "bf17"),

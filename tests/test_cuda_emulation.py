@@ -262,7 +262,12 @@ def make_bucket(config: KernelConfig, sizes: list, rng: np.random.Generator, spe
     counts = None
     if config.track:
         counts = torch.full((len(sizes), 3), -1, dtype=torch.int64)  # must be overwritten
-    return Bucket.of(config, columns, indices=indices, seed=seed, step=first_step, counts=counts)
+    # sometimes a DTensor shard's view: its elements' global indices start past 0 (past 2**32
+    # too) and a name hash names its streams
+    offsets = ([int(o) for o in rng.integers(0, 2 ** 34, len(sizes))] if rng.random() < 0.3 else [])
+    streams = ([int(i) for i in rng.integers(0, 2 ** 32, len(sizes))] if rng.random() < 0.3 else [])
+    return Bucket.of(config, columns, indices=indices, offsets=offsets, stream_ids=streams, seed=seed,
+                     step=first_step, counts=counts)
 
 
 def clone_bucket(bucket: Bucket) -> Bucket:
@@ -270,7 +275,8 @@ def clone_bucket(bucket: Bucket) -> Bucket:
     def copy(t):
         return None if t is None else t.clone()
     return Bucket(bucket.config, [[copy(t) for t in column] for column in bucket.tensors],
-                  indices=list(bucket.indices), seed=bucket.seed, step=bucket.step,
+                  indices=list(bucket.indices), offsets=list(bucket.offsets),
+                  stream_ids=list(bucket.stream_ids), seed=bucket.seed, step=bucket.step,
                   counts=copy(bucket.counts))
 
 

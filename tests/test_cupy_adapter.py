@@ -33,15 +33,18 @@ def test_launch_plan_layout():
     n = 3  # the empty tensor is left out
     assert plan.n_tensors == n and plan.chunk_size == 16 and plan.block == 4
     table = plan.table
-    assert table.dtype == np.int64 and table.size == (2 + 3) * n + 1
+    assert table.dtype == np.int64 and table.size == (2 + 4) * n + 1
     assert list(table[0:n]) == [100, 500, 700]          # role 0 pointers
     assert list(table[n:2 * n]) == [200, 600, 800]      # role 1 pointers
     assert list(table[2 * n:3 * n]) == [10, 33, 16]     # sizes
     assert list(table[3 * n:4 * n]) == [0, 2, 3]        # optimizer indices (default: position)
-    assert list(table[4 * n:]) == [0, 1, 4, 5]          # first chunk per tensor, then total
+    assert list(table[4 * n:5 * n + 1]) == [0, 1, 4, 5]  # first chunk per tensor, then total
+    assert list(table[5 * n + 1:]) == [0, 0, 0]         # first element's global index (default 0)
     assert plan.n_chunks == 5 and plan.grid == 5 and plan.columns == (0, 2, 3)
     plan = cuda_backend.build_launch_plan(pointers, sizes, indices=[7, 8, 2 ** 40, 9], chunk_size=16)
     assert list(plan.table[3 * n:4 * n]) == [7, 2 ** 40, 9]
+    plan = cuda_backend.build_launch_plan(pointers, sizes, offsets=[5, 6, 2 ** 33, 0], chunk_size=16)
+    assert list(plan.table[5 * n + 1:]) == [5, 2 ** 33, 0]  # a shard's offset in its param
 
 
 def test_launch_plan_grid_cap_and_edge_cases():

@@ -1,15 +1,11 @@
-"""bf16opt inside real training loops: GradScaler, clipping, closures, per-group precision, DDP."""
+"""bf16opt inside real training loops: GradScaler, clipping, closures, per-group precision."""
 
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import bf16opt
@@ -101,45 +97,4 @@ def test_optimizer_deepcopies():
     assert len(clone.state) == len(opt.state)
 
 
-# ------------------------------------------------------------------- distributed
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank: int, world: int, port: int, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)  # same initial weights on every rank
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(torch.bfloat16)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = bf16opt.AdamW(ddp.parameters(), lr=1e-2, precision="bf16")
-        generator = torch.Generator().manual_seed(100 + rank)  # different data per rank
-        for _ in range(5):
-            x = torch.randn(16, 8, generator=generator).to(torch.bfloat16)
-            opt.zero_grad()
-            ddp(x).float().pow(2).mean().backward()
-            opt.step()
-        flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-        gathered = [torch.zeros_like(flat) for _ in range(world)]
-        dist.all_gather(gathered, flat)
-        results[rank] = (torch.equal(gathered[0], gathered[1]),
-                         not torch.equal(flat, torch.cat([p.detach().float().reshape(-1)
-                                                          for p in _initial_model().parameters()])))
-    finally:
-        dist.destroy_process_group()
-
-
-def _initial_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(torch.bfloat16)
-
-
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                    reason="torch.distributed with the gloo backend is not available in this torch build")
-def test_distributed_data_parallel_keeps_ranks_in_sync():
-    results = mp.Manager().dict()
-    mp.spawn(_ddp_worker, args=(2, _free_port(), results), nprocs=2, join=True)
-    assert dict(results) == {0: (True, True), 1: (True, True)}
+# DDP, FSDP2, DCP and ZeroRedundancyOptimizer: tests/test_distributed.py (one spawned process group)

@@ -34,7 +34,10 @@ class Bucket:
     # index of each tensor's first element in its param: a chunk of a param (the offload
     # pipeline updates params in pieces) keeps its elements' random streams; empty: all 0
     offsets: list = field(default_factory=list)
-    seed: int = 0     # stochastic rounding: stream_key(seed, step, index, buffer)
+    # what names each param's random streams (storage.stream_id: its name's hash or its
+    # position); empty: ``indices``
+    stream_ids: list = field(default_factory=list)
+    seed: int = 0     # stochastic rounding: stream_key(seed, step, stream id, buffer)
     step: int = 0
     # Telemetry: when set, the backend writes each param's counters (the algorithm's
     # ``counters`` columns) into this int64 (len(params), 3) tensor.
@@ -63,18 +66,29 @@ class Bucket:
                 return role
         raise KeyError(f"{self.config.algorithm.name} has no role {name!r}")
 
-    def append(self, tensors: list, index: int, offset: int = 0) -> None:
-        """Add one param's tensors (one per role, kernel order), its optimizer index and the
-        index of their first element in the param."""
+    def append(self, tensors: list, index: int, offset: int = 0, stream_id: Optional[int] = None) -> None:
+        """Add one param's tensors (one per role, kernel order), its optimizer index, the
+        index of their first element in the (whole, unsharded) param and its stream id
+        (default: the index)."""
         for column, tensor in zip(self.tensors, tensors):
             column.append(tensor)
         self.indices.append(index)
         if offset or self.offsets:
             self.offsets.extend([0] * (len(self.indices) - 1 - len(self.offsets)))
             self.offsets.append(offset)
+        if (stream_id is not None and stream_id != index) or self.stream_ids:
+            self.stream_ids.extend(self.indices[len(self.stream_ids):-1])
+            self.stream_ids.append(index if stream_id is None else stream_id)
 
     def offset(self, i: int) -> int:
         return self.offsets[i] if self.offsets else 0
+
+    def stream_id(self, i: int) -> int:
+        return self.stream_ids[i] if self.stream_ids else self.indices[i]
+
+    def streams(self) -> list:
+        """Every param's stream id (``stream_ids``, or ``indices`` when none was given)."""
+        return list(self.stream_ids) if self.stream_ids else list(self.indices)
 
     @property
     def plan(self):

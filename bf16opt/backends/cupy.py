@@ -188,7 +188,8 @@ MAX_GRID = 2 ** 31 - 1
 class LaunchPlan(NamedTuple):
     """Everything one launch needs besides the scalars (see cuda_src/multi_tensor.cuh)."""
 
-    table: np.ndarray        # int64: pointers [roles x tensors], sizes, indices, first chunks (+ total)
+    table: np.ndarray        # int64: pointers [roles x tensors], sizes, stream ids, first chunks (+ total),
+                             # first elements
     n_tensors: int
     n_chunks: int
     chunk_size: int
@@ -198,13 +199,14 @@ class LaunchPlan(NamedTuple):
 
 
 def build_launch_plan(pointers: Sequence[Sequence[int]], sizes: Sequence[int], *,
-                      indices: Optional[Sequence[int]] = None,
+                      indices: Optional[Sequence[int]] = None, offsets: Optional[Sequence[int]] = None,
                       chunk_size: int = DEFAULT_CHUNK_SIZE, block: int = DEFAULT_BLOCK,
                       max_grid: int = MAX_GRID) -> Optional[LaunchPlan]:
     """Chunk table for tensors with ``pointers[t][role]`` and ``sizes[t]`` elements.
 
     ``indices[t]`` is tensor t's index in the optimizer (it names the tensor's random
-    streams; default t).  Pure numpy.  Empty tensors are left out (``columns`` lists
+    streams; default t); ``offsets[t]`` the global index of its first element (a shard's
+    offset in its param; default 0).  Pure numpy.  Empty tensors are left out (``columns`` lists
     the kept positions); returns None when nothing is left.  ``chunk_size`` must be a
     multiple of 8 (the widest vector step) so every chunk of a 16-byte aligned tensor
     starts 16-byte aligned.
@@ -217,12 +219,16 @@ def build_launch_plan(pointers: Sequence[Sequence[int]], sizes: Sequence[int], *
         indices = range(len(sizes))
     if len(indices) != len(sizes):
         raise ValueError("indices and sizes must have one entry per tensor")
+    if not offsets:
+        offsets = [0] * len(sizes)
+    if len(offsets) != len(sizes):
+        raise ValueError("offsets and sizes must have one entry per tensor")
     keep = [t for t, size in enumerate(sizes) if size > 0]
     if not keep:
         return None
     roles = len(pointers[keep[0]])
     n = len(keep)
-    table = np.zeros((roles + 3) * n + 1, dtype=np.int64)
+    table = np.zeros((roles + 4) * n + 1, dtype=np.int64)
     size_array = np.asarray([sizes[t] for t in keep], dtype=np.int64)
     for column, t in enumerate(keep):
         if len(pointers[t]) != roles:
@@ -234,7 +240,8 @@ def build_launch_plan(pointers: Sequence[Sequence[int]], sizes: Sequence[int], *
     chunks = (size_array + chunk_size - 1) // chunk_size
     first = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(chunks, out=first[1:])
-    table[(roles + 2) * n:] = first
+    table[(roles + 2) * n:(roles + 3) * n + 1] = first
+    table[(roles + 3) * n + 1:] = [offsets[t] for t in keep]
     n_chunks = int(first[-1])
     return LaunchPlan(table, n, n_chunks, chunk_size, min(n_chunks, max_grid), block, tuple(keep))
 
@@ -261,11 +268,12 @@ def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_S
     if config.stochastic and len(bucket.indices) != len(bucket.params):
         raise ValueError("stochastic rounding needs bucket.indices (each param's index in the "
                          "optimizer names its random streams)")
-    indices = bucket.indices if len(bucket.indices) == len(bucket.params) else range(len(bucket.params))
+    indices = bucket.streams() if len(bucket.indices) == len(bucket.params) else range(len(bucket.params))
     if not 0 <= bucket.seed < 2 ** 64:
         raise ValueError(f"bucket.seed must be in [0, 2**64), got {bucket.seed}")
     staged = stage(bucket, "cupy")
     launch_plan = build_launch_plan(staged.pointers.tolist(), staged.numels, indices=list(indices),
+                                    offsets=list(bucket.offsets),
                                     chunk_size=chunk_size, block=block, max_grid=max_grid)
     if launch_plan is None:
         return None
@@ -333,8 +341,6 @@ def prepare(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch]
                         f"got {type(scalars).__name__}")
     if not bucket.params:
         return lambda: None
-    if any(bucket.offsets):
-        raise ValueError("the CUDA kernels update whole tensors (bucket.offsets must be 0)")
     if kernel_name(config) not in kernel_configs(config.algorithm.name):
         # a hand-made plan no precision produces (e.g. a remainder for float16 params) would
         # compile and read the wrong bits: only the instantiations the policy allows run

@@ -164,7 +164,7 @@ def prepare(bucket: Bucket, scalars):
     check(bucket, "numba")
     chunks = _chunks()
     chunk = chunk_function(config)
-    keys = stream_keys(bucket.seed, bucket.step, bucket.indices) if config.stochastic else \
+    keys = stream_keys(bucket.seed, bucket.step, bucket.streams()) if config.stochastic else \
         np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
     values = np.array([*scalars, -1.0 if config.flag("maximize") else 1.0], dtype=np.float32)
     itemsizes = np.array([0 if d is None else ELEMENT_BYTES[d] for d in config.dtypes], dtype=np.int64)

@@ -125,7 +125,7 @@ def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer:
         return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x)
     x = x.float()  # a no-op for float32 math
     if bucket.config.stochastic and dtype != torch.float32:
-        key = stream_key(bucket.seed, bucket.step, bucket.indices[i], buffer)
+        key = stream_key(bucket.seed, bucket.step, bucket.stream_id(i), buffer)
         return encode_stochastic(x, dtype, random_bits(key, x.shape, x.device, bucket.offset(i)))
     return encode(x, dtype)
 

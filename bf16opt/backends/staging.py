@@ -25,7 +25,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..distributed import check_known_tensor, is_dtensor
 from .base import Bucket
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the common case, checked in one C call
 
 __all__ = ["Staged", "check", "same_dense_layout", "stage"]
 
@@ -73,6 +76,11 @@ def _check(role, tensor, dtype, param, i: int, backend: str, name: str = None) -
     name = name or role.name
     if tensor is not None and not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{backend} backend: {name} of param {i} must be a tensor, got {type(tensor).__name__}")
+    if tensor is not None:
+        if is_dtensor(tensor):  # the optimizer passes local shards; a DTensor has no memory of its own
+            raise TypeError(f"{backend} backend: {name} of param {i} is a DTensor; the kernels update "
+                            f"its local shard (tensor.to_local())")
+        check_known_tensor(tensor, f"{backend} backend: {name} of param {i}")
     if tensor is None:
         raise ValueError(f"{backend} backend: {name} of param {i} is missing; the "
                          f"configuration needs a {dtype} tensor")
@@ -80,7 +88,11 @@ def _check(role, tensor, dtype, param, i: int, backend: str, name: str = None) -
         raise ValueError(f"{backend} backend: {name} of param {i} is {tensor.dtype} of shape "
                          f"{tuple(tensor.shape)} on {tensor.device}; the configuration needs "
                          f"{dtype} of shape {tuple(param.shape)} on {param.device}")
-    if tensor.numel() and not tensor.data_ptr():
+    try:
+        address = tensor.data_ptr()
+    except RuntimeError:  # a tensor without storage
+        address = 0
+    if tensor.numel() and not address:
         raise TypeError(f"{backend} backend: {name} of param {i} has no data pointer "
                         f"({type(tensor).__name__}); the kernels address plain dense tensors")
 
@@ -97,7 +109,7 @@ def check(bucket: Bucket, backend: str) -> None:
     for k, role, dtype, key in config.present():
         for i, (tensor, param) in enumerate(zip(bucket.tensors[k], bucket.tensors[0])):
             # the common case in a few C calls; anything else gets the detailed check
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tensor.shape != param.shape \
+            if type(tensor) not in _PLAIN or tensor.dtype != dtype or tensor.shape != param.shape \
                     or tensor.get_device() != param.get_device() or not tensor.data_ptr():
                 number = bucket.indices[i] if len(bucket.indices) == len(bucket.tensors[0]) else i
                 _check(role, tensor, dtype, param, number, backend, key)
