@@ -58,3 +58,18 @@ def test_decode_is_exact_for_every_16_bit_pattern(dtype):
     # decoding then encoding gives back every non-NaN pattern
     round_trip = bits(encode(decode(values), dtype))
     np.testing.assert_array_equal(round_trip[finite], patterns.numpy().view(np.uint16)[finite])
+
+
+def test_param_name_stream_ids_are_pinned():
+    """A named param's stream id (docs/numerics.md): BLAKE2b with a 4-byte digest of the UTF-8
+    name, read little-endian.  Pinned values: a change would change every named run's bits and
+    break resumed checkpoints."""
+    import hashlib
+
+    from bf16opt.storage import name_id, stream_id
+
+    assert name_id("0.weight") == 0x42C28E7E
+    assert name_id("encoder.layers.0.attn.q_proj.weight") == 0x2FCC98AB
+    assert name_id("poids.é") == int.from_bytes(hashlib.blake2b("poids.é".encode(), digest_size=4).digest(),
+                                                "little")
+    assert stream_id(3, None) == 3 and stream_id(3, "0.weight") == 0x42C28E7E
