@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m bf16opt compare --out runs/compare
 
 test: $(VENV)/.installed-test
-	HYPOTHESIS_PROFILE=ci $(BIN)/pytest
+	HYPOTHESIS_PROFILE=ci $(BIN)/pytest -n auto
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
