@@ -44,16 +44,13 @@ def dtensor_type() -> Optional[type]:
     return _DTENSOR
 
 
-_dtensor_class = dtensor_type
-
-
 # torch.Tensor's own protocol slots: a subclass that keeps both changes no op
 _PLAIN_FUNCTION = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
 def is_dtensor(tensor) -> bool:
-    kind = _dtensor_class()
+    kind = dtensor_type()
     return kind is not None and isinstance(tensor, kind)
 
 
@@ -101,7 +98,7 @@ def wrap_like(tensor: torch.Tensor, param) -> torch.Tensor:
     ``tensor`` itself when ``param`` is no DTensor."""
     if not is_dtensor(param) or is_dtensor(tensor):
         return tensor
-    return _dtensor_class().from_local(tensor, param.device_mesh, param.placements, run_check=False,
+    return dtensor_type().from_local(tensor, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
 
 
