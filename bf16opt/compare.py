@@ -40,8 +40,8 @@ try:  # the live progress bar (bf16opt[plot]); plain progress lines without it
 except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
-__all__ = ["DEFAULT_LR", "DEFAULT_PRESETS", "OPTIMIZERS", "CharGPT", "Progress", "StepPeakMemory", "add_arguments", "execute",
-           "main", "run", "stdlib_corpus", "train"]
+__all__ = ["DEFAULT_LR", "DEFAULT_PRESETS", "OPTIMIZERS", "CharGPT", "Progress", "StepPeakMemory",
+           "add_arguments", "execute", "main", "run", "stdlib_corpus", "train"]
 
 OPTIMIZERS: dict[str, type[Adam | Lion | SGD]] = {"adamw": AdamW, "adam": Adam, "lion": Lion,
                                                    "sgd": SGD}

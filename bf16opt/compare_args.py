@@ -83,7 +83,8 @@ def _presets(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"names no preset ({text!r}); e.g. --presets fp32,bf16")
     for name in names:
         if name not in PRESET_NAMES:
-            raise argparse.ArgumentTypeError(f"unknown preset {name!r}; choose from {', '.join(PRESET_NAMES)}")
+            raise argparse.ArgumentTypeError(f"unknown preset {name!r}; "
+                                             f"choose from {', '.join(PRESET_NAMES)}")
     for name in names:
         if names.count(name) > 1:
             raise argparse.ArgumentTypeError(f"preset {name!r} is given twice")

@@ -181,7 +181,8 @@ def test_bad_argument_from_the_command_line(tmp_path):
     """A real process: exit status 2, one line on stderr, nothing trained or written, and torch
     never imported (it takes seconds: the arguments are checked without it)."""
     out = tmp_path / "out"
-    result, err, imported = run_without_torch(["compare", "--presets", "fp32,bogus", "--out", str(out)], tmp_path)
+    result, err, imported = run_without_torch(["compare", "--presets", "fp32,bogus", "--out", str(out)],
+                                              tmp_path)
     assert result.returncode == 2
     assert result.stdout == ""
     assert len(err) == 1 and err[0].startswith("bf16opt compare: error: argument --presets: unknown preset "
@@ -211,7 +212,8 @@ def test_public_names_resolve_on_first_access():
     """``bf16opt``'s names are imported lazily (PEP 562) and are the submodules' objects."""
     from bf16opt import adam, lion, memory, precision, sgd
 
-    assert (bf16opt.Adam, bf16opt.AdamW, bf16opt.Lion, bf16opt.SGD) == (adam.Adam, adam.AdamW, lion.Lion, sgd.SGD)
+    assert (bf16opt.Adam, bf16opt.AdamW, bf16opt.Lion, bf16opt.SGD) == (adam.Adam, adam.AdamW, lion.Lion,
+                                                                        sgd.SGD)
     assert (bf16opt.Precision, bf16opt.PRESETS) == (precision.Precision, precision.PRESETS)
     assert (bf16opt.MemoryReport, bf16opt.memory_report) == (memory.MemoryReport, memory.memory_report)
     namespace: dict = {}
