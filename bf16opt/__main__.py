@@ -24,7 +24,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> tuple[Parser, dict[str, Parser]]:
     """The ``bf16opt`` parser and its sub-command parsers by name."""
-    from . import compare
+    from . import compare_args  # no torch: the arguments are checked first
 
     parser = Parser(prog="bf16opt", description="Optimizers with bf16/fp16/fp32 master weights and states: "
                                                 "the command-line jobs.")
@@ -32,10 +32,10 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     compare_parser = commands.add_parser(
         "compare", help="train a small language model once per precision preset and compare",
-        description=(compare.__doc__ or "").split("\n\n")[0].replace("\n", " ").split(": ", 1)[-1],
+        description=compare_args.SUMMARY,
         epilog="example: bf16opt compare --presets fp32,bf16,bf16-sr --steps 200 --corpus my_text.txt "
                "--out runs/mine --json")
-    compare.add_arguments(compare_parser)
+    compare_args.add_arguments(compare_parser)
     return parser, {"compare": compare_parser}
 
 
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:  # reported by the sub-command whose options they are not
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "compare":
-        from .compare import run
+        from .compare_args import run
 
         return run(args, commands["compare"])
     parser.error(f"argument COMMAND: unknown command {args.command!r}")  # unreachable: argparse checks

@@ -161,16 +161,67 @@ def test_bad_argument_exits_2_with_one_line_before_training(case, tmp_path, caps
     assert not out.exists() or not any(out.iterdir())
 
 
+def run_without_torch(argv: list, cwd: Path) -> tuple:
+    """``python -m bf16opt ARGV`` under ``-X importtime``: (the process, its stderr lines that are
+    not the import report, the modules the process imported)."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "bf16opt", *argv], capture_output=True,
+                            text=True, cwd=cwd)
+    lines = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
+    assert "bf16opt" in imported  # the report is there: an absent module was not imported
+    return result, [line for line in lines if not line.startswith("import time:")], imported
+
+
+def heavy(imported: set) -> set:
+    """The modules that take seconds to import among ``imported``."""
+    return {name for name in imported if name.split(".")[0] in ("torch", "numba")}
+
+
 def test_bad_argument_from_the_command_line(tmp_path):
-    """A real process: exit status 2, one line on stderr, nothing trained or written."""
+    """A real process: exit status 2, one line on stderr, nothing trained or written, and torch
+    never imported (it takes seconds: the arguments are checked without it)."""
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "bf16opt", "compare", "--presets", "fp32,bogus",
-                             "--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    result, err, imported = run_without_torch(["compare", "--presets", "fp32,bogus", "--out", str(out)],
+                                              tmp_path)
     assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.startswith("bf16opt compare: error: argument --presets: unknown preset 'bogus'")
-    assert result.stderr.count("\n") == 1
+    assert len(err) == 1 and err[0].startswith("bf16opt compare: error: argument --presets: unknown preset "
+                                               "'bogus'"), err
     assert not out.exists()
+    assert "bf16opt.compare_args" in imported and heavy(imported) == set()
+
+
+def test_version_imports_no_torch(tmp_path):
+    result, err, imported = run_without_torch(["--version"], tmp_path)
+    assert (result.returncode, result.stdout, err) == (0, f"bf16opt {bf16opt.__version__}\n", [])
+    assert heavy(imported) == set()
+
+
+def test_torch_free_names_match_the_torch_side():
+    """compare_args names presets and optimizers without importing torch: the same names, in the
+    same order, as bf16opt.PRESETS and compare.OPTIMIZERS."""
+    from bf16opt import compare_args
+
+    assert compare_args.PRESET_NAMES == tuple(bf16opt.PRESETS)
+    assert tuple(compare_args.DEFAULT_LR) == tuple(compare.OPTIMIZERS)
+    assert set(compare_args.DEFAULT_PRESETS) <= set(bf16opt.PRESETS)
+    assert (compare.__doc__ or "").splitlines()[0].endswith(": " + compare_args.SUMMARY)
+
+
+def test_public_names_resolve_on_first_access():
+    """``bf16opt``'s names are imported lazily (PEP 562) and are the submodules' objects."""
+    from bf16opt import adam, lion, memory, precision, sgd
+
+    assert (bf16opt.Adam, bf16opt.AdamW, bf16opt.Lion, bf16opt.SGD) == (adam.Adam, adam.AdamW, lion.Lion,
+                                                                        sgd.SGD)
+    assert (bf16opt.Precision, bf16opt.PRESETS) == (precision.Precision, precision.PRESETS)
+    assert (bf16opt.MemoryReport, bf16opt.memory_report) == (memory.MemoryReport, memory.memory_report)
+    namespace: dict = {}
+    exec("from bf16opt import *", namespace)
+    assert {name for name in namespace if name != "__builtins__"} == set(bf16opt.__all__)
+    assert set(bf16opt.__all__) <= set(dir(bf16opt))
+    with pytest.raises(AttributeError, match="module 'bf16opt' has no attribute 'Adamw'"):
+        bf16opt.Adamw  # noqa: B018
 
 
 def test_compare_main_is_the_compare_sub_command(capsys):
