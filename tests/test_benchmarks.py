@@ -18,14 +18,17 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 BENCHMARK = BENCHMARKS / "cpu_step.py"
 
 
-def test_cpu_benchmark_prints_every_configuration():
+def test_cpu_benchmark_prints_its_table():
+    """Three presets (stochastic, Kahan, remainder: the compute-limit kernels the next test
+    compiles too) keep the table code running; the full table is run by hand."""
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     result = subprocess.run([sys.executable, str(BENCHMARK), "--log2-params", "16", "--repeats", "1",
-                             "--algorithms", "AdamW", "--skip-multi-tensor"],
+                             "--algorithms", "AdamW", "--presets", "bf16-sr,bf16-kahan,fp32-remainder",
+                             "--skip-multi-tensor"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("AdamW ")]
-    assert len(rows) == 9, result.stdout
+    assert len(rows) == 3, result.stdout
     for row in rows:
         # bf16opt, memory limit, compute limit, share of the ceiling, in-cache time: all
         # measured (in ms to 0.1: tiny times print as 0.0)
