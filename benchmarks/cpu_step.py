@@ -46,8 +46,10 @@ from bf16opt import _cpu  # noqa: E402
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.cpu_step
     import compute_limit  # noqa: E402
+    from machine import cpu_name  # noqa: E402
 except ImportError:  # pragma: no cover
     from benchmarks import compute_limit  # noqa: E402
+    from benchmarks.machine import cpu_name  # noqa: E402
 
 VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
         torch.int16: torch.int16}
@@ -213,7 +215,7 @@ def _state_buffers(state: dict) -> list:
 
 def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion", "SGD")) -> list:
     """One row per (algorithm, configuration); returns the rows as dicts (times in seconds)."""
-    print(f"step of 2^{n.bit_length() - 1} params, {get_num_threads()} Numba threads, {_cpu_name()}, "
+    print(f"step of 2^{n.bit_length() - 1} params, {get_num_threads()} Numba threads, {cpu_name()}, "
           f"median of {repeats} interleaved repetitions; times in ms.\n"
           f"memory: the memory-limit kernel (same arrays, trivial math); compute: the compute-limit kernel "
           f"in cache (compute_limit.py); ceiling = the slower; in cache: bf16opt's kernel in cache")
@@ -257,18 +259,6 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             del contenders, keep, mine, opt, state
             gc.collect()
     return rows
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name} ({isa}{', AVX512-BF16' if 'avx512_bf16' in flags else ''})"
 
 
 def gpt2_small_shapes() -> list:

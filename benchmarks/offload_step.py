@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import time
 
@@ -36,20 +35,12 @@ import bf16opt
 from bf16opt.offload import use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine
 
+try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.offload_step
+    from machine import cpu_name
+except ImportError:  # pragma: no cover
+    from benchmarks.machine import cpu_name
+
 PRESETS = ("bf16", "bf16-sr", "fp32-remainder-bf16-states")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                "unknown CPU")
-    flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
-    isa = "AVX-512" if " avx512f" in flags else ("AVX2" if " avx2" in flags else "no AVX2")
-    return f"{name}, {isa}, {len(os.sched_getaffinity(0))} cores"
 
 
 def make_params(n: int, tensors: int, seed: int = 0) -> list:
