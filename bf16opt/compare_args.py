@@ -11,8 +11,10 @@ import argparse
 import math
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = ["BACKENDS", "DEFAULT_LR", "DEFAULT_PRESETS", "HEADS", "PRESET_NAMES", "RESULTS_JSON", "SUMMARY",
            "Corpus", "add_arguments", "check", "run", "stdlib_corpus"]
@@ -46,34 +48,31 @@ def stdlib_corpus(max_bytes: int = 4_000_000) -> bytes:
 
 
 # ---------------------------------------------------------------- arguments
-def _positive_int(text: str) -> int:
+Number = TypeVar("Number", int, float)
+
+
+def _parsed(text: str, convert: Callable[[str], Number], accept: Callable[[Number], bool],
+            wanted: str) -> Number:
+    """``convert(text)`` if it parses and ``accept`` takes it; else argparse's usage error."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+    if not accept(value):
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _parsed(text, int, lambda value: value >= 1, "an integer >= 1")
 
 
 def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2 ** 63:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text!r}")
-    return value
+    return _parsed(text, int, lambda value: 0 <= value < 2 ** 63, "an integer in [0, 2**63)")
 
 
 def _learning_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+    return _parsed(text, float, lambda value: math.isfinite(value) and value > 0, "a finite number > 0")
 
 
 def _presets(text: str) -> list[str]:

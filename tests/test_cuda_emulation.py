@@ -35,13 +35,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bf16opt import storage
-from bf16opt.adam import adam_scalars
 from bf16opt.algorithms import ALGORITHMS, KernelConfig, kernel_config
 from bf16opt.backends import Bucket, reference
 from bf16opt.backends import cupy as cuda_backend
 from bf16opt.backends.cuda_compile import KINDS
-from bf16opt.lion import lion_scalars
-from bf16opt.sgd import sgd_scalars
+import buckets  # noqa: E402  (tests/ is on sys.path, as for cuda_emulation)
 from cuda_emulation import emulator
 
 pytestmark = pytest.mark.skipif(emulator.compiler_problem() is not None,
@@ -349,14 +347,7 @@ def group_for(config: KernelConfig, rng: np.random.Generator) -> dict:
 
 
 def scalars_for(config: KernelConfig, group: dict, step: int):
-    kind = config.algorithm.name
-    if kind == "adam":
-        scalars = adam_scalars(group, step)
-    elif kind == "lion":
-        scalars = lion_scalars(group)
-    else:
-        scalars = sgd_scalars(group)
-    return scalars._replace(inv_grad_scale=group.get("inv_grad_scale", 1.0))
+    return buckets.scalars(config.algorithm.name, group, step, group.get("inv_grad_scale", 1.0))
 
 
 # ---------------------------------------------------------------- the comparison
