@@ -284,25 +284,10 @@ def bits(t: torch.Tensor) -> np.ndarray:
 
 
 def assert_same_bits(expected: Bucket, actual: Bucket, context: str) -> None:
-    """Every role of every param (the read-only grad too) and the telemetry counts."""
-    assert expected.config == actual.config, context
-    for role, column_e, column_a in zip(expected.config.algorithm.roles, expected.tensors, actual.tensors):
-        assert len(column_e) == len(column_a), (context, role.name)
-        for index, (e, a) in enumerate(zip(column_e, column_a)):
-            if e is None:
-                assert a is None, (context, role.name, index)
-                continue
-            assert e.dtype == a.dtype and e.shape == a.shape, (context, role.name, index)
-            eb, ab = bits(e), bits(a)
-            bad = np.flatnonzero(eb != ab)
-            assert bad.size == 0, (
-                f"{context}: {role.name}[{index}] (size {eb.size}) differs at {bad.size} elements, "
-                f"first at {bad[0]}: reference {eb[bad[0]]:#x}, emulated kernel {ab[bad[0]]:#x}")
-    if expected.counts is None:
-        assert actual.counts is None, context
-    else:
-        assert torch.equal(expected.counts, actual.counts), (
-            f"{context}: telemetry counts differ:\nreference\n{expected.counts}\nkernel\n{actual.counts}")
+    """Every role of every param (the read-only grad too) and the telemetry counts, as
+    tests/buckets.py compares them; and every counter column was written."""
+    buckets.assert_same_bits(expected, actual, context, "emulated kernel")
+    if expected.counts is not None:
         columns = len(expected.config.algorithm.counters)
         assert bool((actual.counts[:, :columns] >= 0).all()), f"{context}: a counter was not written"
 
