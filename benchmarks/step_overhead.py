@@ -1,0 +1,156 @@
+"""Python overhead of a CPU step over many tiny params (numba backend).
+
+Run:  python benchmarks/step_overhead.py [--repeats 41] [--steps 50] [--profile] [--multi-tensor]
+
+Per param list and preset (AdamW, bf16 params) it times, repetitions interleaved across
+all rows (medians reported, in ms per step):
+
+* ``step``: ``opt.step()``;
+* ``kernel``: the step's own kernel call replayed with the arguments it was given (the
+  chunk table's work, negligible on tiny tensors, plus the parallel dispatch);
+* ``empty``: the same parallel driver on an empty chunk table (the dispatch alone);
+* ``overhead`` = step - kernel: what the step spends in Python around its kernel call.
+
+The param lists: 150 params of 64 elements, and GPT-2 small's 148 shapes with every
+dimension divided by 64 (same count and mix of matrices and vectors, tiny sizes).
+``--profile`` adds a cProfile of steps of the first list, ``--multi-tensor`` the
+full-size check of ``cpu_step.py`` (GPT-2-small-shaped list against one flat tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import bf16opt
+from bf16opt import _cpu
+
+try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
+    from cpu_step import gpt2_small_shapes, multi_tensor_table
+    from machine import cpu_name
+except ImportError:  # pragma: no cover
+    from benchmarks.cpu_step import gpt2_small_shapes, multi_tensor_table
+    from benchmarks.machine import cpu_name
+
+PRESETS = ("bf16", "fp32", "bf16-sr")
+
+
+def param_lists() -> dict:
+    gpt2 = [tuple(max(1, d // 64) for d in shape) for shape in gpt2_small_shapes()]
+    return {"150 x 64": [(64,)] * 150, f"GPT-2 small / 64 ({len(gpt2)})": gpt2}
+
+
+def tiny_optimizer(shapes: list, preset: str):
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16))
+        p.grad = torch.randn(shape, generator=g).mul_(1e-3).to(torch.bfloat16)
+        params.append(p)
+    opt = bf16opt.AdamW(params, lr=1e-3, weight_decay=1e-2, precision=preset, backend="numba")
+    opt.step()  # creates state, compiles or loads the kernel
+    return opt
+
+
+def captured_kernel_call(opt) -> tuple:
+    """The arguments of the parallel kernel call one step makes."""
+    calls = []
+    run = _cpu.chunks.run_chunks
+    _cpu.chunks.run_chunks = lambda *args: calls.append(args)
+    try:
+        opt.step()
+    finally:
+        _cpu.chunks.run_chunks = run
+    if len(calls) != 1:
+        raise RuntimeError(f"expected one kernel call per step, got {len(calls)}")
+    return calls[0]
+
+
+def empty_kernel_call(args: tuple) -> tuple:
+    address, table, scalars, keys, row_counts, _ = args
+    return address, table[:0], scalars, keys, row_counts[:0], np.zeros(2, dtype=np.int64)
+
+
+def repeated(fn, steps: int):
+    def run():
+        for _ in range(steps):
+            fn()
+    return run
+
+
+def measure(contenders: dict, repeats: int, steps: int) -> dict:
+    """Median seconds per call of each contender, repetitions interleaved across all of them."""
+    times = {name: [] for name in contenders}
+    for fn in contenders.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def overhead_table(repeats: int, steps: int) -> None:
+    from numba import get_num_threads  # noqa: PLC0415  (after bf16opt's first step imported it)
+
+    contenders, rows, keep = {}, [], []
+    for list_name, shapes in param_lists().items():
+        for preset in PRESETS:
+            opt = tiny_optimizer(shapes, preset)
+            args = captured_kernel_call(opt)
+            empty = empty_kernel_call(args)
+            row = (list_name, preset)
+            contenders[row + ("step",)] = repeated(opt.step, steps)
+            contenders[row + ("kernel",)] = repeated(lambda a=args: _cpu.chunks.run_chunks(*a), steps)
+            contenders[row + ("empty",)] = repeated(lambda a=empty: _cpu.chunks.run_chunks(*a), steps)
+            rows.append(row)
+            keep.append(opt)
+    t = measure(contenders, repeats, steps)
+    print(f"Python overhead of an AdamW step (bf16 params, numba backend), {get_num_threads()} Numba threads, "
+          f"{cpu_name()}; median of {repeats} interleaved repetitions of {steps} steps; ms per step")
+    header = f"{'param list':26} {'preset':8} {'step':>7} {'kernel':>7} {'empty':>7} {'overhead':>8}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        step, kernel, empty = (t[row + (what,)] for what in ("step", "kernel", "empty"))
+        print(f"{row[0]:26} {row[1]:8} {1e3 * step:7.3f} {1e3 * kernel:7.3f} {1e3 * empty:7.3f} "
+              f"{1e3 * (step - kernel):8.3f}", flush=True)
+
+
+def profile(preset: str, steps: int, lines: int = 25) -> None:
+    opt = tiny_optimizer(next(iter(param_lists().values())), preset)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        opt.step()
+    profiler.disable()
+    print(f"\ncProfile of {steps} steps, 150 x 64, {preset} (internal time; times include cProfile's own cost)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--steps", type=int, default=50, help="steps per timed repetition")
+    parser.add_argument("--profile", action="store_true", help="add a cProfile of 500 steps per preset")
+    parser.add_argument("--multi-tensor", action="store_true",
+                        help="add cpu_step.py's GPT-2-small list vs flat tensor table (full size)")
+    parser.add_argument("--multi-tensor-repeats", type=int, default=11)
+    args = parser.parse_args()
+    overhead_table(args.repeats, args.steps)
+    if args.profile:
+        for preset in PRESETS:
+            profile(preset, 500)
+    if args.multi_tensor:
+        multi_tensor_table(args.multi_tensor_repeats)
+
+
+if __name__ == "__main__":
+    main()
