@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -95,6 +95,20 @@ def _float64_backend(name: str):
         raise ValueError(f"backend={name!r} updates float32, bfloat16 and float16 params; float64 "
                          f"params are updated in float64 math by backend='reference' (or 'auto')")
     return reference
+
+
+class _Entry(NamedTuple):
+    """One param's part of a step."""
+
+    param: torch.Tensor      # what the kernels update: the param, its real view or local shard, or its host mirror
+    grad: torch.Tensor       # what the kernels read: likewise
+    config: KernelConfig     # the launch's (the state's, plus flags of fresh buffers and the grads' dtype)
+    state: dict              # the state with the buffers made at this step
+    counter: torch.Tensor    # state["step"]
+    number: int              # the param's index in the optimizer
+    original: torch.Tensor   # the param as the group lists it
+    offset: int              # index of a shard's first element in the whole param
+    stream: int              # stochastic rounding's stream id
 
 
 @dataclass
@@ -410,28 +424,31 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                            config.track, grad_dtype)
                 # stochastic rounding numbers a shard's elements by their index in the whole param
                 offset = self._shard_offset(original, number) if sharded and config.stochastic else 0
-                entries.append((param, real_view(local(original.grad) if sharded else original.grad), config,
-                                {**state, **made}, counter,
-                                number, original, offset, ids[number - first_index]))
+                entries.append(_Entry(param, real_view(local(original.grad) if sharded else original.grad), config,
+                                      {**state, **made}, counter, number, original, offset,
+                                      ids[number - first_index]))
             if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
                 written = {id(p) for p, _ in plan.mirror_writes}
-                staged = offloader.stage([e[6] for e in entries], [e[2].weights != "copy" and id(e[6]) not in written
-                                                                   for e in entries])
-                entries = [(mirror, grad, *entry[2:]) for (mirror, grad), entry in zip(staged, entries)]
-            plan.counters.extend(entry[4] for entry in entries)
-            counts = torch.stack([e[4].double() for e in entries]).tolist()
-            self._check_steps(counts, [e[5] for e in entries])
+                staged = offloader.stage([e.original for e in entries],
+                                         [e.config.weights != "copy" and id(e.original) not in written
+                                          for e in entries])
+                entries = [entry._replace(param=mirror, grad=grad) for (mirror, grad), entry in zip(staged, entries)]
+            plan.counters.extend(entry.counter for entry in entries)
+            counts = torch.stack([e.counter.double() for e in entries]).tolist()
+            self._check_steps(counts, [e.number for e in entries])
             steps = [int(s) + 1 for s in counts]
             buckets, originals = {}, {}
-            for (param, grad, config, state, _, number, original, offset, sid), step in zip(entries, steps):
-                key = (param.device, config, step)
+            for entry, step in zip(entries, steps):
+                config = entry.config
+                key = (entry.param.device, config, step)
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = Bucket(config, seed=group["seed"], step=step)
                     originals[key] = []
-                bucket.append([param, grad] + [None if state_key is None else state[state_key]
-                                               for state_key in config.state_keys[2:]], number, offset, sid)
-                originals[key].append(original)
+                bucket.append([entry.param, entry.grad] + [None if state_key is None else entry.state[state_key]
+                                                           for state_key in config.state_keys[2:]],
+                              entry.number, entry.offset, entry.stream)
+                originals[key].append(entry.original)
             for key, bucket in buckets.items():
                 device, config, step = key
                 float64 = config.plan.param == torch.float64
