@@ -9,8 +9,9 @@ group that qualifies (below), :func:`build` keeps its buckets' kernel calls
 (``backends/numba.py``'s ``Relaunch``); at the next step :meth:`GroupLaunch.prepare` checks,
 in passes over lists that run in C, that everything they were built from still holds:
 
-* the group dict, its param list, and the settings that choose kernel configurations and
-  random streams (precision, flags, backend, offload, seed, telemetry, param names);
+* the group's param list and the index of its first param in the optimizer, and the
+  settings that choose kernel configurations and random streams (precision, flags,
+  backend, offload, seed, telemetry, param names);
 * each updated param's dtype, shape, strides and address (``p.data = ...`` changes them);
 * which params have grads, and each grad's type, layout, dtype, shape, strides and device
   (a new grad only needs those to match: its address is put into the table every step);
@@ -69,7 +70,7 @@ class GroupLaunch:
 
     def __init__(self, optimizer, group: dict, first_index: int, precision, updated: list, grads: list,
                  relaunches: list, written: list):
-        self.group, self.first_index = group, first_index
+        self.first_index = first_index
         self.params = list(group["params"])
         self.settings = settings(optimizer, group, precision)
         self.has_grad = list(map(operator.is_not, map(_GRAD, self.params), repeat(None)))
@@ -96,7 +97,7 @@ class GroupLaunch:
         still holds (then the caller takes the full path); else the step's phase two, which
         advances the counters and runs the kernels.  Changes nothing."""
         params = group["params"]
-        if group is not self.group or first_index != self.first_index or not _same_objects(params, self.params) \
+        if first_index != self.first_index or not _same_objects(params, self.params) \
                 or settings(optimizer, group, precision) != self.settings:
             return None
         grads = list(map(_GRAD, params))

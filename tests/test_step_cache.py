@@ -168,8 +168,18 @@ def _replace_param_list(opt, params):
     opt.param_groups[0]["params"] = opt.param_groups[0]["params"][:-1]
 
 
+def _swap_param(opt, params):
+    swapped = torch.nn.Parameter(params[1].detach().clone())
+    swapped.grad = params[1].grad
+    opt.param_groups[0]["params"][1] = swapped
+
+
 def _move_param(opt, params):
     params[1].data = params[1].data.clone()
+
+
+def _reinterpret_param(opt, params):
+    params[4].data = params[4].data.view(torch.float16)  # same memory, another dtype
 
 
 def _transpose_param(opt, params):
@@ -187,6 +197,10 @@ def _move_state_tensor(opt, params):
 
 def _replace_state(opt, params):
     opt.state[params[3]] = {key: value.clone() for key, value in opt.state[params[3]].items()}
+
+
+def _drop_state(opt, params):
+    opt.state[params[0]] = None  # as good as no state: made afresh
 
 
 def _edit_step_counter(opt, params):
@@ -211,11 +225,14 @@ def _load_state_dict(opt, params):
 # (change, the full step after it builds a launch at once, the group is kept from then on)
 CHANGES = [
     (_replace_param_list, True, True),
+    (_swap_param, False, True),  # a new param: new state
     (_move_param, True, True),
+    (_reinterpret_param, True, True),
     (_transpose_param, False, False),  # the param no longer shares its states' layout: staged through copies
     (_replace_state_tensor, True, True),
     (_move_state_tensor, True, True),
     (_replace_state, True, True),
+    (_drop_state, False, True),
     (_edit_step_counter, True, True),
     (_replace_step_counter, False, False),  # a float32 counter
     (_load_state_dict, True, True),
@@ -247,10 +264,16 @@ def test_a_change_drops_the_kept_launch_and_results_stay_right(spy, change, buil
     assert (spy.reused > reused) == kept
 
 
-@pytest.mark.parametrize("change", ["grad dtype", "grad layout", "grad missing", "grad shape"])
+@pytest.mark.parametrize("change", ["grad dtype", "grad layout", "grad missing", "grad appears", "grad shape"])
 def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
     twins = Twins()
-    warm(twins, spy)
+    for params in twins.params.values():
+        params[2].requires_grad_(change != "grad appears")
+    for _ in range(3):
+        twins.grads()
+        for params in twins.params.values():
+            params[2].grad = None if change == "grad appears" else params[2].grad
+        twins.step()
     before = spy.counts()
     twins.grads(dtype=torch.float32 if change == "grad dtype" else None)
     for params in twins.params.values():
@@ -320,12 +343,17 @@ def _bad_lr(opt, params):
     opt.param_groups[-1]["lr"] = -1.0
 
 
+def _shrink_param(opt, params):
+    params[-1].data = params[-1].data[:3]  # same address and strides, fewer elements than its state
+
+
 def _non_finite_scalars(opt, params):
     opt.param_groups[-1]["lr"] = 1e39  # finite in float64, an infinite float32 step size
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-@pytest.mark.parametrize("failure", [_bad_grad, _bad_lr, _non_finite_scalars], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("failure", [_bad_grad, _bad_lr, _non_finite_scalars, _shrink_param],
+                         ids=lambda f: f.__name__.strip("_"))
 def test_a_failed_step_after_reused_ones_changes_nothing(spy, failure):
     """Two groups, both reusing their launches; the second's step fails: the first group's
     params, state and counters are untouched, and the next good step matches the reference."""
@@ -343,12 +371,27 @@ def test_a_failed_step_after_reused_ones_changes_nothing(spy, failure):
     for backend, opt in twins.opts.items():
         with pytest.raises(ValueError):
             opt.step()
-        opt.param_groups[-1]["lr"] = lr  # undo the edit (a snapshot compares the groups too)
         params = twins.params[backend]
+        opt.param_groups[-1]["lr"] = lr  # undo the edit (a snapshot compares the groups too)
+        params[-1].data = params[-1].data.as_strided((7,), (1,))
         params[-1].grad = torch.zeros_like(params[-1])
         assert_unchanged(opt, before[backend])
     twins.step()
     twins.grads_and_step()
+
+
+def test_a_smaller_first_group_renumbers_the_next_groups_params(spy):
+    """Params are numbered across groups (stochastic rounding's streams, by position here)."""
+    twins = Twins(precision="bf16-sr")
+    for backend, opt in twins.opts.items():
+        params = twins.params[backend]
+        opt.param_groups[0]["params"] = params[:3]
+        opt.add_param_group({"params": params[3:]})
+    warm(twins, spy)
+    reused = spy.reused
+    twins.each(lambda opt, params: opt.param_groups[0]["params"].pop(0))
+    twins.grads_and_step()
+    assert spy.reused == reused
 
 
 def test_the_step_count_limit_is_kept_on_reused_launches(spy):
