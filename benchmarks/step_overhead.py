@@ -9,7 +9,10 @@ all rows (medians reported, in ms per step):
 * ``kernel``: the step's own kernel call replayed with the arguments it was given (the
   chunk table's work, negligible on tiny tensors, plus the parallel dispatch);
 * ``empty``: the same parallel driver on an empty chunk table (the dispatch alone);
-* ``overhead`` = step - kernel: what the step spends in Python around its kernel call.
+* ``step-empty``: the step's overhead over an empty kernel call;
+* ``Python``: the step with the parallel driver replaced by a Python no-op: what the step
+  spends in Python around its kernel call, free of the dispatch, whose wake-up of the
+  worker threads takes milliseconds when another process keeps a core busy.
 
 The param lists: 150 params of 64 elements, and GPT-2 small's 148 shapes with every
 dimension divided by 64 (same count and mix of matrices and vectors, tiny sizes).
@@ -77,6 +80,21 @@ def empty_kernel_call(args: tuple) -> tuple:
     return address, table[:0], scalars, keys, row_counts[:0], np.zeros(2, dtype=np.int64)
 
 
+def _no_kernel(*args) -> None:
+    pass
+
+
+def without_kernel(step):
+    """``step`` with the parallel driver a no-op (the Python around the kernel call alone)."""
+    def run():
+        driver, _cpu.chunks.run_chunks = _cpu.chunks.run_chunks, _no_kernel
+        try:
+            step()
+        finally:
+            _cpu.chunks.run_chunks = driver
+    return run
+
+
 def repeated(fn, steps: int):
     def run():
         for _ in range(steps):
@@ -110,18 +128,19 @@ def overhead_table(repeats: int, steps: int) -> None:
             contenders[row + ("step",)] = repeated(opt.step, steps)
             contenders[row + ("kernel",)] = repeated(lambda a=args: _cpu.chunks.run_chunks(*a), steps)
             contenders[row + ("empty",)] = repeated(lambda a=empty: _cpu.chunks.run_chunks(*a), steps)
+            contenders[row + ("Python",)] = without_kernel(repeated(opt.step, steps))
             rows.append(row)
             keep.append(opt)
     t = measure(contenders, repeats, steps)
     print(f"Python overhead of an AdamW step (bf16 params, numba backend), {get_num_threads()} Numba threads, "
           f"{cpu_name()}; median of {repeats} interleaved repetitions of {steps} steps; ms per step")
-    header = f"{'param list':26} {'preset':8} {'step':>7} {'kernel':>7} {'empty':>7} {'overhead':>8}"
+    header = f"{'param list':26} {'preset':8} {'step':>7} {'kernel':>7} {'empty':>7} {'step-empty':>10} {'Python':>7}"
     print(header)
     print("-" * len(header))
     for row in rows:
-        step, kernel, empty = (t[row + (what,)] for what in ("step", "kernel", "empty"))
+        step, kernel, empty, python = (t[row + (what,)] for what in ("step", "kernel", "empty", "Python"))
         print(f"{row[0]:26} {row[1]:8} {1e3 * step:7.3f} {1e3 * kernel:7.3f} {1e3 * empty:7.3f} "
-              f"{1e3 * (step - kernel):8.3f}", flush=True)
+              f"{1e3 * (step - empty):10.3f} {1e3 * python:7.3f}", flush=True)
 
 
 def profile(preset: str, steps: int, lines: int = 25) -> None:

@@ -44,7 +44,7 @@ import torch
 
 from .backends import numba as numba_backend
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _GRAD = operator.attrgetter("grad")
 _PARAM_FORM = operator.attrgetter("dtype", "shape")
 _GRAD_FORM = operator.attrgetter("layout", "dtype", "shape", "is_cpu")
@@ -73,7 +73,8 @@ class GroupLaunch:
         self.first_index = first_index
         self.params = list(group["params"])
         self.settings = settings(optimizer, group, precision)
-        self.has_grad = list(map(operator.is_not, map(_GRAD, self.params), repeat(None)))
+        has_grad = list(map(operator.is_not, map(_GRAD, self.params), repeat(None)))
+        self.has_grad = None if all(has_grad) else has_grad  # (None: a missing grad fails the type check)
         self.updated = updated
         self.param_forms = list(map(_PARAM_FORM, updated))
         self.param_strides = list(map(_STRIDES, updated))
@@ -85,8 +86,8 @@ class GroupLaunch:
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
         self.addresses = list(map(_ADDRESS, chain(updated, self.values)))
         self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
-        self.steps = np.empty(len(updated), dtype=np.float64)  # the counters after the last step
-        numba_backend.counters().read_counters(self.counter_addresses, self.steps)
+        self.steps = np.array([state["step"].item() for state in self.states])  # the counters after the last step
+        self.helpers = numba_backend.helpers()
         self.threads = numba_backend.threads()
         self.relaunches = relaunches  # (Relaunch, position in ``updated`` of its first param)
         self.written = written  # for autograd's version counters (the kernels write through addresses)
@@ -101,11 +102,11 @@ class GroupLaunch:
                 or settings(optimizer, group, precision) != self.settings:
             return None
         grads = list(map(_GRAD, params))
-        if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
-            return None
-        if len(grads) != len(self.updated):
+        if self.has_grad is not None:
+            if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
+                return None
             grads = list(compress(grads, self.has_grad))
-        if not all(type(grad) in _PLAIN for grad in grads) or list(map(_GRAD_FORM, grads)) != self.grad_forms \
+        if not _PLAIN.issuperset(map(type, grads)) or list(map(_GRAD_FORM, grads)) != self.grad_forms \
                 or list(map(_STRIDES, grads)) != self.grad_strides:
             return None
         grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
@@ -117,15 +118,12 @@ class GroupLaunch:
                 or list(map(_ADDRESS, chain(self.updated, self.values))) != self.addresses \
                 or list(map(_PARAM_FORM, self.updated)) != self.param_forms \
                 or list(map(_STRIDES, self.updated)) != self.param_strides \
-                or numba_backend.threads() != self.threads:
-            return None
-        steps = np.empty_like(self.steps)
-        numba_backend.counters().read_counters(self.counter_addresses, steps)
-        if not np.array_equal(steps, self.steps):
+                or numba_backend.threads() != self.threads \
+                or not self.helpers.counters_equal(self.counter_addresses, self.steps):  # (addresses checked)
             return None
         calls = []
         for relaunch, first in self.relaunches:
-            counted = int(steps[first])
+            counted = int(self.steps[first])
             if counted >= 2 ** 53:  # the full path refuses it
                 return None
             scalars = optimizer._scalars(group, counted + 1)
@@ -136,7 +134,7 @@ class GroupLaunch:
             calls.append((relaunch, relaunch.values(scalars), relaunch.keys(counted + 1)))
 
         def run() -> None:
-            numba_backend.counters().advance_counters(self.counter_addresses)
+            self.helpers.advance_counters(self.counter_addresses)
             self.steps += 1
             for relaunch, values, keys in calls:
                 relaunch.run(grad_addresses, values, keys)

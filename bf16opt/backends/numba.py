@@ -92,10 +92,10 @@ def _chunks():
     return chunks
 
 
-def counters():
-    """``cpu_src/step_counters.py``: step counters read and advanced by address."""
-    from .._cpu import step_counters  # noqa: PLC0415  (lazy: importing compiles nothing)
-    return step_counters
+def helpers():
+    """``cpu_src/step_helpers.py``: step counters by address, stream keys."""
+    from .._cpu import step_helpers  # noqa: PLC0415  (lazy: importing compiles nothing)
+    return step_helpers
 
 
 def threads() -> int:
@@ -132,27 +132,16 @@ def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: l
     return cached
 
 
-def _fmix32(h: np.ndarray) -> np.ndarray:
-    """MurmurHash3 fmix32 on uint64 arrays holding uint32 values."""
-    h = h ^ (h >> np.uint64(16))
-    h = (h * np.uint64(0x85EBCA6B)) & np.uint64(MASK32)
-    h = h ^ (h >> np.uint64(13))
-    h = (h * np.uint64(0xC2B2AE35)) & np.uint64(MASK32)
-    return h ^ (h >> np.uint64(16))
-
-
-def stream_keys(seed: int, step: int, indices: list) -> np.ndarray:
+def stream_keys(seed: int, step: int, indices) -> np.ndarray:
     """uint32 (len(indices), 4): ``storage.stream_key(seed, step, index, buffer)`` for the
-    buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), vectorised over tensors."""
+    buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), one compiled loop over tensors."""
     key = 0
     for word in (seed & MASK32, ((seed >> 32) ^ (step >> 32)) & MASK32, step & MASK32):
         key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
-    golden, mask = np.uint64(GOLDEN), np.uint64(MASK32)
-    tensor = np.asarray(indices, dtype=np.int64).astype(np.uint64) & mask
-    keys = _fmix32(((np.uint64(key) ^ tensor) + golden) & mask)
-    buffers = np.arange(4, dtype=np.uint64)
-    keys = _fmix32(((keys[:, None] ^ buffers[None, :]) + golden) & mask)
-    return np.ascontiguousarray(keys.astype(np.uint32))
+    tensors = np.asarray(indices, dtype=np.int64).astype(np.uint64)  # (negative ids: two's complement)
+    keys = np.empty((tensors.size, 4), dtype=np.uint32)
+    helpers().stream_keys(np.uint64(key), tensors, keys)
+    return keys
 
 
 def _values(config: KernelConfig, scalars) -> np.ndarray:
@@ -234,7 +223,7 @@ class Relaunch:
         # row r reads the grad at grad_addresses[grad_of_row[r]] (run's argument), from element start
         self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
         self.grad_row_bytes = table[:, -2] * ELEMENT_BYTES[config.grad]
-        self.seed, self.streams = bucket.seed, bucket.streams()
+        self.seed, self.streams = bucket.seed, np.array(bucket.streams(), dtype=np.int64)
         self.unused_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
 
