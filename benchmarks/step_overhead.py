@@ -10,23 +10,31 @@ all rows (medians reported, in ms per step):
   chunk table's work, negligible on tiny tensors, plus the parallel dispatch);
 * ``empty``: the same parallel driver on an empty chunk table (the dispatch alone);
 * ``step-empty``: the step's overhead over an empty kernel call;
-* ``Python``: the step with the parallel driver replaced by a Python no-op: what the step
-  spends in Python around its kernel call, free of the dispatch, whose wake-up of the
-  worker threads takes milliseconds when another process keeps a core busy.
+* ``Python``: the step with the parallel driver replaced by a Python no-op, in CPU time
+  of the calling thread: what the step spends in Python around its kernel call.  On a
+  shared machine this is the robust figure: when another process keeps a core busy, the
+  wake-up of Numba's worker threads takes milliseconds, and those threads' spinning after
+  a kernel call competes with the Python of the next one for the cores (wall clock).
 
 The param lists: 150 params of 64 elements, and GPT-2 small's 148 shapes with every
 dimension divided by 64 (same count and mix of matrices and vectors, tiny sizes).
-``--profile`` adds a cProfile of steps of the first list, ``--multi-tensor`` the
-full-size check of ``cpu_step.py`` (GPT-2-small-shaped list against one flat tensor).
+``--profile`` adds a cProfile of steps of the first list.
+
+``--multi-tensor``: the full-size GPT-2-small-shaped list (~124M params in 148 tensors)
+against one flat tensor of the same size, whole steps and their kernel calls alone, with
+the median over repetitions of each repetition's list/flat ratio (memory bandwidth drifts
+between repetitions on a shared machine; a paired ratio cancels most of it).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -35,10 +43,10 @@ import bf16opt
 from bf16opt import _cpu
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
-    from cpu_step import gpt2_small_shapes, multi_tensor_table
+    from cpu_step import gpt2_small_shapes
     from machine import cpu_name
 except ImportError:  # pragma: no cover
-    from benchmarks.cpu_step import gpt2_small_shapes, multi_tensor_table
+    from benchmarks.cpu_step import gpt2_small_shapes
     from benchmarks.machine import cpu_name
 
 PRESETS = ("bf16", "fp32", "bf16-sr")
@@ -49,15 +57,15 @@ def param_lists() -> dict:
     return {"150 x 64": [(64,)] * 150, f"GPT-2 small / 64 ({len(gpt2)})": gpt2}
 
 
-def tiny_optimizer(shapes: list, preset: str):
-    g = torch.Generator().manual_seed(0)
+def tiny_optimizer(shapes: list, preset: str, dtype: torch.dtype = torch.bfloat16):
     params = []
     for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16))
-        p.grad = torch.randn(shape, generator=g).mul_(1e-3).to(torch.bfloat16)
+        p = torch.nn.Parameter(torch.empty(shape, dtype=dtype).normal_(0, 0.02))
+        p.grad = torch.empty(shape, dtype=dtype).normal_(0, 1e-3)
         params.append(p)
     opt = bf16opt.AdamW(params, lr=1e-3, weight_decay=1e-2, precision=preset, backend="numba")
     opt.step()  # creates state, compiles or loads the kernel
+    opt.step()  # builds the launch the next steps reuse
     return opt
 
 
@@ -102,23 +110,30 @@ def repeated(fn, steps: int):
     return run
 
 
-def measure(contenders: dict, repeats: int, steps: int) -> dict:
-    """Median seconds per call of each contender, repetitions interleaved across all of them."""
+def timings(contenders: dict, repeats: int, steps: int = 1, clocks: Optional[dict] = None) -> dict:
+    """Seconds per call of each contender in each repetition, repetitions interleaved across all
+    of them; ``clocks``: contender -> its clock (default: wall clock)."""
     times = {name: [] for name in contenders}
     for fn in contenders.values():  # warm-up
         fn()
     for _ in range(repeats):
         for name, fn in contenders.items():
-            start = time.perf_counter()
+            clock = (clocks or {}).get(name, time.perf_counter)
+            start = clock()
             fn()
-            times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append((clock() - start) / steps)
+    return times
+
+
+def measure(contenders: dict, repeats: int, steps: int, clocks: Optional[dict] = None) -> dict:
+    """Median seconds per call of each contender, repetitions interleaved across all of them."""
+    return {name: statistics.median(t) for name, t in timings(contenders, repeats, steps, clocks).items()}
 
 
 def overhead_table(repeats: int, steps: int) -> None:
     from numba import get_num_threads  # noqa: PLC0415  (after bf16opt's first step imported it)
 
-    contenders, rows, keep = {}, [], []
+    contenders, clocks, rows, keep = {}, {}, [], []
     for list_name, shapes in param_lists().items():
         for preset in PRESETS:
             opt = tiny_optimizer(shapes, preset)
@@ -129,18 +144,45 @@ def overhead_table(repeats: int, steps: int) -> None:
             contenders[row + ("kernel",)] = repeated(lambda a=args: _cpu.chunks.run_chunks(*a), steps)
             contenders[row + ("empty",)] = repeated(lambda a=empty: _cpu.chunks.run_chunks(*a), steps)
             contenders[row + ("Python",)] = without_kernel(repeated(opt.step, steps))
+            clocks[row + ("Python",)] = time.thread_time
             rows.append(row)
             keep.append(opt)
-    t = measure(contenders, repeats, steps)
+    t = measure(contenders, repeats, steps, clocks)
     print(f"Python overhead of an AdamW step (bf16 params, numba backend), {get_num_threads()} Numba threads, "
           f"{cpu_name()}; median of {repeats} interleaved repetitions of {steps} steps; ms per step")
-    header = f"{'param list':26} {'preset':8} {'step':>7} {'kernel':>7} {'empty':>7} {'step-empty':>10} {'Python':>7}"
+    header = f"{'param list':26} {'preset':8} {'step':>7} {'kernel':>7} {'empty':>7} {'step-empty':>10} {'Python CPU':>10}"
     print(header)
     print("-" * len(header))
     for row in rows:
         step, kernel, empty, python = (t[row + (what,)] for what in ("step", "kernel", "empty", "Python"))
         print(f"{row[0]:26} {row[1]:8} {1e3 * step:7.3f} {1e3 * kernel:7.3f} {1e3 * empty:7.3f} "
-              f"{1e3 * (step - empty):10.3f} {1e3 * python:7.3f}", flush=True)
+              f"{1e3 * (step - empty):10.3f} {1e3 * python:10.3f}", flush=True)
+
+
+def list_vs_flat(repeats: int) -> None:
+    shapes = gpt2_small_shapes()
+    total = sum(int(np.prod(shape)) for shape in shapes)
+    print(f"\nGPT-2-small-shaped param list ({len(shapes)} tensors, {total} params) vs one flat tensor of the "
+          f"same size; AdamW, numba backend, {cpu_name()}; median of {repeats} interleaved repetitions, ms; "
+          f"list/flat: median of the repetitions' ratios")
+    header = f"{'configuration':20} {'list':>7} {'flat':>7} {'list/flat':>9} {'kernel list':>11} {'kernel flat':>11} {'list/flat':>9}"
+    print(header)
+    print("-" * len(header))
+    for label, dtype, preset in [("bf16 params, bf16", torch.bfloat16, "bf16"),
+                                 ("fp32 params, fp32", torch.float32, "fp32")]:
+        contenders = {}
+        for name, layout in (("list", shapes), ("flat", [(total,)])):
+            opt = tiny_optimizer(layout, preset, dtype)
+            contenders[name] = opt.step
+            contenders[name + " kernel"] = lambda a=captured_kernel_call(opt): _cpu.chunks.run_chunks(*a)
+        t = timings(contenders, repeats)
+        median = {name: 1e3 * statistics.median(times) for name, times in t.items()}
+        ratio = {kind: statistics.median(a / b for a, b in zip(t["list" + kind], t["flat" + kind]))
+                 for kind in ("", " kernel")}
+        print(f"{label:20} {median['list']:7.1f} {median['flat']:7.1f} {ratio['']:9.3f} "
+              f"{median['list kernel']:11.1f} {median['flat kernel']:11.1f} {ratio[' kernel']:9.3f}", flush=True)
+        del contenders, t
+        gc.collect()
 
 
 def profile(preset: str, steps: int, lines: int = 25) -> None:
@@ -160,15 +202,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="steps per timed repetition")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of 500 steps per preset")
     parser.add_argument("--multi-tensor", action="store_true",
-                        help="add cpu_step.py's GPT-2-small list vs flat tensor table (full size)")
-    parser.add_argument("--multi-tensor-repeats", type=int, default=11)
+                        help="add the full-size GPT-2-small-shaped list against one flat tensor")
+    parser.add_argument("--multi-tensor-repeats", type=int, default=21)
     args = parser.parse_args()
     overhead_table(args.repeats, args.steps)
     if args.profile:
         for preset in PRESETS:
             profile(preset, 500)
     if args.multi_tensor:
-        multi_tensor_table(args.multi_tensor_repeats)
+        list_vs_flat(args.multi_tensor_repeats)
 
 
 if __name__ == "__main__":

@@ -54,3 +54,15 @@ def test_compute_limit_kernel_does_the_work(preset):
         if name == "w" and not (storage.kahan or storage.master != "param"):
             continue
         assert not np.array_equal(old, new), name
+
+
+def test_step_overhead_benchmark_prints_its_table():
+    """benchmarks/step_overhead.py runs and measures every row (figures mean nothing here)."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "step_overhead.py"), "--repeats", "1", "--steps", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("150 x 64", "GPT-2 small / 64"))]
+    assert len(rows) == 6, result.stdout
+    for row in rows:
+        step, kernel, empty, _, python = map(float, row[-5:])
+        assert step > 0 and kernel > 0 and empty > 0 and python >= 0

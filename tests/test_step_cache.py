@@ -11,6 +11,8 @@ step builds again).  Nothing here is timed.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -264,7 +266,8 @@ def test_a_change_drops_the_kept_launch_and_results_stay_right(spy, change, buil
     assert (spy.reused > reused) == kept
 
 
-@pytest.mark.parametrize("change", ["grad dtype", "grad layout", "grad missing", "grad appears", "grad shape"])
+@pytest.mark.parametrize("change", ["grad dtype", "grad layout", "grad missing", "grad appears", "grad shape",
+                                    "grad sparse"])
 def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
     twins = Twins()
     for params in twins.params.values():
@@ -283,13 +286,25 @@ def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
             params[4].grad = None
         elif change == "grad shape":
             params[4].grad.data = params[4].grad.data.reshape(7, 1)  # (torch refuses it as a new grad)
-    if change == "grad shape":
+        elif change == "grad sparse":
+            params[4].grad = params[4].grad.to_sparse()
+    if change in ("grad shape", "grad sparse"):
         for opt in twins.opts.values():
-            with pytest.raises(ValueError, match="grad of param 4"):
+            with pytest.raises((ValueError, TypeError), match="param 4"):
                 opt.step()
     else:
         twins.step()
     assert spy.refused == before[1] + 1
+
+
+def test_the_kept_launch_holds_no_grad(spy):
+    """Grads are new tensors every step: a kept launch must not keep the last ones alive."""
+    twins = Twins()
+    warm(twins, spy)
+    grads = [weakref.ref(p.grad) for p in twins.params["numba"]]
+    twins.opt.zero_grad()
+    gc.collect()
+    assert all(grad() is None for grad in grads)
 
 
 def test_named_params_edit_refuses_the_kept_launch(spy):

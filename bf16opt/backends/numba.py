@@ -32,6 +32,10 @@ Non-contiguous tensors are laid out by ``staging.py`` (in place in memory order 
 every buffer shares one dense layout and no stochastic rounding is involved, otherwise
 through contiguous copies written back afterwards); both keep results identical to the
 reference.
+
+Between steps: the optimizer's step cache (``bf16opt/step_cache.py``) keeps a bucket's
+kernel call as a :class:`Relaunch` -- its own copy of the chunk table, whose grad column is
+pointed at each step's grads -- and reuses it while nothing it was built from changed.
 """
 
 from __future__ import annotations
