@@ -21,7 +21,7 @@ from torch import nn
 
 import bf16opt
 import bf16opt.backends.numba as numba_backend
-from bf16opt.offload import DEFAULT_CHUNK_ELEMENTS, use_copy_engine
+from bf16opt.offload import DEFAULT_CHUNK_ELEMENTS, fingerprint, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine
 from bf16opt.precision import PRESETS, plan_for
 from snapshots import assert_unchanged, snapshot
@@ -312,6 +312,52 @@ def test_uploads_are_complete_when_step_returns():
     for p, q in zip(ref_model.parameters(), model.parameters()):  # read at once, no synchronize
         assert same(p, q)
     engine.close()
+
+
+@pytest.mark.parametrize("chunk", [3, 4, 40, DEFAULT_CHUNK_ELEMENTS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.complex64])
+def test_recorded_param_fingerprint_is_the_uploaded_params(chunk, dtype):
+    """The pipeline sums the uploaded params' fingerprints from the mirror's pieces where that
+    is the same sum (CPU, aligned, whole words per piece) and takes them from the params
+    otherwise: either way, what it records is exactly the param's fingerprint, for contiguous,
+    transposed, empty and misaligned (odd storage offset) params."""
+    preset = "fp32" if dtype in (torch.float32, torch.complex64) else "bf16"  # the param is its master
+    model, opt = make("AdamW", dtype, "cpu", precision=preset, backend="reference" if dtype.is_complex
+                      else "numba")
+    base = torch.zeros(1 + 4 * 37, dtype=dtype)
+    odd = nn.Parameter(base[1:])  # a view at a storage offset of one element
+    assert odd.data_ptr() % 8 != 0 or dtype.itemsize >= 8
+    opt.add_param_group({"params": [odd]})
+    opt._offloader.chunk_elements = chunk
+    for x in batches(dtype, 2):
+        opt.zero_grad()
+        loss_of(model, x).backward()
+        odd.grad = torch.full_like(odd, 0.5)
+        opt.step()
+        records = opt._offloader._records
+        checked = [param for param in [*model.parameters(), odd] if param in records and param.numel()]
+        assert any(p is odd for p in checked) and len(checked) > 2
+        for param in checked:
+            assert records[param].mirror_print.item() == fingerprint(param).item()
+
+
+def test_grads_copied_by_step_are_copied_again_next_step():
+    """A grad whose copy step() started carries no fingerprint, so an unchanged grad is copied
+    again at the next step (and gives the bits of a run without offload)."""
+    with RecordingEngine() as engine:
+        ref_model, ref_opt, model, opt = run_pair("AdamW", torch.bfloat16, steps=1, clip=None,
+                                                  engine=engine, precision="bf16")
+        for p in [*ref_model.parameters(), *model.parameters()]:
+            if p.grad is not None:
+                p.grad = p.grad.clone()  # set by hand: no hook fires
+        before = len(engine.log)
+        for _ in range(2):  # the same grads twice
+            ref_opt.step()
+            opt.step()
+            assert all(record.grad_print is None for record in opt._offloader._records.values())
+        copies = [entry for entry in engine.log[before:] if entry[0] == "d2h"]
+        assert len(copies) == 2 * sum(p.grad is not None for p in model.parameters())
+        assert_same_run(ref_model, ref_opt, model, opt)
 
 
 # ---------------------------------------------------------------- 3. version re-checks
