@@ -32,7 +32,7 @@ import time
 import torch
 
 import bf16opt
-from bf16opt.offload import use_copy_engine
+from bf16opt.offload import default_threads, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.offload_step
@@ -63,11 +63,11 @@ def timed(function) -> float:
 class Setup:
     """One preset's contenders: an offloaded optimizer, a host-only one, and the link alone."""
 
-    def __init__(self, preset: str, n: int, tensors: int, bandwidth: float, chunk: int):
+    def __init__(self, preset: str, n: int, tensors: int, bandwidth: float, chunk: int, threads=None):
         self.engine = ThreadedCopyEngine(bandwidth=bandwidth)
         self.params = make_params(n, tensors)
         self.grads = grads_for(self.params)
-        self.opt = bf16opt.AdamW(self.params, lr=1e-4, precision=preset, offload="cpu")
+        self.opt = bf16opt.AdamW(self.params, lr=1e-4, precision=preset, offload="cpu", offload_threads=threads)
         use_copy_engine(self.opt, self.engine)
         self.opt._offloader.chunk_elements = chunk
         self.host_params = make_params(n, tensors)
@@ -201,7 +201,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--bandwidth", type=float, default=25e9, help="stand-in link, bytes/s each way")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--chunk", type=int, default=None, help="pipeline chunk (elements); default: swept")
+    parser.add_argument("--chunk", type=int, default=None, help="pipeline chunk (elements, a power of 2); "
+                        "default: swept")
+    parser.add_argument("--threads", type=int, default=None, help="offload_threads; default: swept")
     parser.add_argument("--backward-seconds", type=float, default=1.0,
                         help="length of a 7B backward pass for the projection")
     parser.add_argument("--gpu-params-per-second", type=float, default=0.0,
@@ -211,26 +213,27 @@ def main(argv=None) -> None:
     print(f"bf16opt offload benchmark: AdamW, 2^{args.log2_params} bf16 params in {args.tensors} tensors, "
           f"stand-in link {args.bandwidth / 1e9:.0f} GB/s each way; {cpu_name()}; medians of {args.repeats}")
 
-    chunk = args.chunk
-    if chunk is None:
-        print("\nchunk sweep (bf16): chunk elements -> step ms (grads set by hand)")
-        best = None
-        for log2 in (18, 20, 21, 22):
-            setup = Setup("bf16", n, args.tensors, args.bandwidth, 1 << log2)
+    # the stand-in's copies run on this machine's cores: fewer update threads may leave
+    # them a core (a GPU's DMA engines need none, so there all cores update)
+    cores = default_threads()
+    print("\nsweep (bf16): chunk elements x update threads -> step ms (grads set by hand)")
+    results = {}
+    for log2 in ((18, 20, 21, 22, 23) if args.chunk is None else (args.chunk.bit_length() - 1,)):
+        for count in (sorted({1, max(1, cores - 1), cores}) if args.threads is None else (args.threads,)):
+            setup = Setup("bf16", n, args.tensors, args.bandwidth, 1 << log2, count)
             t = statistics.median(setup.step_hand() for _ in range(max(3, args.repeats // 2)))
             setup.close()
             del setup
             gc.collect()
-            print(f"  2^{log2:<3d} {1e3 * t:8.1f}")
-            if best is None or t < best[1]:
-                best = (1 << log2, t)
-        chunk = best[0]
-        print(f"  chosen: 2^{chunk.bit_length() - 1}")
+            results[(1 << log2, count)] = t
+            print(f"  2^{log2:<3d} {count:2d} thread(s) {1e3 * t:8.1f}", flush=True)
+    chunk, threads = min(results, key=results.get)
+    print(f"  chosen: 2^{chunk.bit_length() - 1} elements, {threads} thread(s)")
 
     print("\n" + HEADER)
     update_rate = {}
     for preset in PRESETS:
-        setup = Setup(preset, n, args.tensors, args.bandwidth, chunk)
+        setup = Setup(preset, n, args.tensors, args.bandwidth, chunk, threads)
         t = measure(setup, args.repeats)
         print(report(preset, t))
         update_rate[preset] = n / t["update"]

@@ -54,3 +54,20 @@ def test_compute_limit_kernel_does_the_work(preset):
         if name == "w" and not (storage.kahan or storage.master != "param"):
             continue
         assert not np.array_equal(old, new), name
+
+
+def test_offload_benchmark_prints_its_tables():
+    """The offload benchmark on a tiny size: the sweep, one row per preset with every column
+    measured, and the 7B projection (figures at this size mean nothing)."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "offload_step.py"), "--log2-params", "14",
+                             "--tensors", "4", "--repeats", "1", "--chunk", "4096", "--threads", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.strip() == "chosen: 2^12 elements, 1 thread(s)" for line in lines), result.stdout
+    rows = [line for line in lines if line.split(" ", 1)[0] in ("bf16", "bf16-sr", "fp32-remainder-bf16-states")]
+    assert len(rows) == 2 * 3, result.stdout  # the measured table, then the projection
+    for row in rows[:3]:
+        left, right = row.split("|")
+        figures = [float(x) for x in left.split()[1:]] + [float(x) for x in right.split()]
+        assert len(figures) == 11 and all(f > 0 for f in figures), row
