@@ -32,7 +32,7 @@ import time
 import torch
 
 import bf16opt
-from bf16opt.offload import default_threads, use_copy_engine
+from bf16opt.offload import default_threads, fingerprint, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.offload_step
@@ -96,20 +96,34 @@ class Setup:
     def update(self) -> float:
         return timed(self.host_opt.step)
 
+    def checks(self) -> float:
+        """The device-side checks a step makes (bf16opt/offload.py's fingerprint of every
+        param the update reads, and of every grad the hooks copied during backward): on a GPU
+        they are the GPU's work, here they take the same cores as everything else."""
+        return timed(lambda: self._check(self.grads))
+
+    def _check(self, grads) -> None:
+        prints = [fingerprint(p) for p in self.params] + [fingerprint(g) for g in grads]
+        torch.stack(prints).tolist()
+
     def together(self) -> float:
-        """The overlap limit of this machine: all three parts started at once on independent
-        buffers, no pipeline (no waiting of one part for another, no bookkeeping)."""
+        """The overlap limit of this machine: everything the step must do, started at once on
+        independent buffers with no pipeline (no part waits for another): both links, the
+        device-side checks of the params, the host update."""
         def run():
             transfers = self._start_down() + self._start_up()
+            self._check([])
             self.host_opt.step()
             for t in transfers:
                 t.wait()
         return timed(run)
 
     def together_after_backward(self) -> float:
-        """The same limit with the grads already on the host: update and host->device at once."""
+        """The same limit with the grads already on the host: host->device, the checks of
+        params and grads, the host update."""
         def run():
             transfers = self._start_up()
+            self._check(self.grads)
             self.host_opt.step()
             for t in transfers:
                 t.wait()
@@ -132,7 +146,8 @@ class Setup:
 
 
 def measure(setup: Setup, repeats: int) -> dict:
-    names = ("down", "update", "up", "together", "together_after_backward", "step_hand", "step_after_backward")
+    names = ("down", "update", "up", "checks", "together", "together_after_backward", "step_hand",
+             "step_after_backward")
     times = {name: [] for name in names}
     for _ in range(repeats):  # interleaved: bandwidth drifts between runs
         for name in names:
@@ -144,21 +159,23 @@ def report(preset: str, t: dict) -> str:
     parts = max(t["down"], t["update"], t["up"])
     parts_bwd = max(t["update"], t["up"])
     return (f"{preset:28s} {1e3 * t['down']:7.1f} {1e3 * t['update']:7.1f} {1e3 * t['up']:7.1f} "
-            f"{1e3 * t['together']:7.1f} {1e3 * t['step_hand']:7.1f} {parts / t['step_hand']:5.2f} "
-            f"{t['together'] / t['step_hand']:5.2f} | {1e3 * t['together_after_backward']:7.1f} "
-            f"{1e3 * t['step_after_backward']:7.1f} {parts_bwd / t['step_after_backward']:5.2f} "
-            f"{t['together_after_backward'] / t['step_after_backward']:5.2f}")
+            f"{1e3 * t['checks']:7.1f} {1e3 * t['together']:7.1f} {1e3 * t['step_hand']:7.1f} "
+            f"{parts / t['step_hand']:5.2f} {t['together'] / t['step_hand']:5.2f} | "
+            f"{1e3 * t['together_after_backward']:7.1f} {1e3 * t['step_after_backward']:7.1f} "
+            f"{parts_bwd / t['step_after_backward']:5.2f} {t['together_after_backward'] / t['step_after_backward']:5.2f}")
 
 
-HEADER = (f"{'preset':28s} {'D2H':>7s} {'host':>7s} {'H2D':>7s} {'limit':>7s} {'step':>7s} {'eff.':>5s} "
-          f"{'limit':>5s} | {'limit':>7s} {'step':>7s} {'eff.':>5s} {'limit':>5s}")
+HEADER = (f"{'preset':28s} {'D2H':>7s} {'host':>7s} {'H2D':>7s} {'checks':>7s} {'limit':>7s} {'step':>7s} "
+          f"{'eff.':>5s} {'limit':>5s} | {'limit':>7s} {'step':>7s} {'eff.':>5s} {'limit':>5s}")
 LEGEND = """\
   times in ms.  Left: grads set by hand (their copies start at step()); right: after a backward
-  pass whose hooks already copied the grads.  D2H/host/H2D: each part alone; limit: the parts
-  started together on independent buffers with no pipeline (left: all three; right: host and
-  H2D), i.e. the best overlap this machine's cores and memory allow; step: the offloaded step.
-  eff. = max(parts) / step (the issue's overlap efficiency); "limit" column = limit / step,
-  the pipeline against what is physically reachable here."""
+  pass whose hooks already copied the grads.  D2H/host/H2D: each part alone; checks: the
+  device-side fingerprints of params and grads (a GPU's work; here on the same cores); limit:
+  everything the step must do (left: both links, the params' checks, the host update; right:
+  host->device, the checks of params and grads, the host update) started together on
+  independent buffers, with no pipeline: the best overlap this machine's cores and memory allow.
+  eff. = max(parts) / step (the issue's overlap efficiency; right: max(host, H2D) / step);
+  the "limit" columns after the step = limit / step, the pipeline against what is reachable here."""
 
 
 def host_bytes_per_param(preset: str) -> float:

@@ -70,4 +70,4 @@ def test_offload_benchmark_prints_its_tables():
     for row in rows[:3]:
         left, right = row.split("|")
         figures = [float(x) for x in left.split()[1:]] + [float(x) for x in right.split()]
-        assert len(figures) == 11 and all(f > 0 for f in figures), row
+        assert len(figures) == 12 and all(f > 0 for f in figures), row
