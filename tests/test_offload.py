@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import os
 import weakref
 
 import pytest
@@ -818,6 +819,84 @@ def test_load_state_dict_never_overrides_offload(saved_offload, live_offload):
         live.load_state_dict(state_dict)
         assert [g["offload"] for g in live.param_groups] == [live_offload]
         assert [g["precision"].name for g in live.param_groups] == ["bf16-sr"]
+
+
+# ---------------------------------------------------------------- host threads of the update
+
+
+def _threads_seen(monkeypatch):
+    """Numba's thread count at every kernel launch."""
+    numba = pytest.importorskip("numba")
+    seen = []
+    real_prepare = numba_backend.prepare
+
+    def prepare(bucket, scalars):
+        launch = real_prepare(bucket, scalars)
+
+        def spied():
+            seen.append(numba.get_num_threads())
+            launch()
+
+        return spied
+
+    monkeypatch.setattr(numba_backend, "prepare", prepare)
+    return numba, seen
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2, 10 ** 6])
+def test_offload_threads_set_the_host_update_threads_and_are_restored(monkeypatch, threads):
+    """The offloaded update runs with ``offload_threads`` Numba threads (default: every core of
+    the process's affinity; capped at Numba's pool), the caller's count is restored after each
+    step, and the bits do not depend on it."""
+    numba, seen = _threads_seen(monkeypatch)
+    numba.set_num_threads(1)
+    ref_model, ref_opt, model, opt = run_pair("AdamW", torch.bfloat16, steps=2, precision="bf16-sr",
+                                              backend="numba", offload_threads=threads)
+    expected = min(threads or len(os.sched_getaffinity(0)), numba.config.NUMBA_NUM_THREADS)
+    offloaded = seen[len(seen) // 2:]  # the offloaded run comes second
+    assert offloaded and set(offloaded) == {expected}
+    assert set(seen[:len(seen) // 2]) == {1}  # the run without offload: the caller's setting
+    assert numba.get_num_threads() == 1
+    assert_same_run(ref_model, ref_opt, model, opt)
+
+
+def test_offload_threads_per_group(monkeypatch):
+    numba, seen = _threads_seen(monkeypatch)
+    model = Net(torch.bfloat16)
+    opt = bf16opt.AdamW([{"params": [model.w1], "offload_threads": 1}, {"params": [model.w2]}],
+                        backend="numba", offload="cpu", offload_threads=2)
+    loss_of(model, batches(torch.bfloat16, 1)[0]).backward()
+    opt.step()
+    assert seen == [1, min(2, numba.config.NUMBA_NUM_THREADS)]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+def test_default_threads_follow_the_process_affinity(monkeypatch):
+    """A process pinned to one core (taskset, a container's cpuset) updates on one thread."""
+    numba, seen = _threads_seen(monkeypatch)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        model, opt = make("AdamW", torch.bfloat16, "cpu", backend="numba")
+        loss_of(model, batches(torch.bfloat16, 1)[0]).backward()
+        opt.step()
+    finally:
+        os.sched_setaffinity(0, before)
+    assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_offload_threads_are_rejected(bad):
+    model = Net(torch.bfloat16)
+    with pytest.raises(ValueError, match="offload_threads"):
+        bf16opt.AdamW(model.parameters(), offload="cpu", offload_threads=bad)
+    opt = bf16opt.AdamW(model.parameters(), offload="cpu")
+    loss_of(model, batches(torch.bfloat16, 1)[0]).backward()
+    opt.param_groups[0]["offload_threads"] = bad
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="offload_threads"):
+        opt.step()
+    assert_unchanged(opt, before)
 
 
 # ---------------------------------------------------------------- 6. bad input
