@@ -15,7 +15,8 @@ The pipeline of one step:
    :func:`fingerprint`) is unchanged since the copy: clipping, GradScaler's ``unscale_``,
    ``.data`` edits and collectives writing into grads are all seen; otherwise it is copied
    again.  Params whose grad was
-   set without backward, or that had no hook when backward ran, are copied here too.  A param
+   set without backward, or that had no hook when backward ran, are copied here too (such a
+   copy takes no fingerprint: the next step copies that grad again).  A param
    whose device value changed since the host mirror was written (``model.load_state_dict``,
    an EMA swap, ``p.data`` edits: its version counter or fingerprint moved) is read back
    before an update that reads it.
@@ -24,7 +25,8 @@ The pipeline of one step:
    grads are still arriving).  Each chunk's kernel writes the new params straight into the
    host mirror that is uploaded, with no extra pass over memory; a param's stochastic-rounding
    element counter stays global to the param (``Bucket.offsets``), so chunking never changes
-   the bits.
+   the bits.  On CPU params the uploaded params' fingerprints are summed from the mirror's
+   pieces while the kernel's output is in cache, rather than by another pass over the params.
 4. **Published before returning.**  When step() returns, the uploads are complete (CPU copy
    engines) or ordered before any later work on the device's current stream (CUDA).
 
