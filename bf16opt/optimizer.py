@@ -26,11 +26,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from . import state_dict as state_dicts
+from . import step_cache
 from .algorithms import Algorithm, KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, check_backend_name, f32, reference, resolve_backend
 from .checks import (check_amp_tensor, check_flag, check_implementation_flags, check_no_aliasing,
@@ -97,6 +98,20 @@ def _float64_backend(name: str):
     return reference
 
 
+class _Entry(NamedTuple):
+    """One param's part of a step."""
+
+    param: torch.Tensor      # what the kernels update: the param, its real view or local shard, or its host mirror
+    grad: torch.Tensor       # what the kernels read: likewise
+    config: KernelConfig     # the launch's (the state's, plus flags of fresh buffers and the grads' dtype)
+    state: dict              # the state with the buffers made at this step
+    counter: torch.Tensor    # state["step"]
+    number: int              # the param's index in the optimizer
+    original: torch.Tensor   # the param as the group lists it
+    offset: int              # index of a shard's first element in the whole param
+    stream: int              # stochastic rounding's stream id
+
+
 @dataclass
 class _StepPlan:
     """What phase one of a step prepared for phase two to install and run."""
@@ -109,6 +124,8 @@ class _StepPlan:
     counters: list = field(default_factory=list)       # step tensors to advance
     known: dict = field(default_factory=dict)          # param -> config its state now fits
     launches: list = field(default_factory=list)       # (bucket, prepared launch)
+    reused: list = field(default_factory=list)         # phase two of each group whose kept launch is reused
+    built: list = field(default_factory=list)          # (group number, what step_cache.build keeps, or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
 
 
@@ -344,12 +361,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         plan = _StepPlan()
         known = self._state_configs
         distributed = dtensor_type() is not None  # else no DTensor exists in this process
+        kept = self._group_launches
         index = 0
         for group_number, group in enumerate(self.param_groups):
             precision = self._checked_precision(group)
-            params = self._params_with_grad(group, index)
             first_index, index = index, index + len(group["params"])
+            reused = group_number in kept and kept[group_number].prepare(self, group, first_index, precision,
+                                                                         inv_grad_scale)
+            if reused:  # nothing the group's launch was built from changed since the last step
+                plan.precisions.append((group, precision))
+                plan.reused.append(reused)
+                continue
+            params = self._params_with_grad(group, first_index)
             if not params:
+                plan.built.append((group_number, None))  # (a kept launch would hold on to its tensors)
                 continue
             plan.precisions.append((group, precision))
             # an offloaded group's state lives, and its update runs, on the host
@@ -410,28 +435,31 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                            config.track, grad_dtype)
                 # stochastic rounding numbers a shard's elements by their index in the whole param
                 offset = self._shard_offset(original, number) if sharded and config.stochastic else 0
-                entries.append((param, real_view(local(original.grad) if sharded else original.grad), config,
-                                {**state, **made}, counter,
-                                number, original, offset, ids[number - first_index]))
+                entries.append(_Entry(param, real_view(local(original.grad) if sharded else original.grad), config,
+                                      {**state, **made}, counter, number, original, offset,
+                                      ids[number - first_index]))
             if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
                 written = {id(p) for p, _ in plan.mirror_writes}
-                staged = offloader.stage([e[6] for e in entries], [e[2].weights != "copy" and id(e[6]) not in written
-                                                                   for e in entries])
-                entries = [(mirror, grad, *entry[2:]) for (mirror, grad), entry in zip(staged, entries)]
-            plan.counters.extend(entry[4] for entry in entries)
-            counts = torch.stack([e[4].double() for e in entries]).tolist()
-            self._check_steps(counts, [e[5] for e in entries])
+                staged = offloader.stage([e.original for e in entries],
+                                         [e.config.weights != "copy" and id(e.original) not in written
+                                          for e in entries])
+                entries = [entry._replace(param=mirror, grad=grad) for (mirror, grad), entry in zip(staged, entries)]
+            plan.counters.extend(entry.counter for entry in entries)
+            counts = torch.stack([e.counter.double() for e in entries]).tolist()
+            self._check_steps(counts, [e.number for e in entries])
             steps = [int(s) + 1 for s in counts]
-            buckets, originals = {}, {}
-            for (param, grad, config, state, _, number, original, offset, sid), step in zip(entries, steps):
-                key = (param.device, config, step)
+            buckets, originals, launched = {}, {}, []
+            for entry, step in zip(entries, steps):
+                config = entry.config
+                key = (entry.param.device, config, step)
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = Bucket(config, seed=group["seed"], step=step)
                     originals[key] = []
-                bucket.append([param, grad] + [None if state_key is None else state[state_key]
-                                               for state_key in config.state_keys[2:]], number, offset, sid)
-                originals[key].append(original)
+                bucket.append([entry.param, entry.grad] + [None if state_key is None else entry.state[state_key]
+                                                           for state_key in config.state_keys[2:]],
+                              entry.number, entry.offset, entry.stream)
+                originals[key].append(entry.original)
             for key, bucket in buckets.items():
                 device, config, step = key
                 float64 = config.plan.param == torch.float64
@@ -452,6 +480,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     launch = functools.partial(offloader.run, bucket, originals[key], backend, scalars,
                                                group.get("offload_threads"))
                 plan.launches.append((bucket, launch))
+                launched.append((bucket, backend))
+            fresh = any(entry.original in plan.states or entry.original in plan.buffers for entry in entries)
+            plan.built.append((group_number, None if offloader or fresh else
+                               (group, first_index, precision, entries, launched)))
         if "_offloader_instance" in self.__dict__:
             plan.offloaded = {p for g in self.param_groups if g.get("offload") == "cpu" for p in g["params"]}
         return plan
@@ -525,12 +557,33 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._state_configs.update(plan.known)
         if plan.offloaded is not None:  # params that left the offloaded groups free their host buffers
             self._offloader.release(plan.offloaded)
+        for run in plan.reused:
+            run()
         for bucket, launch in plan.launches:
             launch()
             if bucket.counts is not None:
                 for param, counts in zip(bucket.params, bucket.counts.tolist()):
                     self._precision_counts[param] = (param.numel(), counts)
+        self._keep_launches(plan.built)
         return loss
+
+    @property
+    def _group_launches(self) -> dict:
+        """group number -> the group's launch kept for the next steps (step_cache.py)."""
+        return self._side_dict("_group_launch_cache")
+
+    def _keep_launches(self, built: list) -> None:
+        """Keep the launches this step built for the next steps to reuse; forget those of
+        groups that changed beyond reuse, or are gone (their tensors are released)."""
+        kept = self._group_launches
+        for number, material in built:
+            launch = None if material is None else step_cache.build(self, *material)
+            if launch is None:
+                kept.pop(number, None)
+            else:
+                kept[number] = launch
+        for number in [number for number in kept if number >= len(self.param_groups)]:
+            del kept[number]
 
     @property
     def _precision_counts(self) -> dict:

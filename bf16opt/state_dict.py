@@ -152,6 +152,7 @@ def load(optimizer, state_dict: dict) -> None:
     optimizer.param_groups[:] = new_groups
     optimizer.state = new_state
     optimizer._state_configs.clear()
+    optimizer._group_launches.clear()  # (they would be rebuilt anyway; this releases the old state now)
     with torch.no_grad():
         for param, new_param in param_writes:
             param.copy_(new_param)

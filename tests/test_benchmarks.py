@@ -71,3 +71,15 @@ def test_offload_benchmark_prints_its_tables():
         left, right = row.split("|")
         figures = [float(x) for x in left.split()[1:]] + [float(x) for x in right.split()]
         assert len(figures) == 12 and all(f > 0 for f in figures), row
+
+
+def test_step_overhead_benchmark_prints_its_table():
+    """benchmarks/step_overhead.py runs and measures every row (figures mean nothing here)."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "step_overhead.py"), "--repeats", "1", "--steps", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("150 x 64", "GPT-2 small / 64"))]
+    assert len(rows) == 6, result.stdout
+    for row in rows:
+        step, kernel, empty, _, python = map(float, row[-5:])
+        assert step > 0 and kernel > 0 and empty > 0 and python >= 0

@@ -32,6 +32,10 @@ Non-contiguous tensors are laid out by ``staging.py`` (in place in memory order 
 every buffer shares one dense layout and no stochastic rounding is involved, otherwise
 through contiguous copies written back afterwards); both keep results identical to the
 reference.
+
+Between steps: the optimizer's step cache (``bf16opt/step_cache.py``) keeps a bucket's
+kernel call as a :class:`Relaunch` -- its own copy of the chunk table, whose grad column is
+pointed at each step's grads -- and reuses it while nothing it was built from changed.
 """
 
 from __future__ import annotations
@@ -92,6 +96,18 @@ def _chunks():
     return chunks
 
 
+def helpers():
+    """``cpu_src/step_helpers.py``: step counters by address, stream keys."""
+    from .._cpu import step_helpers  # noqa: PLC0415  (lazy: importing compiles nothing)
+    return step_helpers
+
+
+def threads() -> int:
+    """Numba's thread count (the thread ranges of a chunk table depend on it)."""
+    from numba import get_num_threads  # noqa: PLC0415  (numba is imported on the first step)
+    return get_num_threads()
+
+
 def chunk_function(config: KernelConfig):
     """The compiled chunk function of ``config``: ``cpu_src/<algorithm>.py``'s
     ``chunk_function`` with the roles' element classes, the master policy, the rounding,
@@ -105,11 +121,9 @@ def chunk_function(config: KernelConfig):
 def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: list, chunks) -> tuple:
     """The chunk table and each thread's range of its rows (memoised: a training loop
     sees the same addresses each step)."""
-    from numba import get_num_threads  # noqa: PLC0415  (numba is imported on the first step)
-
-    threads = get_num_threads()
+    parts = threads()
     key = (pointers.tobytes(), pointers.shape, tuple(numels), itemsizes.tobytes(), tuple(offsets),
-           chunks.CHUNK, threads)
+           chunks.CHUNK, parts)
     cached = _TABLE_CACHE.get(key)
     if cached is None:
         if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
@@ -118,31 +132,38 @@ def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: l
                                          chunk=chunks.CHUNK)
         if offsets:  # element counters continue from each piece's first element in its param
             table[:, -2] += np.asarray(offsets, dtype=np.int64)[table[:, -1]]
-        cached = _TABLE_CACHE[key] = (table, chunks.balanced_bounds(table, threads))
+        cached = _TABLE_CACHE[key] = (table, chunks.balanced_bounds(table, parts))
     return cached
 
 
-def _fmix32(h: np.ndarray) -> np.ndarray:
-    """MurmurHash3 fmix32 on uint64 arrays holding uint32 values."""
-    h = h ^ (h >> np.uint64(16))
-    h = (h * np.uint64(0x85EBCA6B)) & np.uint64(MASK32)
-    h = h ^ (h >> np.uint64(13))
-    h = (h * np.uint64(0xC2B2AE35)) & np.uint64(MASK32)
-    return h ^ (h >> np.uint64(16))
-
-
-def stream_keys(seed: int, step: int, indices: list) -> np.ndarray:
+def stream_keys(seed: int, step: int, indices) -> np.ndarray:
     """uint32 (len(indices), 4): ``storage.stream_key(seed, step, index, buffer)`` for the
-    buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), vectorised over tensors."""
+    buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), one compiled loop over tensors."""
     key = 0
     for word in (seed & MASK32, ((seed >> 32) ^ (step >> 32)) & MASK32, step & MASK32):
         key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
-    golden, mask = np.uint64(GOLDEN), np.uint64(MASK32)
-    tensor = np.asarray(indices, dtype=np.int64).astype(np.uint64) & mask
-    keys = _fmix32(((np.uint64(key) ^ tensor) + golden) & mask)
-    buffers = np.arange(4, dtype=np.uint64)
-    keys = _fmix32(((keys[:, None] ^ buffers[None, :]) + golden) & mask)
-    return np.ascontiguousarray(keys.astype(np.uint32))
+    tensors = np.asarray(indices, dtype=np.int64).astype(np.uint64)  # (negative ids: two's complement)
+    keys = np.empty((tensors.size, 4), dtype=np.uint32)
+    helpers().stream_keys(np.uint64(key), tensors, keys)
+    return keys
+
+
+def _values(config: KernelConfig, scalars) -> np.ndarray:
+    """The kernels' float32 scalars: the step's, then the sign of maximize."""
+    return np.array([*scalars, -1.0 if config.flag("maximize") else 1.0], dtype=np.float32)
+
+
+def _itemsizes(config: KernelConfig) -> np.ndarray:
+    return np.array([0 if d is None else ELEMENT_BYTES[d] for d in config.dtypes], dtype=np.int64)
+
+
+def _call(address: int, table: np.ndarray, values: np.ndarray, keys: np.ndarray, row_counts: np.ndarray,
+          bounds: np.ndarray) -> None:
+    """The one parallel kernel call (serial in a fork child), under the process-wide lock."""
+    chunks = _chunks()
+    with _KERNEL_LOCK:
+        driver = chunks.run_chunks_serial if _FORKED else chunks.run_chunks
+        driver(address, table, values, keys, row_counts, bounds)
 
 
 def prepare(bucket: Bucket, scalars):
@@ -166,16 +187,14 @@ def prepare(bucket: Bucket, scalars):
     chunk = chunk_function(config)
     keys = stream_keys(bucket.seed, bucket.step, bucket.streams()) if config.stochastic else \
         np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
-    values = np.array([*scalars, -1.0 if config.flag("maximize") else 1.0], dtype=np.float32)
-    itemsizes = np.array([0 if d is None else ELEMENT_BYTES[d] for d in config.dtypes], dtype=np.int64)
+    values = _values(config, scalars)
+    itemsizes = _itemsizes(config)
 
     def launch() -> None:
         staged = stage(bucket, "numba", checked=True)
         table, bounds = _table(staged.pointers, staged.numels, itemsizes, bucket.offsets, chunks)
         row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
-        with _KERNEL_LOCK:
-            driver = chunks.run_chunks_serial if _FORKED else chunks.run_chunks
-            driver(chunk.address, table, values, keys, row_counts, bounds)
+        _call(chunk.address, table, values, keys, row_counts, bounds)
         staged.finish()
         if bucket.counts is not None:
             columns = len(config.algorithm.counters)
@@ -188,3 +207,53 @@ def prepare(bucket: Bucket, scalars):
 def run(bucket: Bucket, scalars) -> None:
     """One parallel kernel call over every tensor of the bucket."""
     prepare(bucket, scalars)()
+
+
+_GRAD_COLUMN = 1  # every algorithm's roles start param, grad (algorithms.py)
+
+
+class Relaunch:
+    """A bucket's kernel call kept for later steps by the optimizer's step cache
+    (``step_cache.py``): the chunk function, thread ranges and chunk table -- a copy of its
+    own, whose grad column :meth:`run` points at each step's grads.  Valid while the other
+    tensors keep their addresses and the grads their dtypes and layouts (the cache checks);
+    made by :func:`relaunch`."""
+
+    def __init__(self, bucket: Bucket, table: np.ndarray, bounds: np.ndarray, grad_positions: list):
+        config = self.config = bucket.config
+        chunks = _chunks()
+        self.address = chunk_function(config).address
+        self.table, self.bounds = table.copy(), bounds
+        # row r reads the grad at grad_addresses[grad_of_row[r]] (run's argument), from element start
+        self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
+        self.grad_row_bytes = table[:, -2] * ELEMENT_BYTES[config.grad]
+        self.seed, self.streams = bucket.seed, np.array(bucket.streams(), dtype=np.int64)
+        self.unused_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
+        self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
+
+    def values(self, scalars) -> np.ndarray:
+        return _values(self.config, scalars)
+
+    def keys(self, step: int) -> np.ndarray:
+        return stream_keys(self.seed, step, self.streams) if self.config.stochastic else self.unused_keys
+
+    def run(self, grad_addresses: np.ndarray, values: np.ndarray, keys: np.ndarray) -> None:
+        """The kernel call with the grads at ``grad_addresses`` (int64, indexed by the
+        ``grad_positions`` given at construction)."""
+        self.table[:, _GRAD_COLUMN] = grad_addresses[self.grad_of_row] + self.grad_row_bytes
+        _call(self.address, self.table, values, keys, self.row_counts, self.bounds)
+
+
+def relaunch(bucket: Bucket, grad_positions: list) -> "Relaunch | None":
+    """``bucket``'s kernel call for reuse, or None when it cannot be reused: telemetry
+    (fresh counts every step), shards (element offsets), or tensors staged through copies
+    (new every step).  ``bucket`` has passed :func:`prepare`'s checks."""
+    config = bucket.config
+    if config.track or bucket.offsets:
+        return None
+    staged = stage(bucket, "numba", checked=True)
+    if any(copy is not tensor for column, copies in zip(bucket.tensors, staged.tensors)
+           for tensor, copy in zip(column, copies)):
+        return None
+    table, bounds = _table(staged.pointers, staged.numels, _itemsizes(config), bucket.offsets, _chunks())
+    return Relaunch(bucket, table, bounds, grad_positions)

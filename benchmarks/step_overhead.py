@@ -1,0 +1,217 @@
+"""Python overhead of a CPU step over many tiny params (numba backend).
+
+Run:  python benchmarks/step_overhead.py [--repeats 41] [--steps 50] [--profile] [--multi-tensor]
+
+Per param list and preset (AdamW, bf16 params) it times, repetitions interleaved across
+all rows (medians reported, in ms per step):
+
+* ``step``: ``opt.step()``;
+* ``kernel``: the step's own kernel call replayed with the arguments it was given (the
+  chunk table's work, negligible on tiny tensors, plus the parallel dispatch);
+* ``empty``: the same parallel driver on an empty chunk table (the dispatch alone);
+* ``step-empty``: the step's overhead over an empty kernel call;
+* ``Python``: the step with the parallel driver replaced by a Python no-op, in CPU time
+  of the calling thread: what the step spends in Python around its kernel call.  On a
+  shared machine this is the robust figure: when another process keeps a core busy, the
+  wake-up of Numba's worker threads takes milliseconds, and those threads' spinning after
+  a kernel call competes with the Python of the next one for the cores (wall clock).
+
+The param lists: 150 params of 64 elements, and GPT-2 small's 148 shapes with every
+dimension divided by 64 (same count and mix of matrices and vectors, tiny sizes).
+``--profile`` adds a cProfile of steps of the first list.
+
+``--multi-tensor``: the full-size GPT-2-small-shaped list (~124M params in 148 tensors)
+against one flat tensor of the same size, whole steps and their kernel calls alone, with
+the median over repetitions of each repetition's list/flat ratio (memory bandwidth drifts
+between repetitions on a shared machine; a paired ratio cancels most of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import statistics
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+import bf16opt
+from bf16opt import _cpu
+
+try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
+    from cpu_step import gpt2_small_shapes
+    from machine import cpu_name
+except ImportError:  # pragma: no cover
+    from benchmarks.cpu_step import gpt2_small_shapes
+    from benchmarks.machine import cpu_name
+
+PRESETS = ("bf16", "fp32", "bf16-sr")
+
+
+def param_lists() -> dict:
+    gpt2 = [tuple(max(1, d // 64) for d in shape) for shape in gpt2_small_shapes()]
+    return {"150 x 64": [(64,)] * 150, f"GPT-2 small / 64 ({len(gpt2)})": gpt2}
+
+
+def tiny_optimizer(shapes: list, preset: str, dtype: torch.dtype = torch.bfloat16):
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.empty(shape, dtype=dtype).normal_(0, 0.02))
+        p.grad = torch.empty(shape, dtype=dtype).normal_(0, 1e-3)
+        params.append(p)
+    opt = bf16opt.AdamW(params, lr=1e-3, weight_decay=1e-2, precision=preset, backend="numba")
+    opt.step()  # creates state, compiles or loads the kernel
+    opt.step()  # builds the launch the next steps reuse
+    return opt
+
+
+def captured_kernel_call(opt) -> tuple:
+    """The arguments of the parallel kernel call one step makes."""
+    calls = []
+    run = _cpu.chunks.run_chunks
+    _cpu.chunks.run_chunks = lambda *args: calls.append(args)
+    try:
+        opt.step()
+    finally:
+        _cpu.chunks.run_chunks = run
+    if len(calls) != 1:
+        raise RuntimeError(f"expected one kernel call per step, got {len(calls)}")
+    return calls[0]
+
+
+def empty_kernel_call(args: tuple) -> tuple:
+    address, table, scalars, keys, row_counts, _ = args
+    return address, table[:0], scalars, keys, row_counts[:0], np.zeros(2, dtype=np.int64)
+
+
+def _no_kernel(*args) -> None:
+    pass
+
+
+def without_kernel(step):
+    """``step`` with the parallel driver a no-op (the Python around the kernel call alone)."""
+    def run():
+        driver, _cpu.chunks.run_chunks = _cpu.chunks.run_chunks, _no_kernel
+        try:
+            step()
+        finally:
+            _cpu.chunks.run_chunks = driver
+    return run
+
+
+def repeated(fn, steps: int):
+    def run():
+        for _ in range(steps):
+            fn()
+    return run
+
+
+def timings(contenders: dict, repeats: int, steps: int = 1, clocks: Optional[dict] = None) -> dict:
+    """Seconds per call of each contender in each repetition, repetitions interleaved across all
+    of them; ``clocks``: contender -> its clock (default: wall clock)."""
+    times = {name: [] for name in contenders}
+    for fn in contenders.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            clock = (clocks or {}).get(name, time.perf_counter)
+            start = clock()
+            fn()
+            times[name].append((clock() - start) / steps)
+    return times
+
+
+def measure(contenders: dict, repeats: int, steps: int, clocks: Optional[dict] = None) -> dict:
+    """Median seconds per call of each contender, repetitions interleaved across all of them."""
+    return {name: statistics.median(t) for name, t in timings(contenders, repeats, steps, clocks).items()}
+
+
+def overhead_table(repeats: int, steps: int) -> None:
+    from numba import get_num_threads  # noqa: PLC0415  (after bf16opt's first step imported it)
+
+    contenders, clocks, rows, keep = {}, {}, [], []
+    for list_name, shapes in param_lists().items():
+        for preset in PRESETS:
+            opt = tiny_optimizer(shapes, preset)
+            args = captured_kernel_call(opt)
+            empty = empty_kernel_call(args)
+            row = (list_name, preset)
+            contenders[row + ("step",)] = repeated(opt.step, steps)
+            contenders[row + ("kernel",)] = repeated(lambda a=args: _cpu.chunks.run_chunks(*a), steps)
+            contenders[row + ("empty",)] = repeated(lambda a=empty: _cpu.chunks.run_chunks(*a), steps)
+            contenders[row + ("Python",)] = without_kernel(repeated(opt.step, steps))
+            clocks[row + ("Python",)] = time.thread_time
+            rows.append(row)
+            keep.append(opt)
+    t = measure(contenders, repeats, steps, clocks)
+    print(f"Python overhead of an AdamW step (bf16 params, numba backend), {get_num_threads()} Numba threads, "
+          f"{cpu_name()}; median of {repeats} interleaved repetitions of {steps} steps; ms per step")
+    header = f"{'param list':26} {'preset':8} {'step':>7} {'kernel':>7} {'empty':>7} {'step-empty':>10} {'Python CPU':>10}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        step, kernel, empty, python = (t[row + (what,)] for what in ("step", "kernel", "empty", "Python"))
+        print(f"{row[0]:26} {row[1]:8} {1e3 * step:7.3f} {1e3 * kernel:7.3f} {1e3 * empty:7.3f} "
+              f"{1e3 * (step - empty):10.3f} {1e3 * python:10.3f}", flush=True)
+
+
+def list_vs_flat(repeats: int) -> None:
+    shapes = gpt2_small_shapes()
+    total = sum(int(np.prod(shape)) for shape in shapes)
+    print(f"\nGPT-2-small-shaped param list ({len(shapes)} tensors, {total} params) vs one flat tensor of the "
+          f"same size; AdamW, numba backend, {cpu_name()}; median of {repeats} interleaved repetitions, ms; "
+          f"list/flat: median of the repetitions' ratios")
+    header = f"{'configuration':20} {'list':>7} {'flat':>7} {'list/flat':>9} {'kernel list':>11} {'kernel flat':>11} {'list/flat':>9}"
+    print(header)
+    print("-" * len(header))
+    for label, dtype, preset in [("bf16 params, bf16", torch.bfloat16, "bf16"),
+                                 ("fp32 params, fp32", torch.float32, "fp32")]:
+        contenders = {}
+        for name, layout in (("list", shapes), ("flat", [(total,)])):
+            opt = tiny_optimizer(layout, preset, dtype)
+            contenders[name] = opt.step
+            contenders[name + " kernel"] = lambda a=captured_kernel_call(opt): _cpu.chunks.run_chunks(*a)
+        t = timings(contenders, repeats)
+        median = {name: 1e3 * statistics.median(times) for name, times in t.items()}
+        ratio = {kind: statistics.median(a / b for a, b in zip(t["list" + kind], t["flat" + kind]))
+                 for kind in ("", " kernel")}
+        print(f"{label:20} {median['list']:7.1f} {median['flat']:7.1f} {ratio['']:9.3f} "
+              f"{median['list kernel']:11.1f} {median['flat kernel']:11.1f} {ratio[' kernel']:9.3f}", flush=True)
+        del contenders, t
+        gc.collect()
+
+
+def profile(preset: str, steps: int, lines: int = 25) -> None:
+    opt = tiny_optimizer(next(iter(param_lists().values())), preset)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        opt.step()
+    profiler.disable()
+    print(f"\ncProfile of {steps} steps, 150 x 64, {preset} (internal time; times include cProfile's own cost)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--steps", type=int, default=50, help="steps per timed repetition")
+    parser.add_argument("--profile", action="store_true", help="add a cProfile of 500 steps per preset")
+    parser.add_argument("--multi-tensor", action="store_true",
+                        help="add the full-size GPT-2-small-shaped list against one flat tensor")
+    parser.add_argument("--multi-tensor-repeats", type=int, default=21)
+    args = parser.parse_args()
+    overhead_table(args.repeats, args.steps)
+    if args.profile:
+        for preset in PRESETS:
+            profile(preset, 500)
+    if args.multi_tensor:
+        list_vs_flat(args.multi_tensor_repeats)
+
+
+if __name__ == "__main__":
+    main()

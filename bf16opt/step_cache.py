@@ -1,0 +1,170 @@
+"""A param group's launch kept between steps: a step over many small params costs its
+kernel call and a few bulk checks, not a Python pass over every param.
+
+A full step (``optimizer._prepare_step``) checks each param, grad and state tensor, works
+out each param's KernelConfig, groups the params into buckets and builds each bucket's
+chunk table.  From one training step to the next none of that changes but the grads (new
+tensors after ``zero_grad``), the step number and the scalars.  After a full step of a
+group that qualifies (below), :func:`build` keeps its buckets' kernel calls
+(``backends/numba.py``'s ``Relaunch``); at the next step :meth:`GroupLaunch.prepare` checks,
+in passes over lists that run in C, that everything they were built from still holds:
+
+* the group's param list and the index of its first param in the optimizer, and the
+  settings that choose kernel configurations and random streams (precision, flags,
+  backend, offload, seed, telemetry, param names);
+* each updated param's dtype, shape, strides and address (``p.data = ...`` changes them);
+* which params have grads, and each grad's type, layout, dtype, shape, strides and device
+  (a new grad only needs those to match: its address is put into the table every step);
+* each state dict, every value in it (identity) and every state tensor's address;
+* the step counters: each exactly one more than after the last step (params whose counters
+  differ go in different buckets), and below 2**53;
+* the number of Numba threads (the table's thread ranges).
+
+Any difference, and the step takes the full path, which raises on bad input as always and
+builds the launch again.  As in a full step, ``prepare`` (phase one) changes nothing -- a
+step that raises, here or in another group, leaves the optimizer as it was -- and the
+callable it returns (phase two) advances the counters and runs the kernels.
+
+Qualifies: a group updated by the numba backend (not offloaded; float64 params go to the
+reference backend), of plain real tensors (no DTensor, no complex), without precision
+telemetry, whose full step made or converted no state (the next step's kernels run
+without the flags of fresh buffers, e.g. SGD's ``first``), whose step counters are
+float64, and whose tensors are all addressed in place (no staging copies).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from itertools import chain, compress, repeat
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from .backends import numba as numba_backend
+
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_GRAD = operator.attrgetter("grad")
+_PARAM_FORM = operator.attrgetter("dtype", "shape")
+_GRAD_FORM = operator.attrgetter("layout", "dtype", "shape", "is_cpu")
+_STRIDES = torch.Tensor.stride
+_ADDRESS = torch.Tensor.data_ptr
+_NO_STATE: dict = {}
+
+
+def _same_objects(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def settings(optimizer, group: dict, precision) -> tuple:
+    """What a group's kernel configurations and random streams depend on besides its tensors."""
+    names = group.get("param_names")
+    return (precision, tuple(optimizer._flags(group).items()), bool(group.get("track_precision")),
+            group["seed"], group["backend"], group.get("offload"), group.get("sr_streams"),
+            None if names is None else tuple(names))
+
+
+class GroupLaunch:
+    """What a group's full step built, kept for the next steps (see the module doc)."""
+
+    def __init__(self, optimizer, group: dict, first_index: int, precision, updated: list, grads: list,
+                 relaunches: list, written: list):
+        self.first_index = first_index
+        self.params = list(group["params"])
+        self.settings = settings(optimizer, group, precision)
+        has_grad = list(map(operator.is_not, map(_GRAD, self.params), repeat(None)))
+        self.has_grad = None if all(has_grad) else has_grad  # (None: a missing grad fails the type check)
+        self.updated = updated
+        self.param_forms = list(map(_PARAM_FORM, updated))
+        self.param_strides = list(map(_STRIDES, updated))
+        self.grad_forms = list(map(_GRAD_FORM, grads))
+        self.grad_strides = list(map(_STRIDES, grads))
+        sized = [grad.numel() > 0 for grad in grads]  # (an empty tensor may have address 0)
+        self.sized_grads = slice(None) if all(sized) else np.array(sized)
+        self.states = list(map(optimizer.state.get, updated))
+        self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
+        self.addresses = list(map(_ADDRESS, chain(updated, self.values)))
+        self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
+        self.steps = np.array([state["step"].item() for state in self.states])  # the counters after the last step
+        self.helpers = numba_backend.helpers()
+        self.threads = numba_backend.threads()
+        self.relaunches = relaunches  # (Relaunch, position in ``updated`` of its first param)
+        self.written = written  # for autograd's version counters (the kernels write through addresses)
+
+    def prepare(self, optimizer, group: dict, first_index: int, precision,
+                inv_grad_scale: float) -> Optional[Callable[[], None]]:
+        """Phase one of this group's step: None unless everything the launch was built from
+        still holds (then the caller takes the full path); else the step's phase two, which
+        advances the counters and runs the kernels.  Changes nothing."""
+        params = group["params"]
+        if first_index != self.first_index or not _same_objects(params, self.params) \
+                or settings(optimizer, group, precision) != self.settings:
+            return None
+        grads = list(map(_GRAD, params))
+        if self.has_grad is not None:
+            if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
+                return None
+            grads = list(compress(grads, self.has_grad))
+        if not _PLAIN.issuperset(map(type, grads)) or list(map(_GRAD_FORM, grads)) != self.grad_forms \
+                or list(map(_STRIDES, grads)) != self.grad_strides:
+            return None
+        grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
+        if not grad_addresses[self.sized_grads].all():  # a grad without memory
+            return None
+        states = list(map(optimizer.state.get, self.updated, repeat(_NO_STATE)))
+        if not _same_objects(states, self.states) \
+                or not _same_objects(list(chain.from_iterable(map(dict.values, states))), self.values) \
+                or list(map(_ADDRESS, chain(self.updated, self.values))) != self.addresses \
+                or list(map(_PARAM_FORM, self.updated)) != self.param_forms \
+                or list(map(_STRIDES, self.updated)) != self.param_strides \
+                or numba_backend.threads() != self.threads \
+                or not self.helpers.counters_equal(self.counter_addresses, self.steps):  # (addresses checked)
+            return None
+        calls = []
+        for relaunch, first in self.relaunches:
+            counted = int(self.steps[first])
+            if counted >= 2 ** 53:  # the full path refuses it
+                return None
+            scalars = optimizer._scalars(group, counted + 1)
+            if inv_grad_scale != 1.0:
+                scalars = scalars._replace(inv_grad_scale=inv_grad_scale)
+            if not all(map(math.isfinite, scalars)):  # the full path names them
+                return None
+            calls.append((relaunch, relaunch.values(scalars), relaunch.keys(counted + 1)))
+
+        def run() -> None:
+            self.helpers.advance_counters(self.counter_addresses)
+            self.steps += 1
+            for relaunch, values, keys in calls:
+                relaunch.run(grad_addresses, values, keys)
+            torch.autograd.graph.increment_version(self.written)
+
+        return run
+
+
+def build(optimizer, group: dict, first_index: int, precision, entries: list, buckets: list) -> Optional[GroupLaunch]:
+    """The launch of a group's full step kept for reuse, or None when the group does not
+    qualify (module doc).  Called once the step has run; ``entries``: the step's
+    ``_Entry`` of each param with a grad, in group order; ``buckets``: (bucket, backend)."""
+    if any(backend is not numba_backend for _, backend in buckets):
+        return None
+    if not all(entry.param is entry.original and type(entry.original) in _PLAIN
+               and type(entry.grad) in _PLAIN for entry in entries):
+        return None
+    updated = [entry.original for entry in entries]
+    states = [optimizer.state.get(param) for param in updated]
+    if not all(isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())
+               and state["step"].dtype == torch.float64 and state["step"].is_cpu and state["step"].numel() == 1
+               for state in states):
+        return None
+    position = {id(param): k for k, param in enumerate(updated)}
+    relaunches = []
+    for bucket, _ in buckets:
+        positions = [position[id(param)] for param in bucket.params]
+        relaunch = numba_backend.relaunch(bucket, positions)
+        if relaunch is None:
+            return None
+        relaunches.append((relaunch, positions[0]))
+    return GroupLaunch(optimizer, group, first_index, precision, updated, [entry.grad for entry in entries],
+                       relaunches, [tensor for bucket, _ in buckets for tensor in bucket.written()])

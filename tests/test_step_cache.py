@@ -1,0 +1,453 @@
+"""The step cache (bf16opt/step_cache.py): a numba group's launch reused while nothing it was
+built from changed, rebuilt as soon as anything did.
+
+Every test runs twins: the same params, grads and edits given to a numba optimizer and to a
+reference one (the specification), compared bit for bit after every step.  A spy counts the
+numba twin's reused and refused launches and the launches built, so each test also shows
+that the cache was used (an unchanged step reuses) or dropped (a change refuses, and the full
+step builds again).  Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bf16opt
+from bf16opt import step_cache
+from snapshots import assert_unchanged, same_bits, snapshot
+
+pytest.importorskip("numba")
+
+SHAPES = [(6, 6), (5,), (3, 4), (1,), (7,)]
+
+
+class Spy:
+    """Counts of GroupLaunch.prepare's answers (reused / refused) and of launches built."""
+
+    def __init__(self, monkeypatch):
+        self.reused = self.refused = self.built = 0
+        prepare, build = step_cache.GroupLaunch.prepare, step_cache.build
+
+        def spied_prepare(launch, *args, **kwargs):
+            run = prepare(launch, *args, **kwargs)
+            if run is None:
+                self.refused += 1
+            else:
+                self.reused += 1
+            return run
+
+        def spied_build(*args, **kwargs):
+            launch = build(*args, **kwargs)
+            self.built += launch is not None
+            return launch
+
+        monkeypatch.setattr(step_cache.GroupLaunch, "prepare", spied_prepare)
+        monkeypatch.setattr(step_cache, "build", spied_build)
+
+    def counts(self) -> tuple:
+        return self.reused, self.refused, self.built
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    return Spy(monkeypatch)
+
+
+class Twins:
+    """A numba optimizer and a reference one on identical params; every action goes to both."""
+
+    def __init__(self, cls=bf16opt.AdamW, dtype=torch.bfloat16, shapes=SHAPES, named=False, ours="numba",
+                 **options):
+        options.setdefault("lr", 1e-2)
+        options.setdefault("seed", 7)
+        self.gen = torch.Generator().manual_seed(0)
+        values = [torch.randn(shape, generator=self.gen).to(dtype) for shape in shapes]
+        self.params, self.opts = {}, {}
+        for backend in ("numba", "reference"):
+            params = [torch.nn.Parameter(v.clone()) for v in values]
+            given = [(f"layer{i}.weight", p) for i, p in enumerate(params)] if named else params
+            self.params[backend] = params
+            self.opts[backend] = cls(given, backend=ours if backend == "numba" else backend, **options)
+
+    @property
+    def opt(self):
+        return self.opts["numba"]
+
+    def each(self, action) -> None:
+        """``action(opt, params)`` on both twins."""
+        for backend in ("numba", "reference"):
+            action(self.opts[backend], self.params[backend])
+
+    def grads(self, dtype=None) -> None:
+        """New random grads (new tensors, as after zero_grad(set_to_none=True)), the same for both."""
+        grads = [torch.randn(p.shape, generator=self.gen).to(dtype or p.dtype) for p in self.params["numba"]]
+        for backend in ("numba", "reference"):
+            for p, g in zip(self.params[backend], grads):
+                if dtype is not None:  # (torch refuses a grad of another dtype otherwise)
+                    p.grad = None
+                    p.grad_dtype = dtype
+                p.grad = g.clone()
+
+    def step(self, **kwargs) -> None:
+        for backend in ("numba", "reference"):
+            self.opts[backend].step(**{k: v.clone() for k, v in kwargs.items()})
+        self.assert_same()
+
+    def grads_and_step(self, **kwargs) -> None:
+        self.grads()
+        self.step(**kwargs)
+
+    def assert_same(self) -> None:
+        ours, theirs = self.opts["numba"], self.opts["reference"]
+        for p, q in zip(self.params["numba"], self.params["reference"]):
+            assert same_bits(p.detach(), q.detach())
+            assert ours.state[p].keys() == theirs.state[q].keys()
+            for key, value in ours.state[p].items():
+                assert same_bits(value, theirs.state[q][key]), key
+
+
+def warm(twins: Twins, spy: Spy, steps: int = 3) -> None:
+    """Steps until the numba twin reuses its launch (the first step makes state, the second
+    builds the launch, the third reuses it)."""
+    for _ in range(steps):
+        twins.grads_and_step()
+    assert spy.reused >= 1
+
+
+# ---------------------------------------------------------------- unchanged steps reuse
+@pytest.mark.parametrize("preset", ["bf16", "fp32", "bf16-sr", "bf16-kahan", "fp32-remainder"])
+@pytest.mark.parametrize("cls, options", [(bf16opt.AdamW, {}), (bf16opt.Adam, dict(amsgrad=True, weight_decay=0.1)),
+                                          (bf16opt.Lion, {}), (bf16opt.SGD, dict(momentum=0.9, nesterov=True))],
+                         ids=["AdamW", "Adam-amsgrad-L2", "Lion", "SGD-nesterov"])
+def test_unchanged_steps_reuse_the_launch(spy, preset, cls, options):
+    """New grads every step (as after zero_grad), the same everything else: one launch is
+    built (at the step after the state was made) and reused from then on, bit-identical."""
+    twins = Twins(cls, precision=preset, **options)
+    for _ in range(6):
+        twins.grads_and_step()
+    assert spy.counts() == (4, 0, 1)
+
+
+def test_the_same_grads_again_reuse_the_launch(spy):
+    twins = Twins()
+    twins.grads()
+    for _ in range(4):
+        twins.step()
+    assert spy.counts() == (2, 0, 1)
+
+
+def test_lr_from_a_scheduler_and_a_grad_scale_reuse_the_launch(spy):
+    """Scalars are computed every step: an lr schedule and GradScaler's loss scale change no launch."""
+    twins = Twins(precision="bf16-sr")
+    schedulers = [torch.optim.lr_scheduler.StepLR(twins.opts[b], step_size=1, gamma=0.5)
+                  for b in ("numba", "reference")]
+    for k in range(5):
+        twins.grads_and_step(grad_scale=torch.tensor(2.0 ** k))
+        for scheduler in schedulers:
+            scheduler.step()
+    assert spy.counts() == (3, 0, 1)
+
+
+@pytest.mark.parametrize("options", [dict(track_precision=True), dict(offload="cpu"),
+                                     dict(dtype=torch.float64, ours="auto")],
+                         ids=["telemetry", "offload", "float64"])
+def test_groups_the_cache_does_not_keep_take_the_full_path(spy, options):
+    twins = Twins(**options)
+    for _ in range(4):
+        twins.grads_and_step()
+    assert spy.counts() == (0, 0, 0)
+
+
+# ---------------------------------------------------------------- every change rebuilds
+def _replace_param_list(opt, params):
+    opt.param_groups[0]["params"] = opt.param_groups[0]["params"][:-1]
+
+
+def _swap_param(opt, params):
+    swapped = torch.nn.Parameter(params[1].detach().clone())
+    swapped.grad = params[1].grad
+    opt.param_groups[0]["params"][1] = swapped
+
+
+def _move_param(opt, params):
+    params[1].data = params[1].data.clone()
+
+
+def _reinterpret_param(opt, params):
+    params[4].data = params[4].data.view(torch.float16)  # same memory, another dtype
+
+
+def _transpose_param(opt, params):
+    params[0].data = params[0].data.t()  # square: the states keep their shape, the layout changes
+
+
+def _replace_state_tensor(opt, params):
+    opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"].clone()
+
+
+def _move_state_tensor(opt, params):
+    moment = opt.state[params[2]]["exp_avg_sq"]
+    moment.set_(moment.clone())
+
+
+def _replace_state(opt, params):
+    opt.state[params[3]] = {key: value.clone() for key, value in opt.state[params[3]].items()}
+
+
+def _drop_state(opt, params):
+    opt.state[params[0]] = None  # as good as no state: made afresh
+
+
+def _edit_step_counter(opt, params):
+    opt.state[params[1]]["step"].fill_(10.0)  # its own bucket from now on
+
+
+def _replace_step_counter(opt, params):
+    opt.state[params[1]]["step"] = torch.tensor(opt.state[params[1]]["step"].item())
+
+
+def _edit(key, value):
+    def edit(opt, params):
+        opt.param_groups[0][key] = value
+    edit.__name__ = f"set {key}={value!r}"
+    return edit
+
+
+def _load_state_dict(opt, params):
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+# (change, the full step after it builds a launch at once, the group is kept from then on)
+CHANGES = [
+    (_replace_param_list, True, True),
+    (_swap_param, False, True),  # a new param: new state
+    (_move_param, True, True),
+    (_reinterpret_param, True, True),
+    (_transpose_param, False, False),  # the param no longer shares its states' layout: staged through copies
+    (_replace_state_tensor, True, True),
+    (_move_state_tensor, True, True),
+    (_replace_state, True, True),
+    (_drop_state, False, True),
+    (_edit_step_counter, True, True),
+    (_replace_step_counter, False, False),  # a float32 counter
+    (_load_state_dict, True, True),
+    (_edit("precision", "fp32"), False, True),  # converted state: built at the step after
+    (_edit("precision", bf16opt.Precision(master="fp32", exp_avg="bf16")), False, True),
+    (_edit("maximize", True), True, True),
+    (_edit("weight_decay", 0.1), True, True),  # Adam's L2 flag
+    (_edit("amsgrad", True), False, True),  # a new buffer
+    (_edit("seed", 8), True, True),
+    (_edit("backend", "reference"), False, False),
+    (_edit("offload", "cpu"), False, False),
+    (_edit("track_precision", True), False, False),
+]
+
+
+@pytest.mark.parametrize("change, built_at_once, kept", CHANGES, ids=[c[0].__name__.strip("_") for c in CHANGES])
+@pytest.mark.parametrize("preset", ["bf16", "bf16-sr"])
+def test_a_change_drops_the_kept_launch_and_results_stay_right(spy, change, built_at_once, kept, preset):
+    """The step after any change does not reuse the kept launch; the full step gives the
+    reference's bits and builds the launch again when the group still qualifies."""
+    twins = Twins(bf16opt.Adam, precision=preset)
+    warm(twins, spy)
+    reused, _, built = spy.counts()
+    twins.each(change)
+    twins.grads_and_step()
+    assert (spy.reused, spy.built) == (reused, built + built_at_once)
+    for _ in range(3):  # and on from there
+        twins.grads_and_step()
+    assert (spy.reused > reused) == kept
+
+
+@pytest.mark.parametrize("change", ["grad dtype", "grad layout", "grad missing", "grad appears", "grad shape",
+                                    "grad sparse"])
+def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
+    twins = Twins()
+    for params in twins.params.values():
+        params[2].requires_grad_(change != "grad appears")
+    for _ in range(3):
+        twins.grads()
+        for params in twins.params.values():
+            params[2].grad = None if change == "grad appears" else params[2].grad
+        twins.step()
+    before = spy.counts()
+    twins.grads(dtype=torch.float32 if change == "grad dtype" else None)
+    for params in twins.params.values():
+        if change == "grad layout":
+            params[0].grad = params[0].grad.t().contiguous().t()
+        elif change == "grad missing":
+            params[4].grad = None
+        elif change == "grad shape":
+            params[4].grad.data = params[4].grad.data.reshape(7, 1)  # (torch refuses it as a new grad)
+        elif change == "grad sparse":
+            params[4].grad = params[4].grad.to_sparse()
+    if change in ("grad shape", "grad sparse"):
+        for opt in twins.opts.values():
+            with pytest.raises((ValueError, TypeError), match="param 4"):
+                opt.step()
+    else:
+        twins.step()
+    assert spy.refused == before[1] + 1
+
+
+def test_the_kept_launch_holds_no_grad(spy):
+    """Grads are new tensors every step: a kept launch must not keep the last ones alive."""
+    twins = Twins()
+    warm(twins, spy)
+    grads = [weakref.ref(p.grad) for p in twins.params["numba"]]
+    twins.opt.zero_grad()
+    gc.collect()
+    assert all(grad() is None for grad in grads)
+
+
+def test_named_params_edit_refuses_the_kept_launch(spy):
+    """Stochastic rounding's streams follow param names: renaming one builds anew."""
+    twins = Twins(precision="bf16-sr", named=True)
+    warm(twins, spy)
+    before = spy.counts()
+    twins.each(lambda opt, params: opt.param_groups[0]["param_names"].__setitem__(0, "renamed.weight"))
+    twins.grads_and_step()
+    assert spy.refused == before[1] + 1 and spy.built == before[2] + 1
+
+
+def test_add_param_group_keeps_the_first_groups_launch(spy):
+    twins = Twins()
+    warm(twins, spy)
+    extra = {backend: torch.nn.Parameter(torch.ones(9, dtype=torch.bfloat16)) for backend in twins.opts}
+    for backend, opt in twins.opts.items():
+        opt.add_param_group({"params": [extra[backend]], "lr": 0.5})
+        twins.params[backend].append(extra[backend])
+    before = spy.counts()
+    for _ in range(3):
+        twins.grads_and_step()
+    reused, refused, built = (now - then for now, then in zip(spy.counts(), before))
+    assert (reused, refused, built) == (4, 0, 1)  # group 0 every step; group 1 from its third step
+
+
+def test_numba_thread_count_change_refuses_the_kept_launch(spy):
+    numba = pytest.importorskip("numba")
+    threads = numba.get_num_threads()
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two Numba threads")
+    twins = Twins()
+    warm(twins, spy)
+    before = spy.counts()
+    numba.set_num_threads(1 if threads > 1 else 2)
+    try:
+        twins.grads_and_step()
+    finally:
+        numba.set_num_threads(threads)
+    assert spy.refused == before[1] + 1
+    twins.grads_and_step()
+    assert spy.refused == before[1] + 2  # and back
+
+
+# ---------------------------------------------------------------- a failed step changes nothing
+def _bad_grad(opt, params):
+    params[-1].grad.data = torch.zeros(3, dtype=params[-1].dtype)  # (torch refuses it as a new grad)
+
+
+def _bad_lr(opt, params):
+    opt.param_groups[-1]["lr"] = -1.0
+
+
+def _shrink_param(opt, params):
+    params[-1].data = params[-1].data[:3]  # same address and strides, fewer elements than its state
+
+
+def _non_finite_scalars(opt, params):
+    opt.param_groups[-1]["lr"] = 1e39  # finite in float64, an infinite float32 step size
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("failure", [_bad_grad, _bad_lr, _non_finite_scalars, _shrink_param],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_failed_step_after_reused_ones_changes_nothing(spy, failure):
+    """Two groups, both reusing their launches; the second's step fails: the first group's
+    params, state and counters are untouched, and the next good step matches the reference."""
+    twins = Twins()
+    for backend, opt in twins.opts.items():  # a second group of the last two params
+        params = twins.params[backend]
+        opt.param_groups[0]["params"] = params[:3]
+        opt.add_param_group({"params": params[3:]})
+    warm(twins, spy)
+    assert spy.reused >= 2
+    twins.grads()
+    before = {backend: snapshot(opt) for backend, opt in twins.opts.items()}
+    lr = twins.opt.param_groups[-1]["lr"]
+    twins.each(failure)
+    for backend, opt in twins.opts.items():
+        with pytest.raises(ValueError):
+            opt.step()
+        params = twins.params[backend]
+        opt.param_groups[-1]["lr"] = lr  # undo the edit (a snapshot compares the groups too)
+        params[-1].data = params[-1].data.as_strided((7,), (1,))
+        params[-1].grad = torch.zeros_like(params[-1])
+        assert_unchanged(opt, before[backend])
+    twins.step()
+    twins.grads_and_step()
+
+
+def test_a_smaller_first_group_renumbers_the_next_groups_params(spy):
+    """Params are numbered across groups (stochastic rounding's streams, by position here)."""
+    twins = Twins(precision="bf16-sr")
+    for backend, opt in twins.opts.items():
+        params = twins.params[backend]
+        opt.param_groups[0]["params"] = params[:3]
+        opt.add_param_group({"params": params[3:]})
+    warm(twins, spy)
+    reused = spy.reused
+    twins.each(lambda opt, params: opt.param_groups[0]["params"].pop(0))
+    twins.grads_and_step()
+    assert spy.reused == reused
+
+
+def test_the_step_count_limit_is_kept_on_reused_launches(spy):
+    """A reused launch refuses at the count the full path refuses (2**53), changing nothing."""
+    twins = Twins(shapes=[(4,)])
+    warm(twins, spy)
+    twins.each(lambda opt, params: opt.state[params[0]]["step"].fill_(2.0 ** 53 - 2))
+    twins.grads_and_step()  # a changed counter: built again
+    reused = spy.reused
+    twins.grads_and_step()  # reused: the count reaches 2**53
+    assert spy.reused == reused + 1
+    for opt in twins.opts.values():
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match="2\\*\\*53"):
+            opt.step()
+        assert_unchanged(opt, before)
+
+
+# ---------------------------------------------------------------- any sequence of changes
+EDITS = {
+    "nothing": lambda opt, params: None,
+    "lr": lambda opt, params: opt.param_groups[0].__setitem__("lr", opt.param_groups[0]["lr"] * 0.7),
+    "maximize": lambda opt, params: opt.param_groups[0].__setitem__("maximize", not opt.param_groups[0]["maximize"]),
+    "precision": lambda opt, params: opt.param_groups[0].__setitem__(
+        "precision", "bf16-sr" if opt.param_groups[0]["precision"] != bf16opt.PRESETS["bf16-sr"] else "fp32"),
+    "seed": lambda opt, params: opt.param_groups[0].__setitem__("seed", opt.param_groups[0]["seed"] + 1),
+    "param moved": _move_param,
+    "state tensor replaced": _replace_state_tensor,
+    "state tensor moved": _move_state_tensor,
+    "step counter edited": _edit_step_counter,
+    "state dict loaded": _load_state_dict,
+}
+
+
+@given(edits=st.lists(st.sampled_from(sorted(EDITS)), min_size=1, max_size=8),
+       same_grads=st.lists(st.booleans(), min_size=8, max_size=8))
+def test_any_sequence_of_changes_matches_the_reference(edits, same_grads):
+    twins = Twins(bf16opt.Adam, precision="bf16", weight_decay=0.1)
+    twins.grads_and_step()
+    for edit, same in zip(edits, same_grads):
+        twins.each(EDITS[edit])
+        if not same:
+            twins.grads()
+        twins.step()
