@@ -78,66 +78,80 @@ def _sr(x, key, element):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(algorithm: str, storage: Storage):
-    """``run(g, p, w, m, v, passes)``: 2-D arrays [thread, block] (``w``: the float32 copy, the
-    int16 remainder or the bf16 compensation, any array when unused; ``v`` unused except by
-    Adam), updated ``passes`` times per thread."""
+def block_kernel(algorithm: str, storage: Storage):
+    """``run_block(g, p, w, m, v, passes, t)``: row ``t`` of the operands of :func:`kernel`
+    updated ``passes`` times on the calling thread (one thread's share;
+    ``kernel_instructions.py`` counts its instructions)."""
     param16, master, moments16 = storage.param16, storage.master, storage.moments16
     stochastic, kahan = storage.stochastic, storage.kahan
     moments = MOMENTS[algorithm]
     adam, lion = algorithm == "adam", algorithm == "lion"
 
-    @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-    def run(g, p, w, m, v, passes):
-        threads, block = p.shape
-        for t in prange(threads):
-            for k in range(passes):
-                for i in range(block):
-                    element = np.uint32(k * block + i)
-                    grad = _bf16(g[t, i]) if param16 else np.float32(g[t, i])
+    @njit(nogil=True, cache=True, error_model="numpy")
+    def run_block(g, p, w, m, v, passes, t):
+        block = p.shape[1]
+        for k in range(passes):
+            for i in range(block):
+                element = np.uint32(k * block + i)
+                grad = _bf16(g[t, i]) if param16 else np.float32(g[t, i])
+                if master == "copy":
+                    weight = np.float32(w[t, i])
+                elif master == "remainder":
+                    low = np.uint32(np.uint16(w[t, i]))
+                    upper = (np.uint32(np.uint16(p[t, i])) - (low >> np.uint32(15))) & np.uint32(0xFFFF)
+                    weight = bits_to_f32((upper << np.uint32(16)) | low)
+                else:
+                    weight = _bf16(p[t, i]) if param16 else np.float32(p[t, i])
+                first = (_bf16(m[t, i]) if moments16 else np.float32(m[t, i])) + grad
+                if adam:
+                    second = (_bf16(v[t, i]) if moments16 else np.float32(v[t, i])) + grad
+                    update = first / np.sqrt(second)
+                elif lion:
+                    update = np.float32(np.sign(first))
+                else:
+                    update = first
+                if kahan:  # the compensation carries the rounding error of the stored weight
+                    y = update + _bf16(w[t, i])
+                    new = weight - y
+                    stored = _bf16(_rne(new))
+                    w[t, i] = _rne((new - stored))
+                    p[t, i] = _rne(new)
+                else:
+                    new = weight - update
                     if master == "copy":
-                        weight = np.float32(w[t, i])
-                    elif master == "remainder":
-                        low = np.uint32(np.uint16(w[t, i]))
-                        upper = (np.uint32(np.uint16(p[t, i])) - (low >> np.uint32(15))) & np.uint32(0xFFFF)
-                        weight = bits_to_f32((upper << np.uint32(16)) | low)
-                    else:
-                        weight = _bf16(p[t, i]) if param16 else np.float32(p[t, i])
-                    first = (_bf16(m[t, i]) if moments16 else np.float32(m[t, i])) + grad
-                    if adam:
-                        second = (_bf16(v[t, i]) if moments16 else np.float32(v[t, i])) + grad
-                        update = first / np.sqrt(second)
-                    elif lion:
-                        update = np.float32(np.sign(first))
-                    else:
-                        update = first
-                    if kahan:  # the compensation carries the rounding error of the stored weight
-                        y = update + _bf16(w[t, i])
-                        new = weight - y
-                        stored = _bf16(_rne(new))
-                        w[t, i] = _rne((new - stored))
+                        w[t, i] = new
                         p[t, i] = _rne(new)
+                    elif master == "remainder":
+                        bits = f32_to_bits(new)
+                        p[t, i] = np.int16(np.uint16(np.uint32(bits + np.uint32(0x8000)) >> np.uint32(16)))
+                        w[t, i] = np.int16(np.uint16(bits & np.uint32(0xFFFF)))
+                    elif param16:
+                        p[t, i] = _sr(new, np.uint32(1), element) if stochastic else _rne(new)
                     else:
-                        new = weight - update
-                        if master == "copy":
-                            w[t, i] = new
-                            p[t, i] = _rne(new)
-                        elif master == "remainder":
-                            bits = f32_to_bits(new)
-                            p[t, i] = np.int16(np.uint16(np.uint32(bits + np.uint32(0x8000)) >> np.uint32(16)))
-                            w[t, i] = np.int16(np.uint16(bits & np.uint32(0xFFFF)))
-                        elif param16:
-                            p[t, i] = _sr(new, np.uint32(1), element) if stochastic else _rne(new)
-                        else:
-                            p[t, i] = new
-                    if moments16:
-                        m[t, i] = _sr(first, np.uint32(2), element) if stochastic else _rne(first)
-                        if moments == 2:
-                            v[t, i] = _sr(second, np.uint32(3), element) if stochastic else _rne(second)
-                    else:
-                        m[t, i] = first
-                        if moments == 2:
-                            v[t, i] = second
+                        p[t, i] = new
+                if moments16:
+                    m[t, i] = _sr(first, np.uint32(2), element) if stochastic else _rne(first)
+                    if moments == 2:
+                        v[t, i] = _sr(second, np.uint32(3), element) if stochastic else _rne(second)
+                else:
+                    m[t, i] = first
+                    if moments == 2:
+                        v[t, i] = second
+
+    return run_block
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(algorithm: str, storage: Storage):
+    """``run(g, p, w, m, v, passes)``: 2-D arrays [thread, block] (``w``: the float32 copy, the
+    int16 remainder or the bf16 compensation, any array when unused; ``v`` unused except by
+    Adam), updated ``passes`` times per thread."""
+    run_block = block_kernel(algorithm, storage)
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def run(g, p, w, m, v, passes):
+        for t in prange(p.shape[0]):
+            run_block(g, p, w, m, v, passes, t)
 
     return run
 
