@@ -173,7 +173,7 @@ def _limit_call(algorithm: str, dtype, preset: str, passes: int):
 
     family = cpu_step.OPTIMIZERS[algorithm][2]
     storage = compute_limit.FP32_PARAMS if dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
-    operands = compute_limit.arrays(1, BLOCK, storage)
+    operands = compute_limit.arrays(1, BLOCK, family, storage)
     run_block = compute_limit.block_kernel(family, storage)
 
     def call():

@@ -49,9 +49,9 @@ def test_compute_limit_kernel_does_the_work(preset):
     finally:
         sys.path.remove(str(BENCHMARKS))
     storage = compute_limit.PRESET_STORAGE[preset]
-    g, p, w, m, v = compute_limit.arrays(1, 64, storage)
+    g, p, w, m, v, scalars = compute_limit.arrays(1, 64, "adam", storage)
     before = [a.copy() for a in (p, w, m, v)]
-    compute_limit.kernel("adam", storage)(g, p, w, m, v, 1)
+    compute_limit.kernel("adam", storage)(g, p, w, m, v, scalars, 1)
     for name, old, new in zip("pwmv", before, (p, w, m, v)):
         if name == "w" and not (storage.kahan or storage.master != "param"):
             continue
