@@ -110,7 +110,7 @@ def compute_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str, 
     cache-resident block per thread."""
     storage = compute_limit.FP32_PARAMS if dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
     threads = get_num_threads()
-    operands = compute_limit.arrays(threads, block, storage)
+    operands = compute_limit.arrays(threads, block, algorithm, storage)
     run = compute_limit.kernel(algorithm, storage)
     passes = max(1, n // (threads * block))
     return lambda: run(*operands, passes)
@@ -251,8 +251,8 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             row = dict(algorithm=algorithm, configuration=label, preset=preset, ceiling=ceiling,
                        of_ceiling=ceiling / t["bf16opt"], **t)
             rows.append(row)
-            warn = " (compute limit slower than bf16opt in cache: not a limit)" \
-                if t["compute"] > t["in cache"] else ""
+            warn = f" (compute limit {100 * (t['compute'] / t['in cache'] - 1):.0f}% slower than bf16opt in " \
+                f"cache: not a limit)" if t["compute"] > t["in cache"] else ""
             print(f"{algorithm + ' ' + label:36} {_ms(t['bf16opt'])} {_ms(t['memory'])} {_ms(t['compute'])} "
                   f"{100 * row['of_ceiling']:6.0f}% {_ms(t['in cache'])} "
                   f"{_ms(t.get('torch')):>11} {_ms(t.get('deepspeed')):>9}{warn}", flush=True)

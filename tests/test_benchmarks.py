@@ -1,4 +1,4 @@
-"""The CPU benchmark runs and prints a full table on a tiny size, so it does not rot.
+"""The CPU benchmarks run and print their tables on a tiny size, so they do not rot.
 
 (Figures at this size mean nothing; the benchmark is run by hand at 2^25 params.)
 """
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import platform
 import re
+import shutil
 import subprocess
 import sys
 
@@ -47,9 +49,9 @@ def test_compute_limit_kernel_does_the_work(preset):
     finally:
         sys.path.remove(str(BENCHMARKS))
     storage = compute_limit.PRESET_STORAGE[preset]
-    g, p, w, m, v = compute_limit.arrays(1, 64, storage)
+    g, p, w, m, v, scalars = compute_limit.arrays(1, 64, "adam", storage)
     before = [a.copy() for a in (p, w, m, v)]
-    compute_limit.kernel("adam", storage)(g, p, w, m, v, 1)
+    compute_limit.kernel("adam", storage)(g, p, w, m, v, scalars, 1)
     for name, old, new in zip("pwmv", before, (p, w, m, v)):
         if name == "w" and not (storage.kahan or storage.master != "param"):
             continue
@@ -83,3 +85,16 @@ def test_step_overhead_benchmark_prints_its_table():
     for row in rows:
         step, kernel, empty, _, python = map(float, row[-5:])
         assert step > 0 and kernel > 0 and empty > 0 and python >= 0
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None or platform.machine() != "x86_64",
+                    reason="counts instructions with valgrind's callgrind (x86-64 client requests)")
+def test_kernel_instructions_prints_its_table():
+    """One preset's row: instructions per element of bf16opt's kernel and of its limit, counted."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_instructions.py"), "--algorithms", "SGD",
+                             "--presets", "bf16"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("SGD ")]
+    assert len(rows) == 1, result.stdout
+    ours, limit, ratio = re.split(r"\s{2,}", rows[0].strip())[1:4]
+    assert float(ours) > 1 and float(limit) > 1 and ratio.endswith("x")
