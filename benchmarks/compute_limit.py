@@ -32,10 +32,11 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
+from numba import cfunc, njit
 
+from bf16opt._cpu.chunks import CHUNK_SIGNATURE, COUNTERS, KEYS, run_chunks, run_chunks_serial
 from bf16opt._cpu.storage import (bits_to_f32, element_index, f32_to_bits, high_half, low_half, pair_word,
-                                  random_bits)
+                                  pointer_to, random_bits)
 
 
 @dataclass(frozen=True)
@@ -105,22 +106,34 @@ def _sr(x, key, element):
 
 
 @functools.lru_cache(maxsize=None)
-def block_kernel(algorithm: str, storage: Storage):
-    """``run_block(g, p, w, m, v, scalars, passes, t)``: row ``t`` of the operands of
-    :func:`kernel` updated ``passes`` times on the calling thread (one thread's share;
-    ``kernel_instructions.py`` counts its instructions).
+def chunk_function(algorithm: str, storage: Storage):
+    """The compute-limit work as a chunk function (``cpu_src/chunks.py``'s CHUNK_SIGNATURE),
+    run by the same driver as bf16opt's: so its loop is compiled on its own, as theirs is.
 
-    When every array is 16-bit, two elements at a time from one 32-bit word of each array
-    (the cheapest decode and encode known: one shift or mask, one merge, per pair)."""
+    A row holds the addresses of param, grad, w, m, v (``w``: the float32 copy, the int16
+    remainder or the bf16 compensation; ``v`` used by Adam only), then the length, the first
+    element's index (the hash's counter) and the thread's index (its row of ``keys``).  When
+    every array is 16-bit, two elements at a time from one 32-bit word of each array (one
+    shift or mask to decode, one merge per pair to encode)."""
     param16, master, moments16 = storage.param16, storage.master, storage.moments16
     stochastic, kahan = storage.stochastic, storage.kahan
     moments = MOMENTS[algorithm]
     adam, lion = algorithm == "adam", algorithm == "lion"
     has_w = kahan or master != "param"
     paired = param16 and moments16 and master != "copy"
+    sixteen, thirty_two = np.int16, np.float32
+    param_format = sixteen if param16 else thirty_two
+    w_format = thirty_two if master == "copy" else sixteen
+    moment_format = sixteen if moments16 else thirty_two
 
-    @njit(nogil=True, cache=True, error_model="numpy")
-    def run_block(g, p, w, m, v, scalars, passes, t):
+    @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
+    def chunk(row, scalars, keys, counts):
+        p = pointer_to(row[0], param_format)
+        g = pointer_to(row[1], param_format)
+        w = pointer_to(row[2], w_format)
+        m = pointer_to(row[3], moment_format)
+        v = pointer_to(row[4], moment_format)
+        n, start = row[5], row[6]
         if adam:
             beta1, beta2, one_minus_beta1, one_minus_beta2 = scalars[0], scalars[1], scalars[2], scalars[3]
             step_size, inv_sqrt_bc2, eps, decay = scalars[4], scalars[5], scalars[6], scalars[7]
@@ -129,6 +142,7 @@ def block_kernel(algorithm: str, storage: Storage):
             lr, decay = scalars[4], scalars[5]
         else:
             momentum, lr, weight_decay = scalars[0], scalars[1], scalars[2]
+        key_w, key_m, key_v = keys[0], keys[1], keys[2]
 
         def update(gs, ps, ws, ms, vs, element):
             """Stored elements in, stored elements (param, w, m, v) out."""
@@ -174,71 +188,67 @@ def block_kernel(algorithm: str, storage: Storage):
                 ps = np.int16(np.uint16(np.uint32(bits + np.uint32(0x8000)) >> np.uint32(16)))
                 ws = np.int16(np.uint16(bits & np.uint32(0xFFFF)))
             elif param16:
-                ps = _sr(new, np.uint32(1), element) if stochastic else _rne(new)
+                ps = _sr(new, key_w, element) if stochastic else _rne(new)
             else:
                 ps = _f32(new)
             if moments16:
-                ms = _sr(first, np.uint32(2), element) if stochastic else _rne(first)
-                vs = _sr(second, np.uint32(3), element) if stochastic else _rne(second)
+                ms = _sr(first, key_m, element) if stochastic else _rne(first)
+                vs = _sr(second, key_v, element) if stochastic else _rne(second)
             else:
                 ms = _f32(first)
                 vs = _f32(second)
             return ps, ws, ms, vs
 
         if paired:
-            gw, pw, mw, vw = g[t].view(np.uint32), p[t].view(np.uint32), m[t].view(np.uint32), v[t].view(np.uint32)
-            ww = w[t].view(np.uint32) if has_w else gw
-            half = pw.size
-            for k in range(passes):
-                for j in range(half):
-                    x = ww[j] if has_w else np.uint32(0)
-                    low = update(low_half(gw[j], np.int16), low_half(pw[j], np.int16), low_half(x, np.int16),
-                                 low_half(mw[j], np.int16), low_half(vw[j], np.int16),
-                                 element_index(2 * k * half, 2 * j))
-                    high = update(high_half(gw[j], np.int16), high_half(pw[j], np.int16), high_half(x, np.int16),
-                                  high_half(mw[j], np.int16), high_half(vw[j], np.int16),
-                                  element_index(2 * k * half, 2 * j + 1))
-                    pw[j] = pair_word(low[0], high[0])
-                    if has_w:
-                        ww[j] = pair_word(low[1], high[1])
-                    mw[j] = pair_word(low[2], high[2])
-                    if moments == 2:
-                        vw[j] = pair_word(low[3], high[3])
+            pw, gw, ww = pointer_to(row[0], np.uint32), pointer_to(row[1], np.uint32), pointer_to(row[2], np.uint32)
+            mw, vw = pointer_to(row[3], np.uint32), pointer_to(row[4], np.uint32)
+            for j in range(n >> 1):
+                x = ww[j] if has_w else np.uint32(0)
+                y = vw[j] if moments == 2 else np.uint32(0)
+                low = update(low_half(gw[j], np.int16), low_half(pw[j], np.int16), low_half(x, np.int16),
+                             low_half(mw[j], np.int16), low_half(y, np.int16), element_index(start, 2 * j))
+                high = update(high_half(gw[j], np.int16), high_half(pw[j], np.int16), high_half(x, np.int16),
+                              high_half(mw[j], np.int16), high_half(y, np.int16), element_index(start, 2 * j + 1))
+                pw[j] = pair_word(low[0], high[0])
+                if has_w:
+                    ww[j] = pair_word(low[1], high[1])
+                mw[j] = pair_word(low[2], high[2])
+                if moments == 2:
+                    vw[j] = pair_word(low[3], high[3])
         else:
-            block = p.shape[1]
-            for k in range(passes):
-                for i in range(block):
-                    out = update(g[t, i], p[t, i], w[t, i] if has_w else np.float32(0.0), m[t, i],
-                                 v[t, i], element_index(k * block, i))
-                    p[t, i] = out[0]
-                    if has_w:
-                        w[t, i] = out[1]
-                    m[t, i] = out[2]
-                    if moments == 2:
-                        v[t, i] = out[3]
+            for i in range(n):
+                out = update(g[i], p[i], w[i] if has_w else w_format(0), m[i], v[i] if moments == 2 else m[i],
+                             element_index(start, i))
+                p[i] = out[0]
+                if has_w:
+                    w[i] = out[1]
+                m[i] = out[2]
+                if moments == 2:
+                    v[i] = out[3]
 
-    return run_block
+    return chunk
 
 
-@functools.lru_cache(maxsize=None)
-def kernel(algorithm: str, storage: Storage):
-    """``run(g, p, w, m, v, scalars, passes)``: 2-D arrays [thread, block] (``w``: the float32
-    copy, the int16 remainder or the bf16 compensation, any array when unused; ``v`` unused
-    except by Adam) updated ``passes`` times per thread; ``scalars``: float32 ``SCALARS``."""
-    run_block = block_kernel(algorithm, storage)
+@dataclass(frozen=True)
+class Operands:
+    """Cache-resident arrays [thread, block] of one configuration (``w`` and ``v`` empty when the
+    configuration has none), the step's scalars and each thread's stream keys."""
 
-    @njit(parallel=True, nogil=True, cache=True)
-    def run(g, p, w, m, v, scalars, passes):
-        for t in prange(p.shape[0]):
-            run_block(g, p, w, m, v, scalars, passes, t)
+    g: np.ndarray
+    p: np.ndarray
+    w: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+    scalars: np.ndarray
+    keys: np.ndarray
 
-    return run
 
-
-def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int = 0):
-    """Cache-resident operands for :func:`kernel` (``g, p, w, m, v, scalars``): positive second
-    moments (a real sqrt), small enough next to the squared grads that a step changes their
-    bfloat16 encodings."""
+def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int = 0) -> Operands:
+    """Operands for :func:`runner` (``block`` even: the paired loop takes two elements at a
+    time): positive second moments (a real sqrt), small enough next to the squared grads
+    that a step changes their bfloat16 encodings."""
+    if block % 2:
+        raise ValueError(f"block must be even, got {block}")
     rng = np.random.default_rng(seed)
 
     def values(scale, positive=False):
@@ -255,7 +265,32 @@ def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int
     elif storage.master == "remainder" or storage.kahan:
         w = np.zeros((threads, block), dtype=np.int16)
     else:
-        w = np.zeros((1, 1), dtype=np.float32)
+        w = np.zeros((threads, 0), dtype=np.float32)
     m = stored(values(1e-3), storage.moments16)
-    v = stored(values(1e-7, positive=True), storage.moments16)
-    return g, p, w, m, v, np.array(SCALARS[algorithm], dtype=np.float32)
+    v = stored(values(1e-7, positive=True), storage.moments16) if MOMENTS[algorithm] == 2 else m[:, :0]
+    keys = np.arange(1, threads * KEYS + 1, dtype=np.uint32).reshape(threads, KEYS)  # run-time values
+    return Operands(g, p, w, m, v, np.array(SCALARS[algorithm], dtype=np.float32), keys)
+
+
+def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, serial: bool = False):
+    """A call updating each thread's block of ``operands`` ``passes`` times through bf16opt's
+    chunk driver (``run_chunks``, one thread per block; ``serial``: ``run_chunks_serial``)."""
+    chunk = chunk_function(algorithm, storage)
+    threads, block = operands.p.shape
+    addresses = np.array([[a[t].ctypes.data if a.shape[1] else 0 for a in
+                           (operands.p, operands.g, operands.w, operands.m, operands.v)]
+                          for t in range(threads)], dtype=np.int64)
+    table = np.empty((threads * passes, addresses.shape[1] + 3), dtype=np.int64)
+    table[:, :-3] = np.repeat(addresses, passes, axis=0)
+    table[:, -3] = block
+    table[:, -2] = np.tile(np.arange(passes, dtype=np.int64) * block, threads)  # the counter goes on
+    table[:, -1] = np.repeat(np.arange(threads, dtype=np.int64), passes)
+    bounds = np.arange(threads + 1, dtype=np.int64) * passes
+    counts = np.zeros((table.shape[0], COUNTERS), dtype=np.int64)
+    run = run_chunks_serial if serial else run_chunks
+
+    def call():
+        run(chunk.address, table, operands.scalars, operands.keys, counts, bounds)
+
+    call.keep = operands  # the table holds their addresses
+    return call

@@ -165,7 +165,8 @@ def _chunk_call(algorithm: str, dtype, preset: str, n: int):
 
 
 def _limit_call(algorithm: str, dtype, preset: str, passes: int):
-    """A call running the compute-limit kernel's ``run_block`` ``passes`` times over one block."""
+    """A call running the compute-limit chunk function ``passes`` times over one block, through
+    the serial driver, plus the chunk function."""
     import torch  # noqa: PLC0415
 
     import compute_limit  # noqa: PLC0415
@@ -174,12 +175,8 @@ def _limit_call(algorithm: str, dtype, preset: str, passes: int):
     family = cpu_step.OPTIMIZERS[algorithm][2]
     storage = compute_limit.FP32_PARAMS if dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
     operands = compute_limit.arrays(1, BLOCK, family, storage)
-    run_block = compute_limit.block_kernel(family, storage)
-
-    def call():
-        run_block(*operands, passes, 0)
-
-    return call, run_block
+    return (compute_limit.runner(family, storage, operands, passes, serial=True),
+            compute_limit.chunk_function(family, storage))
 
 
 def child(algorithms, presets, asm_dir) -> None:
@@ -194,14 +191,13 @@ def child(algorithms, presets, asm_dir) -> None:
             labels.append([name, "bf16opt", size])
             calls.append(call)
         for passes in PASSES:
-            call, run_block = _limit_call(algorithm, dtype, preset, passes)
+            call, limit = _limit_call(algorithm, dtype, preset, passes)
             labels.append([name, "limit", passes * BLOCK])
             calls.append(call)
-        call()
         if asm_dir:  # (code compiled in this process: code loaded from the cache has no assembly)
             stem = _stem(name)
             (asm_dir / f"{stem}.bf16opt.s").write_text(chunk._library.get_asm_str())
-            (asm_dir / f"{stem}.limit.s").write_text(next(iter(run_block.inspect_asm().values())))
+            (asm_dir / f"{stem}.limit.s").write_text(limit._library.get_asm_str())
     _start_instrumentation()  # (valgrind runs the set-up uninstrumented: several times faster)
     for call in calls:
         call()

@@ -49,10 +49,10 @@ def test_compute_limit_kernel_does_the_work(preset):
     finally:
         sys.path.remove(str(BENCHMARKS))
     storage = compute_limit.PRESET_STORAGE[preset]
-    g, p, w, m, v, scalars = compute_limit.arrays(1, 64, "adam", storage)
-    before = [a.copy() for a in (p, w, m, v)]
-    compute_limit.kernel("adam", storage)(g, p, w, m, v, scalars, 1)
-    for name, old, new in zip("pwmv", before, (p, w, m, v)):
+    operands = compute_limit.arrays(1, 64, "adam", storage)
+    before = [a.copy() for a in (operands.p, operands.w, operands.m, operands.v)]
+    compute_limit.runner("adam", storage, operands, 1)()
+    for name, old, new in zip("pwmv", before, (operands.p, operands.w, operands.m, operands.v)):
         if name == "w" and not (storage.kahan or storage.master != "param"):
             continue
         assert not np.array_equal(old, new), name
