@@ -5,14 +5,19 @@ say how fast it can do its unavoidable arithmetic with the bytes in cache.  A pr
 ceiling is the slower of the two.  Per element, a compute-limit kernel does only:
 
 * decode every stored operand (bfloat16 -> float32 is a shift; float32 as is; the
-  remainder join is integer ops);
-* the algorithm's irreducible float math: Adam one exactly rounded float32 square root and
-  one exactly rounded float32 division (plus the adds that make the result depend on every
-  operand, so nothing is dead code); Lion a sign; SGD an add;
-* encode every stored result: round to nearest even into bfloat16 (a few integer ops, no
-  NaN handling: an implementation that may not canonicalise NaN could skip it), or
-  stochastic rounding with one counter-based hash per stochastically rounded value, the
-  Kahan compensation add, or the remainder split;
+  remainder join is integer ops), two elements per 32-bit word when every array is 16-bit
+  (a shift or a mask per element, one merge per pair to encode: the cheapest way known,
+  which bf16opt's kernels use too, and a limit slower than bf16opt is no limit);
+* the algorithm's float32 operations as ``bf16opt/backends/reference.py`` lists them (each
+  one IEEE-rounded on its own: the contract is bit-identity with that listing, so none can
+  be skipped, fused or reordered), among them one exactly rounded square root and one
+  exactly rounded division (Adam) -- except multiplications by scalars that are exactly 1
+  in the benchmark, which an implementation could skip by testing the scalar once per call:
+  the gradient's unscaling (no GradScaler, not maximising) and SGD's ``1 - dampening``;
+* encode every stored result, NaN made canonical as the storage spec requires (one compare
+  and one select per stored value): round to nearest even into bfloat16 (a few integer
+  ops), or stochastic rounding with one counter-based hash per stochastically rounded
+  value, the Kahan compensation (the reference's six operations), or the remainder split;
 
 written as plainly as Numba allows (no fastmath: exactly rounded sqrt and division are part
 of the contract).  The kernels run over one cache-resident block per thread, ``passes``
@@ -27,9 +32,11 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
+from numba import cfunc, njit
 
-from bf16opt._cpu.storage import bits_to_f32, f32_to_bits, random_bits
+from bf16opt._cpu.chunks import CHUNK_SIGNATURE, COUNTERS, KEYS, run_chunks, run_chunks_serial
+from bf16opt._cpu.storage import (bits_to_f32, element_index, f32_to_bits, high_half, low_half, pair_word,
+                                  pointer_to, random_bits)
 
 
 @dataclass(frozen=True)
@@ -59,96 +66,194 @@ FP32_PARAMS = Storage(False, "param", False, False, False)
 MOMENTS = {"adam": 2, "lion": 1, "sgd": 1}
 
 
+# the step's scalars, as the kernels get them (cpu_step.py's hyper-parameters at step 2);
+# run-time values, as in bf16opt's kernels (not constants LLVM could fold or rematerialise)
+SCALARS = {
+    # beta1, beta2, 1 - beta1, 1 - beta2, step_size, 1 / sqrt(bias correction 2), eps, decay
+    "adam": (0.9, 0.999, 0.1, 0.001, 1e-3 / (1 - 0.9 ** 2), 1 / np.sqrt(1 - 0.999 ** 2), 1e-8, 1 - 1e-3 * 1e-2),
+    # beta1, beta2, 1 - beta1, 1 - beta2, lr, decay
+    "lion": (0.9, 0.99, 0.1, 0.01, 1e-4, 1 - 1e-4 * 1e-2),
+    # momentum, lr, weight_decay
+    "sgd": (0.9, 1e-2, 1e-4),
+}
+
+
 @njit(inline="always")
 def _bf16(bits16):
     return bits_to_f32(np.uint32(np.uint32(np.uint16(bits16)) << np.uint32(16)))
 
 
 @njit(inline="always")
+def _f32(x):
+    return x if x == x else bits_to_f32(np.uint32(0x7FC00000))
+
+
+@njit(inline="always")
+def _rne_bits(x):
+    bits = f32_to_bits(_f32(x))
+    return np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+
+
+@njit(inline="always")
 def _rne(x):
-    bits = f32_to_bits(x)
-    return np.int16(np.uint16(np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-                              >> np.uint32(16)))
+    return np.int16(np.uint16(_rne_bits(x) >> np.uint32(16)))
 
 
 @njit(inline="always")
 def _sr(x, key, element):
-    bits = f32_to_bits(x)
+    bits = f32_to_bits(_f32(x))
     return np.int16(np.uint16(np.uint32(bits + (random_bits(key, element) >> np.uint32(16))) >> np.uint32(16)))
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(algorithm: str, storage: Storage):
-    """``run(g, p, w, m, v, passes)``: 2-D arrays [thread, block] (``w``: the float32 copy, the
-    int16 remainder or the bf16 compensation, any array when unused; ``v`` unused except by
-    Adam), updated ``passes`` times per thread."""
+def chunk_function(algorithm: str, storage: Storage):
+    """The compute-limit work as a chunk function (``cpu_src/chunks.py``'s CHUNK_SIGNATURE),
+    run by the same driver as bf16opt's: so its loop is compiled on its own, as theirs is.
+
+    A row holds the addresses of param, grad, w, m, v (``w``: the float32 copy, the int16
+    remainder or the bf16 compensation; ``v`` used by Adam only), then the length, the first
+    element's index (the hash's counter) and the thread's index (its row of ``keys``).  When
+    every array is 16-bit, two elements at a time from one 32-bit word of each array (one
+    shift or mask to decode, one merge per pair to encode)."""
     param16, master, moments16 = storage.param16, storage.master, storage.moments16
     stochastic, kahan = storage.stochastic, storage.kahan
     moments = MOMENTS[algorithm]
     adam, lion = algorithm == "adam", algorithm == "lion"
+    has_w = kahan or master != "param"
+    paired = param16 and moments16 and master != "copy"
+    sixteen, thirty_two = np.int16, np.float32
+    param_format = sixteen if param16 else thirty_two
+    w_format = thirty_two if master == "copy" else sixteen
+    moment_format = sixteen if moments16 else thirty_two
 
-    @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-    def run(g, p, w, m, v, passes):
-        threads, block = p.shape
-        for t in prange(threads):
-            for k in range(passes):
-                for i in range(block):
-                    element = np.uint32(k * block + i)
-                    grad = _bf16(g[t, i]) if param16 else np.float32(g[t, i])
-                    if master == "copy":
-                        weight = np.float32(w[t, i])
-                    elif master == "remainder":
-                        low = np.uint32(np.uint16(w[t, i]))
-                        upper = (np.uint32(np.uint16(p[t, i])) - (low >> np.uint32(15))) & np.uint32(0xFFFF)
-                        weight = bits_to_f32((upper << np.uint32(16)) | low)
-                    else:
-                        weight = _bf16(p[t, i]) if param16 else np.float32(p[t, i])
-                    first = (_bf16(m[t, i]) if moments16 else np.float32(m[t, i])) + grad
-                    if adam:
-                        second = (_bf16(v[t, i]) if moments16 else np.float32(v[t, i])) + grad
-                        update = first / np.sqrt(second)
-                    elif lion:
-                        update = np.float32(np.sign(first))
-                    else:
-                        update = first
-                    if kahan:  # the compensation carries the rounding error of the stored weight
-                        y = update + _bf16(w[t, i])
-                        new = weight - y
-                        stored = _bf16(_rne(new))
-                        w[t, i] = _rne((new - stored))
-                        p[t, i] = _rne(new)
-                    else:
-                        new = weight - update
-                        if master == "copy":
-                            w[t, i] = new
-                            p[t, i] = _rne(new)
-                        elif master == "remainder":
-                            bits = f32_to_bits(new)
-                            p[t, i] = np.int16(np.uint16(np.uint32(bits + np.uint32(0x8000)) >> np.uint32(16)))
-                            w[t, i] = np.int16(np.uint16(bits & np.uint32(0xFFFF)))
-                        elif param16:
-                            p[t, i] = _sr(new, np.uint32(1), element) if stochastic else _rne(new)
-                        else:
-                            p[t, i] = new
-                    if moments16:
-                        m[t, i] = _sr(first, np.uint32(2), element) if stochastic else _rne(first)
-                        if moments == 2:
-                            v[t, i] = _sr(second, np.uint32(3), element) if stochastic else _rne(second)
-                    else:
-                        m[t, i] = first
-                        if moments == 2:
-                            v[t, i] = second
+    @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
+    def chunk(row, scalars, keys, counts):
+        p = pointer_to(row[0], param_format)
+        g = pointer_to(row[1], param_format)
+        w = pointer_to(row[2], w_format)
+        m = pointer_to(row[3], moment_format)
+        v = pointer_to(row[4], moment_format)
+        n, start = row[5], row[6]
+        if adam:
+            beta1, beta2, one_minus_beta1, one_minus_beta2 = scalars[0], scalars[1], scalars[2], scalars[3]
+            step_size, inv_sqrt_bc2, eps, decay = scalars[4], scalars[5], scalars[6], scalars[7]
+        elif lion:
+            beta1, beta2, one_minus_beta1, one_minus_beta2 = scalars[0], scalars[1], scalars[2], scalars[3]
+            lr, decay = scalars[4], scalars[5]
+        else:
+            momentum, lr, weight_decay = scalars[0], scalars[1], scalars[2]
+        key_w, key_m, key_v = keys[0], keys[1], keys[2]
 
-    return run
+        def update(gs, ps, ws, ms, vs, element):
+            """Stored elements in, stored elements (param, w, m, v) out."""
+            grad = _bf16(gs) if param16 else gs
+            if master == "copy":
+                w0 = ws
+            elif master == "remainder":  # one 32-bit subtraction (see storage.join_remainder)
+                low = np.uint32(np.uint16(ws))
+                joined = (np.uint32(np.uint16(ps)) << np.uint32(16)) | low
+                w0 = bits_to_f32(np.uint32(joined - ((low & np.uint32(0x8000)) << np.uint32(1))))
+            else:
+                w0 = _bf16(ps) if param16 else ps
+            first = _bf16(ms) if moments16 else ms
+            second = _bf16(vs) if moments16 else vs
+            if adam:
+                new = w0 * decay
+                first = first * beta1 + grad * one_minus_beta1
+                second = second * beta2 + (grad * grad) * one_minus_beta2
+                d = np.sqrt(second) * inv_sqrt_bc2 + eps
+                new = new - (first / d) * step_size
+            elif lion:
+                new = w0 * decay
+                c = first * beta1 + grad * one_minus_beta1
+                sign = c + np.float32(0.0)
+                sign = np.float32(1.0) if c > np.float32(0.0) else sign
+                sign = np.float32(-1.0) if c < np.float32(0.0) else sign
+                new = new - sign * lr
+                first = first * beta2 + grad * one_minus_beta2
+            else:
+                grad = grad + w0 * weight_decay
+                first = first * momentum + grad
+                new = w0 - first * lr
+            if kahan:  # reference.py's compensated store of a 16-bit master
+                y = (new - w0) + _bf16(ws)
+                rounded = _rne_bits(w0 + y)
+                ps = np.int16(np.uint16(rounded >> np.uint32(16)))
+                ws = _rne(y - (bits_to_f32(rounded & np.uint32(0xFFFF0000)) - w0))
+            elif master == "copy":
+                ws = _f32(new)
+                ps = _rne(new)
+            elif master == "remainder":
+                bits = f32_to_bits(_f32(new))
+                ps = np.int16(np.uint16(np.uint32(bits + np.uint32(0x8000)) >> np.uint32(16)))
+                ws = np.int16(np.uint16(bits & np.uint32(0xFFFF)))
+            elif param16:
+                ps = _sr(new, key_w, element) if stochastic else _rne(new)
+            else:
+                ps = _f32(new)
+            if moments16:
+                ms = _sr(first, key_m, element) if stochastic else _rne(first)
+                vs = _sr(second, key_v, element) if stochastic else _rne(second)
+            else:
+                ms = _f32(first)
+                vs = _f32(second)
+            return ps, ws, ms, vs
+
+        if paired:
+            pw, gw, ww = pointer_to(row[0], np.uint32), pointer_to(row[1], np.uint32), pointer_to(row[2], np.uint32)
+            mw, vw = pointer_to(row[3], np.uint32), pointer_to(row[4], np.uint32)
+            for j in range(n >> 1):
+                x = ww[j] if has_w else np.uint32(0)
+                y = vw[j] if moments == 2 else np.uint32(0)
+                low = update(low_half(gw[j], np.int16), low_half(pw[j], np.int16), low_half(x, np.int16),
+                             low_half(mw[j], np.int16), low_half(y, np.int16), element_index(start, 2 * j))
+                high = update(high_half(gw[j], np.int16), high_half(pw[j], np.int16), high_half(x, np.int16),
+                              high_half(mw[j], np.int16), high_half(y, np.int16), element_index(start, 2 * j + 1))
+                pw[j] = pair_word(low[0], high[0])
+                if has_w:
+                    ww[j] = pair_word(low[1], high[1])
+                mw[j] = pair_word(low[2], high[2])
+                if moments == 2:
+                    vw[j] = pair_word(low[3], high[3])
+        else:
+            for i in range(n):
+                out = update(g[i], p[i], w[i] if has_w else w_format(0), m[i], v[i] if moments == 2 else m[i],
+                             element_index(start, i))
+                p[i] = out[0]
+                if has_w:
+                    w[i] = out[1]
+                m[i] = out[2]
+                if moments == 2:
+                    v[i] = out[3]
+
+    return chunk
 
 
-def arrays(threads: int, block: int, storage: Storage, seed: int = 0):
-    """Cache-resident operands for :func:`kernel` (positive second moments: a real sqrt)."""
+@dataclass(frozen=True)
+class Operands:
+    """Cache-resident arrays [thread, block] of one configuration (``w`` and ``v`` empty when the
+    configuration has none), the step's scalars and each thread's stream keys."""
+
+    g: np.ndarray
+    p: np.ndarray
+    w: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+    scalars: np.ndarray
+    keys: np.ndarray
+
+
+def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int = 0) -> Operands:
+    """Operands for :func:`runner` (``block`` even: the paired loop takes two elements at a
+    time): positive second moments (a real sqrt), small enough next to the squared grads
+    that a step changes their bfloat16 encodings."""
+    if block % 2:
+        raise ValueError(f"block must be even, got {block}")
     rng = np.random.default_rng(seed)
 
     def values(scale, positive=False):
         x = rng.standard_normal((threads, block)).astype(np.float32) * np.float32(scale)
-        return np.abs(x) + np.float32(1e-3) if positive else x
+        return np.abs(x) + np.float32(scale) if positive else x
 
     def stored(x, sixteen):
         return (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16).view(np.int16) if sixteen else x
@@ -160,7 +265,32 @@ def arrays(threads: int, block: int, storage: Storage, seed: int = 0):
     elif storage.master == "remainder" or storage.kahan:
         w = np.zeros((threads, block), dtype=np.int16)
     else:
-        w = np.zeros((1, 1), dtype=np.float32)
+        w = np.zeros((threads, 0), dtype=np.float32)
     m = stored(values(1e-3), storage.moments16)
-    v = stored(values(1e-6, positive=True), storage.moments16)
-    return g, p, w, m, v
+    v = stored(values(1e-7, positive=True), storage.moments16) if MOMENTS[algorithm] == 2 else m[:, :0]
+    keys = np.arange(1, threads * KEYS + 1, dtype=np.uint32).reshape(threads, KEYS)  # run-time values
+    return Operands(g, p, w, m, v, np.array(SCALARS[algorithm], dtype=np.float32), keys)
+
+
+def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, serial: bool = False):
+    """A call updating each thread's block of ``operands`` ``passes`` times through bf16opt's
+    chunk driver (``run_chunks``, one thread per block; ``serial``: ``run_chunks_serial``)."""
+    chunk = chunk_function(algorithm, storage)
+    threads, block = operands.p.shape
+    addresses = np.array([[a[t].ctypes.data if a.shape[1] else 0 for a in
+                           (operands.p, operands.g, operands.w, operands.m, operands.v)]
+                          for t in range(threads)], dtype=np.int64)
+    table = np.empty((threads * passes, addresses.shape[1] + 3), dtype=np.int64)
+    table[:, :-3] = np.repeat(addresses, passes, axis=0)
+    table[:, -3] = block
+    table[:, -2] = np.tile(np.arange(passes, dtype=np.int64) * block, threads)  # the counter goes on
+    table[:, -1] = np.repeat(np.arange(threads, dtype=np.int64), passes)
+    bounds = np.arange(threads + 1, dtype=np.int64) * passes
+    counts = np.zeros((table.shape[0], COUNTERS), dtype=np.int64)
+    run = run_chunks_serial if serial else run_chunks
+
+    def call():
+        run(chunk.address, table, operands.scalars, operands.keys, counts, bounds)
+
+    call.keep = operands  # the table holds their addresses
+    return call

@@ -32,7 +32,7 @@ import time
 import torch
 
 import bf16opt
-from bf16opt.offload import use_copy_engine
+from bf16opt.offload import default_threads, fingerprint, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.offload_step
@@ -63,30 +63,71 @@ def timed(function) -> float:
 class Setup:
     """One preset's contenders: an offloaded optimizer, a host-only one, and the link alone."""
 
-    def __init__(self, preset: str, n: int, tensors: int, bandwidth: float, chunk: int):
+    def __init__(self, preset: str, n: int, tensors: int, bandwidth: float, chunk: int, threads=None):
         self.engine = ThreadedCopyEngine(bandwidth=bandwidth)
         self.params = make_params(n, tensors)
         self.grads = grads_for(self.params)
-        self.opt = bf16opt.AdamW(self.params, lr=1e-4, precision=preset, offload="cpu")
+        self.opt = bf16opt.AdamW(self.params, lr=1e-4, precision=preset, offload="cpu", offload_threads=threads)
         use_copy_engine(self.opt, self.engine)
         self.opt._offloader.chunk_elements = chunk
         self.host_params = make_params(n, tensors)
         self.host_opt = bf16opt.AdamW(self.host_params, lr=1e-4, precision=preset, backend="numba")
         for p, g in zip(self.host_params, self.grads):
             p.grad = g
-        self.staging = [torch.empty_like(p) for p in self.params]
+        # the link alone: grads down into host buffers, other host buffers up into "device" ones
+        self.staging = [torch.empty_like(g) for g in self.grads]
+        self.outgoing = [p.detach().clone() for p in self.params]
+        self.scratch = [torch.empty_like(p) for p in self.params]
         self.step_hand()        # allocate state, compile, stage once
         self.host_opt.step()
 
+    def _start_down(self) -> list:
+        return [self.engine.to_host(s, g) for s, g in zip(self.staging, self.grads)]
+
+    def _start_up(self) -> list:
+        return [self.engine.to_device(d, s) for d, s in zip(self.scratch, self.outgoing)]
+
     def down(self) -> float:
-        return timed(lambda: [t.wait() for t in [self.engine.to_host(s, g) for s, g in zip(self.staging, self.grads)]])
+        return timed(lambda: [t.wait() for t in self._start_down()])
 
     def up(self) -> float:
-        return timed(lambda: [t.wait() for t in [self.engine.to_device(p.detach(), s)
-                                                  for p, s in zip(self.params, self.staging)]])
+        return timed(lambda: [t.wait() for t in self._start_up()])
 
     def update(self) -> float:
         return timed(self.host_opt.step)
+
+    def checks(self) -> float:
+        """The device-side checks a step makes (bf16opt/offload.py's fingerprint of every
+        param the update reads, and of every grad the hooks copied during backward): on a GPU
+        they are the GPU's work, here they take the same cores as everything else."""
+        return timed(lambda: self._check(self.grads))
+
+    def _check(self, grads) -> None:
+        prints = [fingerprint(p) for p in self.params] + [fingerprint(g) for g in grads]
+        torch.stack(prints).tolist()
+
+    def together(self) -> float:
+        """The overlap limit of this machine: everything the step must do, started at once on
+        independent buffers with no pipeline (no part waits for another): both links, the
+        device-side checks of the params, the host update."""
+        def run():
+            transfers = self._start_down() + self._start_up()
+            self._check([])
+            self.host_opt.step()
+            for t in transfers:
+                t.wait()
+        return timed(run)
+
+    def together_after_backward(self) -> float:
+        """The same limit with the grads already on the host: host->device, the checks of
+        params and grads, the host update."""
+        def run():
+            transfers = self._start_up()
+            self._check(self.grads)
+            self.host_opt.step()
+            for t in transfers:
+                t.wait()
+        return timed(run)
 
     def step_hand(self) -> float:
         for p, g in zip(self.params, self.grads):
@@ -105,7 +146,8 @@ class Setup:
 
 
 def measure(setup: Setup, repeats: int) -> dict:
-    names = ("down", "update", "up", "step_hand", "step_after_backward")
+    names = ("down", "update", "up", "checks", "together", "together_after_backward", "step_hand",
+             "step_after_backward")
     times = {name: [] for name in names}
     for _ in range(repeats):  # interleaved: bandwidth drifts between runs
         for name in names:
@@ -115,9 +157,25 @@ def measure(setup: Setup, repeats: int) -> dict:
 
 def report(preset: str, t: dict) -> str:
     parts = max(t["down"], t["update"], t["up"])
-    return (f"{preset:28s} {1e3 * t['down']:8.1f} {1e3 * t['update']:8.1f} {1e3 * t['up']:8.1f} "
-            f"{1e3 * t['step_hand']:10.1f} {parts / t['step_hand']:6.2f} "
-            f"{1e3 * t['step_after_backward']:10.1f} {max(t['update'], t['up']) / t['step_after_backward']:6.2f}")
+    parts_bwd = max(t["update"], t["up"])
+    return (f"{preset:28s} {1e3 * t['down']:7.1f} {1e3 * t['update']:7.1f} {1e3 * t['up']:7.1f} "
+            f"{1e3 * t['checks']:7.1f} {1e3 * t['together']:7.1f} {1e3 * t['step_hand']:7.1f} "
+            f"{parts / t['step_hand']:5.2f} {t['together'] / t['step_hand']:5.2f} | "
+            f"{1e3 * t['together_after_backward']:7.1f} {1e3 * t['step_after_backward']:7.1f} "
+            f"{parts_bwd / t['step_after_backward']:5.2f} {t['together_after_backward'] / t['step_after_backward']:5.2f}")
+
+
+HEADER = (f"{'preset':28s} {'D2H':>7s} {'host':>7s} {'H2D':>7s} {'checks':>7s} {'limit':>7s} {'step':>7s} "
+          f"{'eff.':>5s} {'limit':>5s} | {'limit':>7s} {'step':>7s} {'eff.':>5s} {'limit':>5s}")
+LEGEND = """\
+  times in ms.  Left: grads set by hand (their copies start at step()); right: after a backward
+  pass whose hooks already copied the grads.  D2H/host/H2D: each part alone; checks: the
+  device-side fingerprints of params and grads (a GPU's work; here on the same cores); limit:
+  everything the step must do (left: both links, the params' checks, the host update; right:
+  host->device, the checks of params and grads, the host update) started together on
+  independent buffers, with no pipeline: the best overlap this machine's cores and memory allow.
+  eff. = max(parts) / step (the issue's overlap efficiency; right: max(host, H2D) / step);
+  the "limit" columns after the step = limit / step, the pipeline against what is reachable here."""
 
 
 def host_bytes_per_param(preset: str) -> float:
@@ -160,7 +218,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--bandwidth", type=float, default=25e9, help="stand-in link, bytes/s each way")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--chunk", type=int, default=None, help="pipeline chunk (elements); default: swept")
+    parser.add_argument("--chunk", type=int, default=None, help="pipeline chunk (elements, a power of 2); "
+                        "default: swept")
+    parser.add_argument("--threads", type=int, default=None, help="offload_threads; default: swept")
     parser.add_argument("--backward-seconds", type=float, default=1.0,
                         help="length of a 7B backward pass for the projection")
     parser.add_argument("--gpu-params-per-second", type=float, default=0.0,
@@ -170,35 +230,34 @@ def main(argv=None) -> None:
     print(f"bf16opt offload benchmark: AdamW, 2^{args.log2_params} bf16 params in {args.tensors} tensors, "
           f"stand-in link {args.bandwidth / 1e9:.0f} GB/s each way; {cpu_name()}; medians of {args.repeats}")
 
-    chunk = args.chunk
-    if chunk is None:
-        print("\nchunk sweep (bf16): chunk elements -> step ms (grads set by hand)")
-        best = None
-        for log2 in (18, 20, 21, 22):
-            setup = Setup("bf16", n, args.tensors, args.bandwidth, 1 << log2)
+    # the stand-in's copies run on this machine's cores: fewer update threads may leave
+    # them a core (a GPU's DMA engines need none, so there all cores update)
+    cores = default_threads()
+    print("\nsweep (bf16): chunk elements x update threads -> step ms (grads set by hand)")
+    results = {}
+    for log2 in ((18, 20, 21, 22, 23) if args.chunk is None else (args.chunk.bit_length() - 1,)):
+        for count in (sorted({1, max(1, cores - 1), cores}) if args.threads is None else (args.threads,)):
+            setup = Setup("bf16", n, args.tensors, args.bandwidth, 1 << log2, count)
             t = statistics.median(setup.step_hand() for _ in range(max(3, args.repeats // 2)))
             setup.close()
             del setup
             gc.collect()
-            print(f"  2^{log2:<3d} {1e3 * t:8.1f}")
-            if best is None or t < best[1]:
-                best = (1 << log2, t)
-        chunk = best[0]
-        print(f"  chosen: 2^{chunk.bit_length() - 1}")
+            results[(1 << log2, count)] = t
+            print(f"  2^{log2:<3d} {count:2d} thread(s) {1e3 * t:8.1f}", flush=True)
+    chunk, threads = min(results, key=results.get)
+    print(f"  chosen: 2^{chunk.bit_length() - 1} elements, {threads} thread(s)")
 
-    print(f"\n{'preset':28s} {'D2H ms':>8s} {'host ms':>8s} {'H2D ms':>8s} {'step ms':>10s} {'eff.':>6s} "
-          f"{'after bwd':>10s} {'eff.':>6s}")
+    print("\n" + HEADER)
     update_rate = {}
     for preset in PRESETS:
-        setup = Setup(preset, n, args.tensors, args.bandwidth, chunk)
+        setup = Setup(preset, n, args.tensors, args.bandwidth, chunk, threads)
         t = measure(setup, args.repeats)
         print(report(preset, t))
         update_rate[preset] = n / t["update"]
         setup.close()
         del setup
         gc.collect()
-    print("  eff. = max(D2H, host, H2D) / step; after bwd: grads copied by the hooks during backward, "
-          "eff. = max(host, H2D) / step")
+    print(LEGEND)
 
     print(f"\nprojection, 7B bf16 params, link {args.bandwidth / 1e9:.0f} GB/s each way, "
           f"host update at this machine's measured rate, backward {args.backward_seconds:.2f} s:")

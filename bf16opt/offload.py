@@ -15,7 +15,8 @@ The pipeline of one step:
    :func:`fingerprint`) is unchanged since the copy: clipping, GradScaler's ``unscale_``,
    ``.data`` edits and collectives writing into grads are all seen; otherwise it is copied
    again.  Params whose grad was
-   set without backward, or that had no hook when backward ran, are copied here too.  A param
+   set without backward, or that had no hook when backward ran, are copied here too (such a
+   copy takes no fingerprint: the next step copies that grad again).  A param
    whose device value changed since the host mirror was written (``model.load_state_dict``,
    an EMA swap, ``p.data`` edits: its version counter or fingerprint moved) is read back
    before an update that reads it.
@@ -24,7 +25,8 @@ The pipeline of one step:
    grads are still arriving).  Each chunk's kernel writes the new params straight into the
    host mirror that is uploaded, with no extra pass over memory; a param's stochastic-rounding
    element counter stays global to the param (``Bucket.offsets``), so chunking never changes
-   the bits.
+   the bits.  On CPU params the uploaded params' fingerprints are summed from the mirror's
+   pieces while the kernel's output is in cache, rather than by another pass over the params.
 4. **Published before returning.**  When step() returns, the uploads are complete (CPU copy
    engines) or ordered before any later work on the device's current stream (CUDA).
 
@@ -218,9 +220,13 @@ class Offloader:
         grad = param.grad
         if record is None or grad is None or grad.layout != torch.strided:
             return
-        self._copy_grad(param, record)
+        self._copy_grad(param, record, during_backward=True)
 
-    def _copy_grad(self, param: torch.Tensor, record: _HostParam) -> None:
+    def _copy_grad(self, param: torch.Tensor, record: _HostParam, during_backward: bool = False) -> None:
+        """Start the grad's copy into its staging buffer.  A copy started during backward takes
+        the grad's fingerprint, so that step() sees later changes (clipping, unscaling); one
+        started by step() itself needs none: nothing runs between it and the update, and
+        without a fingerprint the next step copies again rather than trust it."""
         if record.grad_transfer is not None:
             record.grad_transfer.wait()  # one copy into the staging buffer at a time
         grad = param.grad
@@ -228,7 +234,7 @@ class Offloader:
         real = _real(data)
         if record.grad.dtype != real.dtype:  # float32 grads of a 16-bit param: staged as float32, not rounded
             record.grad = self.engine(param.device).host_empty(real.shape, real.dtype)
-        record.grad_print = fingerprint(data)
+        record.grad_print = fingerprint(data) if during_backward else None
         record.grad_transfer = self.engine(param.device).to_host(record.grad, real)
         record.grad_ref, record.grad_version = weakref.ref(grad), data._version
 
@@ -241,7 +247,7 @@ class Offloader:
         checks = []  # (record position, kind, recorded fingerprint, current fingerprint)
         for k, (param, record, reads) in enumerate(zip(params, records, reads_param)):
             grad, shard = param.grad, local(param)
-            if record.grad_ref is not None and record.grad_ref() is grad and \
+            if record.grad_print is not None and record.grad_ref() is grad and \
                     record.grad_version == local(grad)._version:
                 checks.append((k, "grad", record.grad_print, fingerprint(local(grad))))
             else:
@@ -322,6 +328,11 @@ class Offloader:
         if current:
             chunks.append(current)
         uploads = []
+        reads_param = bucket.config.weights != "copy"  # (a master copy wins over param edits)
+        # the fingerprint the param will have once uploaded, summed from the mirror's pieces
+        # while they are in cache, where that is the same sum (see _prints_from_mirror)
+        from_mirror = [reads_param and self._prints_from_mirror(p, r) for p, r in zip(params, records)]
+        prints = [None] * len(params)
         for chunk in chunks:
             piece_bucket = Bucket(bucket.config, seed=bucket.seed, step=bucket.step)
             for i, start, count in chunk:
@@ -341,6 +352,9 @@ class Offloader:
                     bucket.counts[i] += piece_bucket.counts[row]
                 param = _real(local(params[i]).detach())
                 record = records[i]
+                if from_mirror[i]:
+                    piece = fingerprint(record.mirror.view(-1)[start:start + count])
+                    prints[i] = piece if prints[i] is None else prints[i] + piece
                 if param.is_contiguous():
                     transfer = self.engine(params[i].device).to_device(
                         param.view(-1)[start:start + count], record.mirror.view(-1)[start:start + count])
@@ -352,11 +366,23 @@ class Offloader:
                 uploads.append(transfer)
         for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
             engine.publish([t for t in uploads])
-        reads_param = bucket.config.weights != "copy"  # (a master copy wins over param edits)
-        for param, record in zip(params, records):  # the mirror is what the param now holds
+        for param, record, piece_sum in zip(params, records, prints):  # the mirror is what the param now holds
             shard = local(param)
             record.mirror_version = shard._version
-            record.mirror_print = fingerprint(shard) if reads_param else None
+            record.mirror_print = None if not reads_param else \
+                piece_sum if piece_sum is not None else fingerprint(shard)
+
+    def _prints_from_mirror(self, param: torch.Tensor, record: _HostParam) -> bool:
+        """True when the sum of :func:`fingerprint` over the mirror's pieces equals the
+        fingerprint of the uploaded param, so the pipeline can take it from host memory the
+        kernel just wrote instead of another pass over the param.  That holds for CPU params
+        (on a CUDA device the pass is the GPU's, and nearly free) whose bytes are laid out like
+        the mirror's and 8-byte aligned, with every piece but the last a whole number of
+        8-byte words: then each piece's word sum is a part of the whole's."""
+        shard = _real(local(param))
+        return (shard.device.type == "cpu" and shard.is_contiguous() and shard.data_ptr() % 8 == 0
+                and record.mirror.data_ptr() % 8 == 0
+                and (self.chunk_elements * shard.element_size()) % 8 == 0)
 
     # ---- accounting
     def host_bytes(self) -> dict:

@@ -4,15 +4,25 @@ The per-element math, operation by operation, is ``bf16opt/backends/reference.py
 each line below is one float32 operation rounded on its own (no fastmath, so LLVM does
 not contract ``a * b + c`` into a fused multiply-add or reassociate).
 
-Specialisation: :func:`adam_chunk` makes one serial chunk function (a ``cfunc``, see
+Specialisation: :func:`chunk_function` makes one serial chunk function (a ``cfunc``, see
 ``chunks.py``) per configuration.  The storage formats (numpy element classes of the
 views, see ``storage.py``), the flags (amsgrad, L2, telemetry) and the storage policies
-(how the master is loaded and stored, nearest or stochastic rounding of the moments) are
+(how the master is read and encoded, nearest or stochastic rounding of the moments) are
 closure constants, so LLVM folds them away: no run-time branch in the loop.  ``maximize``
-is the run-time scalar ``sign`` (+1 or -1): ``g * -1`` is ``-g`` exactly, a
-loop-invariant multiplication rather than a branch or another compiled kernel.  The grad
-is read in its own format (the param's, or float32 for float32-accumulated grads of 16-bit
-params) and multiplied by ``inv_grad_scale`` first (1.0 without a GradScaler).
+is the run-time scalar ``sign`` (+1 or -1), folded into the unscaling factor once per
+chunk: ``scale = inv_grad_scale * sign`` is exact, and ``g * scale`` has the bits of the
+reference's ``g * inv_grad_scale`` negated (rounding to nearest is symmetric in sign; a
+NaN's sign does not survive its canonical encoding): one multiplication per element, no
+branch.  The grad is read in its own format (the param's, or float32 for float32-accumulated
+grads of 16-bit params) and multiplied by ``scale`` first (``inv_grad_scale`` is 1.0
+without a GradScaler).
+
+Loops: the update of one element (``update``, from stored elements to the elements to
+store) runs in the loop over the row's elements, or, when every array of the
+configuration is 16-bit and 4-byte aligned, in the paired loop: one uint32 word of each
+array holds two elements, so decoding is one shift or mask and encoding one merge per pair
+(cheaper than widening and narrowing 16-bit lanes); an odd last element goes through the
+element loop.
 """
 
 from __future__ import annotations
@@ -23,33 +33,12 @@ import numpy as np
 from numba import cfunc, njit
 
 from .chunks import CHUNK_SIGNATURE
-from .storage import (MOMENT_ROUNDINGS, WEIGHT_POLICIES, bits_to_f32, f32_to_bits, load,
-                      load_weights, pointer_to, store_moment, store_weights)
+from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
+                      encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
 
 __all__ = ["chunk_function"]
 
-@njit
-def _bf16_pair_bits(word):
-    """float32 values of the two bfloat16 held in a uint32 (low half: the lower address)."""
-    return (bits_to_f32(np.uint32(word << np.uint32(16))),
-            bits_to_f32(np.uint32(word & np.uint32(0xFFFF0000))))
-
-
-@njit
-def _rounding_bits(x):
-    """float32 bits of ``x`` (NaN: the canonical one) plus the round-to-nearest-even bias:
-    its upper 16 bits are ``storage.encode_bf16(x)``."""
-    x = x if x == x else bits_to_f32(np.uint32(0x7FC00000))
-    bits = f32_to_bits(x)
-    # np.uint32(): wrap to 32 bits so LLVM keeps the lanes 32-bit (never carries out here)
-    return np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-
-
-@njit
-def _bf16_pair_word(low, high):
-    """uint32 holding the bfloat16 encodings (RNE, canonical NaN) of ``low`` and ``high``."""
-    return np.uint32((_rounding_bits(high) & np.uint32(0xFFFF0000))
-                     | (_rounding_bits(low) >> np.uint32(16)))
+SIXTEEN_BITS = (np.int16, np.uint16)
 
 
 @njit
@@ -75,18 +64,6 @@ def _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps):
     return u * step_size
 
 
-@njit
-def _adamw_pair_element(g, w, m, v, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size,
-                        inv_sqrt_bias_correction2, eps, decay, inv_grad_scale, sign):
-    """AdamW (decoupled decay, no amsgrad) on one element of the paired bf16 loop."""
-    g = g * inv_grad_scale
-    g = g * sign
-    w = w * decay
-    m, v = _adam_moments(g, m, v, beta1, beta2, one_minus_beta1, one_minus_beta2)
-    w = w - _adam_update(m, v, step_size, inv_sqrt_bias_correction2, eps)
-    return w, m, v
-
-
 @functools.lru_cache(maxsize=None)
 def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsgrad: bool = False,
                    l2: bool = False):
@@ -106,11 +83,10 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments = str(weights), str(moments)
     amsgrad, l2, track = bool(amsgrad), bool(l2), bool(track)
-    # all-bf16 AdamW: two elements per uint32 word (one load, shift/mask decode, one
-    # shift/merge encode per pair); odd last element by the general loop
-    paired = (param_format is np.int16 and grad_format is np.int16 and exp_avg_format is np.int16
-              and exp_avg_sq_format is np.int16 and weights == "param"
-              and moments == "nearest" and not amsgrad and not l2 and not track)
+    reads_param, has_companion = WEIGHT_ARRAYS[weights]
+    present = (param_format, grad_format, exp_avg_format, exp_avg_sq_format) + \
+        ((companion_format,) if has_companion else ())
+    paired = all(f in SIXTEEN_BITS for f in present)
 
     @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
     def chunk(row, scalars, keys, counts):
@@ -125,60 +101,87 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
         step_size, inv_sqrt_bias_correction2, eps = scalars[4], scalars[5], scalars[6]
         weight_decay, decay = scalars[7], scalars[8]
-        inv_grad_scale, sign = scalars[9], scalars[10]
+        scale = scalars[9] * scalars[10]  # inv_grad_scale * sign (see the module docstring)
         key_w, key_m, key_v, key_max = keys[0], keys[1], keys[2], keys[3]
-        swallowed, m_underflow, v_underflow = 0, 0, 0
-        first = 0
-        # (uint32 words need 4-byte aligned addresses; otherwise the general loop)
-        if paired and ((row[0] | row[1] | row[3] | row[4]) & 3) == 0:
-            param_words = pointer_to(row[0], np.uint32)
-            grad_words = pointer_to(row[1], np.uint32)
-            exp_avg_words = pointer_to(row[3], np.uint32)
-            exp_avg_sq_words = pointer_to(row[4], np.uint32)
-            for j in range(n >> 1):
-                g0, g1 = _bf16_pair_bits(grad_words[j])
-                w0, w1 = _bf16_pair_bits(param_words[j])
-                m0, m1 = _bf16_pair_bits(exp_avg_words[j])
-                v0, v1 = _bf16_pair_bits(exp_avg_sq_words[j])
-                w0, m0, v0 = _adamw_pair_element(g0, w0, m0, v0, beta1, beta2, one_minus_beta1,
-                                           one_minus_beta2, step_size, inv_sqrt_bias_correction2,
-                                           eps, decay, inv_grad_scale, sign)
-                w1, m1, v1 = _adamw_pair_element(g1, w1, m1, v1, beta1, beta2, one_minus_beta1,
-                                           one_minus_beta2, step_size, inv_sqrt_bias_correction2,
-                                           eps, decay, inv_grad_scale, sign)
-                exp_avg_words[j] = _bf16_pair_word(m0, m1)
-                exp_avg_sq_words[j] = _bf16_pair_word(v0, v1)
-                param_words[j] = _bf16_pair_word(w0, w1)
-            first = n - (n & 1)
-        for i in range(first, n):
-            element = start + i
-            g = load(grad, i) * inv_grad_scale
-            g = g * sign
-            w0 = load_weights(weights, param, companion, i)
+
+        def update(g, p, c, m, v, x, element):
+            """Stored elements of grad, param, companion, moments, max in; the elements to
+            store and the telemetry flags (swallowed, exp_avg / exp_avg_sq underflow) out."""
+            g = decode(g) * scale
+            w0 = master_value(weights, p, c)
             w = w0
             if l2:
                 t = w * weight_decay
                 g = g + t
             w = w * decay
-            m, v = _adam_moments(g, load(exp_avg, i), load(exp_avg_sq, i), beta1, beta2,
-                                 one_minus_beta1, one_minus_beta2)
+            m, v = _adam_moments(g, decode(m), decode(v), beta1, beta2, one_minus_beta1, one_minus_beta2)
             if amsgrad:
-                v_max = load(max_exp_avg_sq, i)
+                v_max = decode(x)
                 # a if (a > b or a is NaN) else b, a = the stored maximum
                 v_hat = v_max if (v_max > v or v_max != v_max) else v
+                x = encode_moment(moments, exp_avg_sq_format, v_hat, key_max, element)[0]
             else:
                 v_hat = v
             u = _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps)
             w = w - u
-            stored_m = store_moment(moments, exp_avg, i, m, key_m, element)
-            stored_v = store_moment(moments, exp_avg_sq, i, v, key_v, element)
+            m_stored, m_value = encode_moment(moments, exp_avg_format, m, key_m, element)
+            v_stored, v_value = encode_moment(moments, exp_avg_sq_format, v, key_v, element)
+            p, c, same = encode_master(weights, param_format, companion_format, p, c, w0, w, key_w, element)
+            return (p, c, m_stored, v_stored, x, (u != np.float32(0.0)) & same,
+                    (m != np.float32(0.0)) & (m_value == np.float32(0.0)),
+                    (v != np.float32(0.0)) & (v_value == np.float32(0.0)))
+
+        swallowed, m_underflow, v_underflow = 0, 0, 0
+        first = 0
+        # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)
+        if paired and ((row[0] | row[1] | row[2] | row[3] | row[4] | row[5]) & 3) == 0:
+            param_words = pointer_to(row[0], np.uint32)
+            grad_words = pointer_to(row[1], np.uint32)
+            companion_words = pointer_to(row[2], np.uint32)
+            exp_avg_words = pointer_to(row[3], np.uint32)
+            exp_avg_sq_words = pointer_to(row[4], np.uint32)
+            max_words = pointer_to(row[5], np.uint32)
+            for j in range(n >> 1):
+                g = grad_words[j]
+                p = param_words[j] if reads_param else np.uint32(0)
+                c = companion_words[j] if has_companion else np.uint32(0)
+                m = exp_avg_words[j]
+                v = exp_avg_sq_words[j]
+                x = max_words[j] if amsgrad else np.uint32(0)
+                low = update(low_half(g, grad_format), low_half(p, param_format), low_half(c, companion_format),
+                             low_half(m, exp_avg_format), low_half(v, exp_avg_sq_format),
+                             low_half(x, exp_avg_sq_format), element_index(start, 2 * j))
+                high = update(high_half(g, grad_format), high_half(p, param_format),
+                              high_half(c, companion_format), high_half(m, exp_avg_format),
+                              high_half(v, exp_avg_sq_format), high_half(x, exp_avg_sq_format),
+                              element_index(start, 2 * j + 1))
+                param_words[j] = pair_word(low[0], high[0])
+                if has_companion:
+                    companion_words[j] = pair_word(low[1], high[1])
+                exp_avg_words[j] = pair_word(low[2], high[2])
+                exp_avg_sq_words[j] = pair_word(low[3], high[3])
+                if amsgrad:
+                    max_words[j] = pair_word(low[4], high[4])
+                if track:
+                    swallowed += low[5] + high[5]
+                    m_underflow += low[6] + high[6]
+                    v_underflow += low[7] + high[7]
+            first = n - (n & 1)
+        for i in range(first, n):
+            out = update(grad[i], param[i] if reads_param else param_format(0),
+                         companion[i] if has_companion else companion_format(0), exp_avg[i], exp_avg_sq[i],
+                         max_exp_avg_sq[i] if amsgrad else exp_avg_sq_format(0), element_index(start, i))
+            param[i] = out[0]
+            if has_companion:
+                companion[i] = out[1]
+            exp_avg[i] = out[2]
+            exp_avg_sq[i] = out[3]
             if amsgrad:
-                store_moment(moments, max_exp_avg_sq, i, v_hat, key_max, element)
-            same = store_weights(weights, param, companion, i, w0, w, key_w, element)
+                max_exp_avg_sq[i] = out[4]
             if track:
-                swallowed += (u != np.float32(0.0)) & same
-                m_underflow += (m != np.float32(0.0)) & (stored_m == np.float32(0.0))
-                v_underflow += (v != np.float32(0.0)) & (stored_v == np.float32(0.0))
+                swallowed += out[5]
+                m_underflow += out[6]
+                v_underflow += out[7]
         if track:
             counts[0] = swallowed
             counts[1] = m_underflow

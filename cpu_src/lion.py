@@ -1,4 +1,5 @@
-"""Numba chunk functions for Lion (Chen et al. 2023), same conventions as ``adam.py``."""
+"""Numba chunk functions for Lion (Chen et al. 2023), same conventions as ``adam.py`` (the
+update of one element, run by the element loop or the paired loop)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import functools
 import numpy as np
 from numba import cfunc
 
+from .adam import SIXTEEN_BITS
 from .chunks import CHUNK_SIGNATURE
-from .storage import (MOMENT_ROUNDINGS, WEIGHT_POLICIES, load, load_weights, pointer_to,
-                      store_moment, store_weights)
+from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
+                      encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
 
 __all__ = ["chunk_function"]
 
@@ -26,6 +28,9 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool):
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments, track = str(weights), str(moments), bool(track)
+    reads_param, has_companion = WEIGHT_ARRAYS[weights]
+    present = (param_format, grad_format, exp_avg_format) + ((companion_format,) if has_companion else ())
+    paired = all(f in SIXTEEN_BITS for f in present)
 
     @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
     def chunk(row, scalars, keys, counts):
@@ -36,16 +41,17 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool):
         n, start = row[4], row[5]
         beta1, beta2 = scalars[0], scalars[1]
         one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
-        lr, decay, inv_grad_scale, sign = scalars[4], scalars[5], scalars[6], scalars[7]
+        lr, decay = scalars[4], scalars[5]
+        scale = scalars[6] * scalars[7]  # inv_grad_scale * sign (see adam.py's module docstring)
         key_w, key_m = keys[0], keys[1]
-        swallowed, m_underflow = 0, 0
-        for i in range(n):
-            element = start + i
-            g = load(grad, i) * inv_grad_scale
-            g = g * sign
-            w0 = load_weights(weights, param, companion, i)
+
+        def update(g, p, comp, m_old, element):
+            """Stored elements of grad, param, companion, exp_avg in; the elements to store
+            and the telemetry flags (swallowed, exp_avg underflow) out."""
+            g = decode(g) * scale
+            w0 = master_value(weights, p, comp)
             w = w0 * decay
-            m_old = load(exp_avg, i)
+            m_old = decode(m_old)
             c = m_old * beta1
             t = g * one_minus_beta1
             c = c + t
@@ -58,11 +64,48 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool):
             m = m_old * beta2
             t = g * one_minus_beta2
             m = m + t
-            stored_m = store_moment(moments, exp_avg, i, m, key_m, element)
-            same = store_weights(weights, param, companion, i, w0, w, key_w, element)
+            m_stored, m_value = encode_moment(moments, exp_avg_format, m, key_m, element)
+            p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w, key_w, element)
+            return (p, comp, m_stored, (u != np.float32(0.0)) & same,
+                    (m != np.float32(0.0)) & (m_value == np.float32(0.0)))
+
+        swallowed, m_underflow = 0, 0
+        first = 0
+        # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)
+        if paired and ((row[0] | row[1] | row[2] | row[3]) & 3) == 0:
+            param_words = pointer_to(row[0], np.uint32)
+            grad_words = pointer_to(row[1], np.uint32)
+            companion_words = pointer_to(row[2], np.uint32)
+            exp_avg_words = pointer_to(row[3], np.uint32)
+            for j in range(n >> 1):
+                g = grad_words[j]
+                p = param_words[j] if reads_param else np.uint32(0)
+                c = companion_words[j] if has_companion else np.uint32(0)
+                m = exp_avg_words[j]
+                low = update(low_half(g, grad_format), low_half(p, param_format), low_half(c, companion_format),
+                             low_half(m, exp_avg_format), element_index(start, 2 * j))
+                high = update(high_half(g, grad_format), high_half(p, param_format),
+                              high_half(c, companion_format), high_half(m, exp_avg_format),
+                              element_index(start, 2 * j + 1))
+                param_words[j] = pair_word(low[0], high[0])
+                if has_companion:
+                    companion_words[j] = pair_word(low[1], high[1])
+                exp_avg_words[j] = pair_word(low[2], high[2])
+                if track:
+                    swallowed += low[3] + high[3]
+                    m_underflow += low[4] + high[4]
+            first = n - (n & 1)
+        for i in range(first, n):
+            out = update(grad[i], param[i] if reads_param else param_format(0),
+                         companion[i] if has_companion else companion_format(0), exp_avg[i],
+                         element_index(start, i))
+            param[i] = out[0]
+            if has_companion:
+                companion[i] = out[1]
+            exp_avg[i] = out[2]
             if track:
-                swallowed += (u != np.float32(0.0)) & same
-                m_underflow += (m != np.float32(0.0)) & (stored_m == np.float32(0.0))
+                swallowed += out[3]
+                m_underflow += out[4]
         if track:
             counts[0] = swallowed
             counts[1] = m_underflow

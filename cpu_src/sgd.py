@@ -1,5 +1,6 @@
 """Numba chunk functions for SGD with momentum (torch.optim.SGD's math), same conventions
-as ``adam.py``; the operation order is ``bf16opt/backends/reference.py``'s ``sgd``."""
+as ``adam.py`` (the update of one element, run by the element loop or the paired loop); the
+operation order is ``bf16opt/backends/reference.py``'s ``sgd``."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import functools
 import numpy as np
 from numba import cfunc
 
+from .adam import SIXTEEN_BITS
 from .chunks import CHUNK_SIGNATURE
-from .storage import (MOMENT_ROUNDINGS, WEIGHT_POLICIES, load, load_weights, pointer_to,
-                      store_moment, store_weights)
+from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
+                      encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
 
 __all__ = ["chunk_function"]
 
@@ -30,6 +32,11 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments, track = str(weights), str(moments), bool(track)
     momentum, l2, nesterov, first = bool(momentum), bool(l2), bool(nesterov), bool(first)
+    reads_buffer = momentum and not first
+    reads_param, has_companion = WEIGHT_ARRAYS[weights]
+    present = (param_format, grad_format) + ((companion_format,) if has_companion else ()) + \
+        ((buffer_format,) if momentum else ())
+    paired = all(f in SIXTEEN_BITS for f in present)
 
     @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
     def chunk(row, scalars, keys, counts):
@@ -40,38 +47,77 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         n, start = row[4], row[5]
         momentum_factor, one_minus_dampening = scalars[0], scalars[1]
         lr, weight_decay = scalars[2], scalars[3]
-        inv_grad_scale, sign = scalars[4], scalars[5]
+        scale = scalars[4] * scalars[5]  # inv_grad_scale * sign (see adam.py's module docstring)
         key_w, key_b = keys[0], keys[1]
-        swallowed, b_underflow = 0, 0
-        for i in range(n):
-            element = start + i
-            g = load(grad, i) * inv_grad_scale
-            g = g * sign
-            w0 = load_weights(weights, param, companion, i)
+
+        def update(g, p, comp, b, element):
+            """Stored elements of grad, param, companion, momentum buffer in; the elements to
+            store and the telemetry flags (swallowed, buffer underflow) out."""
+            g = decode(g) * scale
+            w0 = master_value(weights, p, comp)
             w = w0
             if l2:
                 t = w * weight_decay
                 g = g + t
+            b_underflow = False
             if momentum:
                 if first:
-                    b = g
+                    b_new = g
                 else:
-                    b = load(momentum_buffer, i) * momentum_factor
+                    b_new = decode(b) * momentum_factor
                     t = g * one_minus_dampening
-                    b = b + t
+                    b_new = b_new + t
                 if nesterov:
-                    t = b * momentum_factor
+                    t = b_new * momentum_factor
                     g = g + t
                 else:
-                    g = b
-                stored_b = store_moment(moments, momentum_buffer, i, b, key_b, element)
-                if track:
-                    b_underflow += (b != np.float32(0.0)) & (stored_b == np.float32(0.0))
+                    g = b_new
+                b, b_value = encode_moment(moments, buffer_format, b_new, key_b, element)
+                b_underflow = (b_new != np.float32(0.0)) & (b_value == np.float32(0.0))
             u = g * lr
             w = w - u
-            same = store_weights(weights, param, companion, i, w0, w, key_w, element)
+            p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w, key_w, element)
+            return p, comp, b, (u != np.float32(0.0)) & same, b_underflow
+
+        swallowed, b_underflow = 0, 0
+        first_element = 0
+        # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)
+        if paired and ((row[0] | row[1] | row[2] | row[3]) & 3) == 0:
+            param_words = pointer_to(row[0], np.uint32)
+            grad_words = pointer_to(row[1], np.uint32)
+            companion_words = pointer_to(row[2], np.uint32)
+            buffer_words = pointer_to(row[3], np.uint32)
+            for j in range(n >> 1):
+                g = grad_words[j]
+                p = param_words[j] if reads_param else np.uint32(0)
+                c = companion_words[j] if has_companion else np.uint32(0)
+                b = buffer_words[j] if reads_buffer else np.uint32(0)
+                low = update(low_half(g, grad_format), low_half(p, param_format), low_half(c, companion_format),
+                             low_half(b, buffer_format), element_index(start, 2 * j))
+                high = update(high_half(g, grad_format), high_half(p, param_format),
+                              high_half(c, companion_format), high_half(b, buffer_format),
+                              element_index(start, 2 * j + 1))
+                param_words[j] = pair_word(low[0], high[0])
+                if has_companion:
+                    companion_words[j] = pair_word(low[1], high[1])
+                if momentum:
+                    buffer_words[j] = pair_word(low[2], high[2])
+                if track:
+                    swallowed += low[3] + high[3]
+                    b_underflow += low[4] + high[4]
+            first_element = n - (n & 1)
+        for i in range(first_element, n):
+            out = update(grad[i], param[i] if reads_param else param_format(0),
+                         companion[i] if has_companion else companion_format(0),
+                         momentum_buffer[i] if reads_buffer else buffer_format(0), element_index(start, i))
+            param[i] = out[0]
+            if has_companion:
+                companion[i] = out[1]
+            if momentum:
+                momentum_buffer[i] = out[2]
             if track:
-                swallowed += (u != np.float32(0.0)) & same
+                swallowed += out[3]
+                b_underflow += out[4]
         if track:
             counts[0] = swallowed
             counts[1] = b_underflow

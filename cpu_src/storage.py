@@ -20,11 +20,12 @@ bfloat16   int16         int16
 float16    uint16        uint16
 =========  ============  ==========================
 
-``load(array, index)`` and ``store(array, index, value)`` pick their codec from the
-array's element type at compile time (``numba.extending.overload``), so a kernel is
-written once and every combination of storage types is a separate compiled
-specialisation without a run-time branch.  A new format is an addition here: a new view
-type (or a new rounding function) plus one line in ``_DECODERS`` / ``_ENCODERS``.
+``load(array, index)`` and ``store(array, index, value)``, and their forms on one element,
+``decode(element)`` and ``encode_for(fmt, value)``, pick their codec from the element type
+at compile time (``numba.extending.overload``), so a kernel is written once and every
+combination of storage types is a separate compiled specialisation without a run-time
+branch.  A new format is an addition here: a new view type (or a new rounding function)
+plus one line in ``_DECODERS`` / ``_ENCODERS``.
 
 Also here, as additions the kernels pick at compile time (section "storage policies"):
 
@@ -34,7 +35,9 @@ Also here, as additions the kernels pick at compile time (section "storage polic
   ``split_remainder``, ``join_remainder``);
 * how the master is held (``WEIGHT_POLICIES``: float32 copy, the param itself with
   nearest or stochastic rounding, Kahan, remainder) and how moments are rounded
-  (``MOMENT_ROUNDINGS``); the store functions also return what telemetry needs.
+  (``MOMENT_ROUNDINGS``), on stored elements, so one update serves the loop over array
+  elements and the paired loop over the 32-bit words of 16-bit arrays (``low_half``,
+  ``high_half``, ``pair_word``); the encode functions also return what telemetry needs.
 
 Everything is written without data-dependent branches (selects only), so LLVM can
 vectorise the conversions.
@@ -50,11 +53,12 @@ from numba.extending import intrinsic, overload
 __all__ = [
     "CANONICAL_NAN_F32", "CANONICAL_NAN_BF16", "CANONICAL_NAN_F16",
     "f32_to_bits", "bits_to_f32",
-    "decode_bf16", "decode_f16", "encode_f32", "encode_bf16", "encode_f16",
-    "load", "store", "pointer_to", "encode_for", "decode_for", "same_bits",
-    "random_bits", "encode_bf16_stochastic", "encode_f16_stochastic", "encode_stochastic_for",
+    "decode_bf16", "decode_f16", "encode_f32", "bf16_rounding_bits", "encode_bf16", "encode_f16",
+    "load", "store", "pointer_to", "encode_for", "decode", "round_for", "same_bits",
+    "low_half", "high_half", "pair_word",
+    "element_index", "random_bits", "encode_bf16_stochastic", "encode_f16_stochastic", "encode_stochastic_for",
     "join_remainder", "split_param", "split_remainder",
-    "WEIGHT_POLICIES", "MOMENT_ROUNDINGS", "load_weights", "store_weights", "store_moment",
+    "WEIGHT_POLICIES", "MOMENT_ROUNDINGS", "WEIGHT_ARRAYS", "master_value", "encode_master", "encode_moment",
 ]
 
 CANONICAL_NAN_F32 = 0x7FC00000
@@ -131,13 +135,20 @@ def encode_f32(x):
 
 
 @njit
+def bf16_rounding_bits(x):
+    """float32 bits of ``x`` (NaN: the canonical one) plus the round-to-nearest-even bias: the
+    upper half is ``encode_bf16(x)``; with the lower half cleared, the bits of its decoding.
+
+    NaN is replaced before rounding, on the 32-bit lanes of the float (the canonical NaN
+    rounds to the canonical bfloat16 NaN); the sum never carries out of 32 bits."""
+    bits = f32_to_bits(x if x == x else bits_to_f32(CANONICAL_NAN_F32))
+    return np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+
+
+@njit
 def encode_bf16(x):
     """bfloat16 bits (int16) of float32 ``x``: round to nearest even, canonical NaN."""
-    bits = f32_to_bits(x)
-    lsb = (bits >> np.uint32(16)) & np.uint32(1)
-    rounded = (bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)
-    result = rounded if x == x else np.uint32(CANONICAL_NAN_BF16)
-    return np.int16(np.uint16(result))
+    return np.int16(np.uint16(bf16_rounding_bits(x) >> np.uint32(16)))
 
 
 @njit
@@ -173,10 +184,11 @@ _ENCODERS = {types.float32: encode_f32, types.int16: encode_bf16, types.uint16: 
 
 
 def _element_type(array):
-    if isinstance(array, types.CPointer):
+    """The element type naming the format: of an array or pointer, or a format class (np.int16...)."""
+    if isinstance(array, (types.CPointer, types.Array)):
         return array.dtype
-    if isinstance(array, types.Array):
-        return array.dtype
+    if isinstance(array, (types.NumberClass, types.TypeRef)):
+        return array.instance_type
     return None
 
 
@@ -235,17 +247,23 @@ def pointer_to(typingctx, address, element):
     return pointer(address, element), codegen
 
 
-# ---------------------------------------------------------------- encode / decode by format
-# Value-level forms of load/store: ``encode_for(array, x)`` is the element ``store`` would
-# write, ``decode_for(array, bits)`` the float32 ``load`` would read.  Used where a kernel
-# needs the stored bits themselves (Kahan, telemetry).
+# ---------------------------------------------------------------- encode / decode of one element
+# Value-level forms of load/store, for the storage policies below: ``encode_for(fmt, x)`` is
+# the element ``store`` would write into an array of format ``fmt`` (an array, or the
+# format's element class, np.int16...), ``decode(element)`` the float32 ``load`` would read
+# (the element's type names its format).
 def encode_for(array, value):
     """Element of ``array``'s format encoding float32 ``value`` (round to nearest even)."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
-def decode_for(array, element):
-    """float32 value of one stored element of ``array``'s format."""
+def decode(element):
+    """float32 value of one stored element (its type names the format)."""
+    raise NotImplementedError("only callable from Numba-compiled code")
+
+
+def round_for(array, value):
+    """``(encode_for(array, value), decode(that))``: the stored element and its value."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
@@ -263,15 +281,34 @@ def _encode_for_impl(array, value):
     return lambda array, value: encoder(value)
 
 
-@overload(decode_for)
-def _decode_for_impl(array, element):
-    kind = _element_type(array)
-    if kind not in _DECODERS:
+@overload(decode)
+def _decode_impl(element):
+    if element not in _DECODERS:
         return None
-    decoder = _DECODERS[kind]
+    decoder = _DECODERS[element]
     if decoder is None:
-        return lambda array, element: element
-    return lambda array, element: decoder(element)
+        return lambda element: element
+    return lambda element: decoder(element)
+
+
+@overload(round_for)
+def _round_for_impl(array, value):
+    element = _element_type(array)
+    if element not in _ENCODERS or value != types.float32:
+        return None
+    if element == types.int16:  # bfloat16: both from the rounding bits, no decode of the 16 bits
+        def impl(array, value):
+            rounded = bf16_rounding_bits(value)
+            return np.int16(np.uint16(rounded >> np.uint32(16))), bits_to_f32(rounded & np.uint32(0xFFFF0000))
+
+        return impl
+    encoder = _ENCODERS[element]
+
+    def impl(array, value):
+        encoded = encoder(value)
+        return encoded, decode(encoded)
+
+    return impl
 
 
 @overload(same_bits)
@@ -281,6 +318,28 @@ def _same_bits_impl(a, b):
     if isinstance(a, types.Integer) and a == b:
         return lambda a, b: a == b
     return None
+
+
+# ---------------------------------------------------------------- two 16-bit elements in a 32-bit word
+# The paired loops of the kernels read two elements of a 16-bit array as one uint32 word
+# (element 2j in the low half: little-endian) and write them back the same way.  On the word,
+# LLVM turns decoding into one shift or mask and encoding into one merge per pair.
+@njit
+def low_half(word, element):
+    """The element (class ``element``: np.int16, np.uint16) in the low half of ``word``."""
+    return element(np.uint16(word & np.uint32(0xFFFF)))
+
+
+@njit
+def high_half(word, element):
+    """The element (class ``element``) in the high half of ``word``."""
+    return element(np.uint16(word >> np.uint32(16)))
+
+
+@njit
+def pair_word(low, high):
+    """uint32 word holding the 16-bit elements ``low`` (low half) and ``high``."""
+    return np.uint32(np.uint32(np.uint16(low)) | (np.uint32(np.uint16(high)) << np.uint32(16)))
 
 
 # ---------------------------------------------------------------- stochastic rounding
@@ -315,6 +374,20 @@ def _random_bits_i32(typingctx, key, element):
     return types.uint32(key, element), codegen
 
 
+@intrinsic
+def element_index(typingctx, start, i):
+    """``start + i`` modulo 2**32 (the hash's element counter), added in 32 bits so the
+    vectorised loop counts elements in 32-bit lanes rather than 64-bit ones."""
+    if not isinstance(start, types.Integer) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        return builder.add(builder.trunc(args[0], i32), builder.trunc(args[1], i32))
+
+    return types.uint32(start, i), codegen
+
+
 @njit
 def random_bits(key, element):
     """32 random bits of element ``element`` (row-major index in its tensor) of stream ``key``:
@@ -326,12 +399,10 @@ def random_bits(key, element):
 def encode_bf16_stochastic(x, r):
     """bfloat16 bits (int16) of ``x`` rounded up in magnitude with probability equal to
     the dropped fraction (``r``: 32 random bits); inf kept, NaN canonical."""
-    bits = f32_to_bits(x)
-    rounded = np.uint32(bits + (np.uint32(r) >> np.uint32(16))) >> np.uint32(16)
-    finite = (bits & np.uint32(0x7FFFFFFF)) != np.uint32(0x7F800000)
-    result = rounded if finite else bits >> np.uint32(16)
-    result = result if x == x else np.uint32(CANONICAL_NAN_BF16)
-    return np.int16(np.uint16(result))
+    # inf stays inf: its low 16 bits are 0, so adding fewer than 2**16 never carries out;
+    # NaN first becomes the canonical NaN, which keeps its upper half the same way
+    bits = f32_to_bits(x if x == x else bits_to_f32(CANONICAL_NAN_F32))
+    return np.int16(np.uint16(np.uint32(bits + (np.uint32(r) >> np.uint32(16))) >> np.uint32(16)))
 
 
 @njit
@@ -386,8 +457,10 @@ def _encode_stochastic_for_impl(array, value, random):
 def join_remainder(param_bits, remainder):
     """float32 master held by bfloat16 bits ``param_bits`` and int16 ``remainder``."""
     low = np.uint32(np.uint16(remainder))
-    upper = (np.uint32(np.uint16(param_bits)) - (low >> np.uint32(15))) & np.uint32(0xFFFF)
-    return bits_to_f32((upper << np.uint32(16)) | low)
+    # ((param - (low >> 15)) & 0xFFFF) << 16 | low, as one 32-bit subtraction (wrapping like
+    # the 16-bit one), so the paired loop's words need no narrowing to 16-bit lanes
+    joined = (np.uint32(np.uint16(param_bits)) << np.uint32(16)) | low
+    return bits_to_f32(np.uint32(joined - ((low & np.uint32(0x8000)) << np.uint32(1))))
 
 
 @njit
@@ -404,130 +477,125 @@ def split_remainder(master):
 
 
 # ---------------------------------------------------------------- storage policies of the kernels
-# A kernel is written once against two small interfaces, and each configuration picks its
-# implementations at compile time (closure constants of the chunk-function factories):
+# A kernel is written once, as the update of one element from its stored elements to the
+# elements to store, against two small interfaces; each configuration picks the
+# implementations at compile time (closure constants of the chunk-function factories).  The
+# policies take and return stored *elements* (a float32, or the 16-bit integer of a
+# bfloat16, float16 or int16 remainder), not arrays, so one update serves the loop over
+# array elements and the paired loop over the 32-bit words of 16-bit arrays.  ``fmt``
+# arguments are element classes (np.float32, np.int16, np.uint16): the formats to encode to.
 #
-# * moments: ``store_moment(array, i, value, key, element) -> float32`` writes the encoding
-#   of ``value`` and returns the stored value decoded (telemetry's underflow test);
+# * moments: ``encode_moment(rounding, fmt, value, key, element) -> (encoded, stored)``:
+#   the element storing ``value`` and its decoded value (telemetry's underflow test);
 #   ``key``/``element`` name the random stream and the element for stochastic rounding.
-# * weights: ``load_weights(param, companion, i) -> w0`` reads the master value;
-#   ``store_weights(param, companion, i, w0, w, key, element) -> bool`` stores the
-#   updated master ``w`` and returns True when the bits that hold the master did not
-#   change (telemetry's swallowed-update test).  ``companion`` is the master policy's
-#   array: the float32 copy, the Kahan compensation or the int16 remainder (unused by
-#   "param").  Policy names are ``KernelConfig.weights`` (bf16opt/algorithms.py).
+# * weights: ``master_value(policy, param, companion) -> w0`` reads the master value from
+#   the stored param and companion elements; ``encode_master(policy, param_fmt,
+#   companion_fmt, param, companion, w0, w, key, element) -> (param, companion, same)`` gives
+#   the elements storing the updated master ``w`` and True when the bits that hold the
+#   master did not change (telemetry's swallowed-update test).  ``companion`` is the master
+#   policy's element: of the float32 copy, the Kahan compensation or the int16 remainder.
+#   ``WEIGHT_ARRAYS`` says which of the two arrays a policy reads (the elements it does not
+#   read are passed as zeros of their format, and what it returns for them is not stored).
+#   Policy names are ``KernelConfig.weights`` (bf16opt/algorithms.py).
 #
-# Results that a configuration does not use (random bits, the returned flags when
-# telemetry is off) are dead code that LLVM removes.
+# Results that a configuration does not use (random bits, the flags when telemetry is off)
+# are dead code that LLVM removes.
 @njit
-def store_moment_nearest(array, i, value, key, element):
-    encoded = encode_for(array, value)
-    array[i] = encoded
-    return decode_for(array, encoded)
+def encode_moment_nearest(fmt, value, key, element):
+    return round_for(fmt, value)
 
 
 @njit
-def store_moment_stochastic(array, i, value, key, element):
-    encoded = encode_stochastic_for(array, value, random_bits(key, element))
-    array[i] = encoded
-    return decode_for(array, encoded)
+def encode_moment_stochastic(fmt, value, key, element):
+    encoded = encode_stochastic_for(fmt, value, random_bits(key, element))
+    return encoded, decode(encoded)
 
 
 @njit
-def load_weights_copy(param, companion, i):
-    return load(companion, i)
+def master_value_copy(param, companion):
+    return decode(companion)
 
 
 @njit
-def load_weights_param(param, companion, i):
-    return load(param, i)
+def master_value_param(param, companion):
+    return decode(param)
 
 
 @njit
-def load_weights_remainder(param, companion, i):
-    return join_remainder(param[i], companion[i])
+def master_value_remainder(param, companion):
+    return join_remainder(param, companion)
 
 
 @njit
-def store_weights_copy(param, companion, i, w0, w, key, element):
+def encode_master_copy(param_fmt, companion_fmt, param, companion, w0, w, key, element):
     """float32 master copy, param = its round to nearest even."""
-    encoded = encode_for(companion, w)
-    same = same_bits(companion[i], encoded)
-    companion[i] = encoded
-    param[i] = encode_for(param, w)
-    return same
+    encoded = encode_for(companion_fmt, w)
+    return encode_for(param_fmt, w), encoded, same_bits(companion, encoded)
 
 
 @njit
-def store_weights_param(param, companion, i, w0, w, key, element):
+def encode_master_param(param_fmt, companion_fmt, param, companion, w0, w, key, element):
     """The param is the master: round to nearest even."""
-    encoded = encode_for(param, w)
-    same = same_bits(param[i], encoded)
-    param[i] = encoded
-    return same
+    encoded = encode_for(param_fmt, w)
+    return encoded, companion, same_bits(param, encoded)
 
 
 @njit
-def store_weights_stochastic(param, companion, i, w0, w, key, element):
+def encode_master_stochastic(param_fmt, companion_fmt, param, companion, w0, w, key, element):
     """The param is the master: stochastic rounding (stream WEIGHTS)."""
-    encoded = encode_stochastic_for(param, w, random_bits(key, element))
-    same = same_bits(param[i], encoded)
-    param[i] = encoded
-    return same
+    encoded = encode_stochastic_for(param_fmt, w, random_bits(key, element))
+    return encoded, companion, same_bits(param, encoded)
 
 
 @njit
-def store_weights_kahan(param, companion, i, w0, w, key, element):
+def encode_master_kahan(param_fmt, companion_fmt, param, companion, w0, w, key, element):
     """16-bit master with Kahan compensation ``companion`` (reference.py's formula)."""
     y = w - w0
-    y = y + load(companion, i)
+    y = y + decode(companion)
     s = w0 + y
-    encoded = encode_for(param, s)
-    same = same_bits(param[i], encoded)
-    param[i] = encoded
-    t = decode_for(param, encoded) - w0
-    store(companion, i, y - t)
-    return same
+    encoded, stored = round_for(param_fmt, s)
+    t = stored - w0
+    return encoded, encode_for(companion_fmt, y - t), same_bits(param, encoded)
 
 
 @njit
-def store_weights_remainder(param, companion, i, w0, w, key, element):
+def encode_master_remainder(param_fmt, companion_fmt, param, companion, w0, w, key, element):
     """Exact float32 master as bfloat16 param + int16 remainder ``companion``."""
     high = split_param(w)
     low = split_remainder(w)
-    same = (param[i] == high) & (companion[i] == low)
-    param[i] = high
-    companion[i] = low
-    return same
+    return high, low, (param == high) & (companion == low)
 
 
-#: weights policy name -> (load_weights, store_weights); moment rounding -> store_moment.
-#: A new way to hold the master or to round is one entry here.
+#: weights policy name -> (master_value, encode_master); moment rounding -> encode_moment.
+#: A new way to hold the master or to round is one entry here (and one in WEIGHT_ARRAYS).
 WEIGHT_POLICIES = {
-    "copy": (load_weights_copy, store_weights_copy),
-    "param": (load_weights_param, store_weights_param),
-    "param-stochastic": (load_weights_param, store_weights_stochastic),
-    "kahan": (load_weights_param, store_weights_kahan),
-    "remainder": (load_weights_remainder, store_weights_remainder),
+    "copy": (master_value_copy, encode_master_copy),
+    "param": (master_value_param, encode_master_param),
+    "param-stochastic": (master_value_param, encode_master_stochastic),
+    "kahan": (master_value_param, encode_master_kahan),
+    "remainder": (master_value_remainder, encode_master_remainder),
 }
-MOMENT_ROUNDINGS = {"nearest": store_moment_nearest, "stochastic": store_moment_stochastic}
+MOMENT_ROUNDINGS = {"nearest": encode_moment_nearest, "stochastic": encode_moment_stochastic}
+#: weights policy name -> (reads the param, has a companion array)
+WEIGHT_ARRAYS = {"copy": (False, True), "param": (True, False), "param-stochastic": (True, False),
+                 "kahan": (True, True), "remainder": (True, True)}
 
 
 # The kernels name their policies with string constants (closure variables, which Numba
 # types as string literals): the implementation is picked at compile time, and the
 # on-disk cache key (which includes closure values) stays the same across processes.
-def load_weights(policy, param, companion, i):
-    """Master value of element ``i`` under ``policy`` (a key of WEIGHT_POLICIES)."""
+def master_value(policy, param, companion):
+    """Master value from the stored elements under ``policy`` (a key of WEIGHT_POLICIES)."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
-def store_weights(policy, param, companion, i, w0, w, key, element):
-    """Store the updated master ``w`` under ``policy``; True when its bits did not change."""
+def encode_master(policy, param_fmt, companion_fmt, param, companion, w0, w, key, element):
+    """(param, companion, unchanged) elements storing the updated master ``w`` under ``policy``."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
-def store_moment(rounding, array, i, value, key, element):
-    """Store a moment with ``rounding`` (a key of MOMENT_ROUNDINGS); the stored value back."""
+def encode_moment(rounding, fmt, value, key, element):
+    """(element, its value) storing a moment with ``rounding`` (a key of MOMENT_ROUNDINGS)."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
@@ -537,31 +605,31 @@ def _literal(policy, table):
     return None
 
 
-@overload(load_weights)
-def _load_weights_impl(policy, param, companion, i):
+@overload(master_value)
+def _master_value_impl(policy, param, companion):
     chosen = _literal(policy, WEIGHT_POLICIES)
     if chosen is None:
         return None
-    load_impl = chosen[0]
-    return lambda policy, param, companion, i: load_impl(param, companion, i)
+    value_impl = chosen[0]
+    return lambda policy, param, companion: value_impl(param, companion)
 
 
-@overload(store_weights)
-def _store_weights_impl(policy, param, companion, i, w0, w, key, element):
+@overload(encode_master)
+def _encode_master_impl(policy, param_fmt, companion_fmt, param, companion, w0, w, key, element):
     chosen = _literal(policy, WEIGHT_POLICIES)
     if chosen is None:
         return None
-    store_impl = chosen[1]
+    encode_impl = chosen[1]
 
-    def impl(policy, param, companion, i, w0, w, key, element):
-        return store_impl(param, companion, i, w0, w, key, element)
+    def impl(policy, param_fmt, companion_fmt, param, companion, w0, w, key, element):
+        return encode_impl(param_fmt, companion_fmt, param, companion, w0, w, key, element)
 
     return impl
 
 
-@overload(store_moment)
-def _store_moment_impl(rounding, array, i, value, key, element):
-    store_impl = _literal(rounding, MOMENT_ROUNDINGS)
-    if store_impl is None:
+@overload(encode_moment)
+def _encode_moment_impl(rounding, fmt, value, key, element):
+    encode_impl = _literal(rounding, MOMENT_ROUNDINGS)
+    if encode_impl is None:
         return None
-    return lambda rounding, array, i, value, key, element: store_impl(array, i, value, key, element)
+    return lambda rounding, fmt, value, key, element: encode_impl(fmt, value, key, element)

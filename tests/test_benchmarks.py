@@ -1,4 +1,4 @@
-"""The CPU benchmark runs and prints a full table on a tiny size, so it does not rot.
+"""The CPU benchmarks run and print their tables on a tiny size, so they do not rot.
 
 (Figures at this size mean nothing; the benchmark is run by hand at 2^25 params.)
 """
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import platform
 import re
+import shutil
 import subprocess
 import sys
 
@@ -47,13 +49,30 @@ def test_compute_limit_kernel_does_the_work(preset):
     finally:
         sys.path.remove(str(BENCHMARKS))
     storage = compute_limit.PRESET_STORAGE[preset]
-    g, p, w, m, v = compute_limit.arrays(1, 64, storage)
-    before = [a.copy() for a in (p, w, m, v)]
-    compute_limit.kernel("adam", storage)(g, p, w, m, v, 1)
-    for name, old, new in zip("pwmv", before, (p, w, m, v)):
+    operands = compute_limit.arrays(1, 64, "adam", storage)
+    before = [a.copy() for a in (operands.p, operands.w, operands.m, operands.v)]
+    compute_limit.runner("adam", storage, operands, 1)()
+    for name, old, new in zip("pwmv", before, (operands.p, operands.w, operands.m, operands.v)):
         if name == "w" and not (storage.kahan or storage.master != "param"):
             continue
         assert not np.array_equal(old, new), name
+
+
+def test_offload_benchmark_prints_its_tables():
+    """The offload benchmark on a tiny size: the sweep, one row per preset with every column
+    measured, and the 7B projection (figures at this size mean nothing)."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "offload_step.py"), "--log2-params", "14",
+                             "--tensors", "4", "--repeats", "1", "--chunk", "4096", "--threads", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.strip() == "chosen: 2^12 elements, 1 thread(s)" for line in lines), result.stdout
+    rows = [line for line in lines if line.split(" ", 1)[0] in ("bf16", "bf16-sr", "fp32-remainder-bf16-states")]
+    assert len(rows) == 2 * 3, result.stdout  # the measured table, then the projection
+    for row in rows[:3]:
+        left, right = row.split("|")
+        figures = [float(x) for x in left.split()[1:]] + [float(x) for x in right.split()]
+        assert len(figures) == 12 and all(f > 0 for f in figures), row
 
 
 def test_step_overhead_benchmark_prints_its_table():
@@ -66,3 +85,16 @@ def test_step_overhead_benchmark_prints_its_table():
     for row in rows:
         step, kernel, empty, _, python = map(float, row[-5:])
         assert step > 0 and kernel > 0 and empty > 0 and python >= 0
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None or platform.machine() != "x86_64",
+                    reason="counts instructions with valgrind's callgrind (x86-64 client requests)")
+def test_kernel_instructions_prints_its_table():
+    """One preset's row: instructions per element of bf16opt's kernel and of its limit, counted."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_instructions.py"), "--algorithms", "SGD",
+                             "--presets", "bf16"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("SGD ")]
+    assert len(rows) == 1, result.stdout
+    ours, limit, ratio = re.split(r"\s{2,}", rows[0].strip())[1:4]
+    assert float(ours) > 1 and float(limit) > 1 and ratio.endswith("x")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import os
 import weakref
 
 import pytest
@@ -21,7 +22,7 @@ from torch import nn
 
 import bf16opt
 import bf16opt.backends.numba as numba_backend
-from bf16opt.offload import DEFAULT_CHUNK_ELEMENTS, use_copy_engine
+from bf16opt.offload import DEFAULT_CHUNK_ELEMENTS, fingerprint, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine
 from bf16opt.precision import PRESETS, plan_for
 from snapshots import assert_unchanged, snapshot
@@ -312,6 +313,52 @@ def test_uploads_are_complete_when_step_returns():
     for p, q in zip(ref_model.parameters(), model.parameters()):  # read at once, no synchronize
         assert same(p, q)
     engine.close()
+
+
+@pytest.mark.parametrize("chunk", [3, 4, 40, DEFAULT_CHUNK_ELEMENTS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.complex64])
+def test_recorded_param_fingerprint_is_the_uploaded_params(chunk, dtype):
+    """The pipeline sums the uploaded params' fingerprints from the mirror's pieces where that
+    is the same sum (CPU, aligned, whole words per piece) and takes them from the params
+    otherwise: either way, what it records is exactly the param's fingerprint, for contiguous,
+    transposed, empty and misaligned (odd storage offset) params."""
+    preset = "fp32" if dtype in (torch.float32, torch.complex64) else "bf16"  # the param is its master
+    model, opt = make("AdamW", dtype, "cpu", precision=preset, backend="reference" if dtype.is_complex
+                      else "numba")
+    base = torch.zeros(1 + 4 * 37, dtype=dtype)
+    odd = nn.Parameter(base[1:])  # a view at a storage offset of one element
+    assert odd.data_ptr() % 8 != 0 or dtype.itemsize >= 8
+    opt.add_param_group({"params": [odd]})
+    opt._offloader.chunk_elements = chunk
+    for x in batches(dtype, 2):
+        opt.zero_grad()
+        loss_of(model, x).backward()
+        odd.grad = torch.full_like(odd, 0.5)
+        opt.step()
+        records = opt._offloader._records
+        checked = [param for param in [*model.parameters(), odd] if param in records and param.numel()]
+        assert any(p is odd for p in checked) and len(checked) > 2
+        for param in checked:
+            assert records[param].mirror_print.item() == fingerprint(param).item()
+
+
+def test_grads_copied_by_step_are_copied_again_next_step():
+    """A grad whose copy step() started carries no fingerprint, so an unchanged grad is copied
+    again at the next step (and gives the bits of a run without offload)."""
+    with RecordingEngine() as engine:
+        ref_model, ref_opt, model, opt = run_pair("AdamW", torch.bfloat16, steps=1, clip=None,
+                                                  engine=engine, precision="bf16")
+        for p in [*ref_model.parameters(), *model.parameters()]:
+            if p.grad is not None:
+                p.grad = p.grad.clone()  # set by hand: no hook fires
+        before = len(engine.log)
+        for _ in range(2):  # the same grads twice
+            ref_opt.step()
+            opt.step()
+            assert all(record.grad_print is None for record in opt._offloader._records.values())
+        copies = [entry for entry in engine.log[before:] if entry[0] == "d2h"]
+        assert len(copies) == 2 * sum(p.grad is not None for p in model.parameters())
+        assert_same_run(ref_model, ref_opt, model, opt)
 
 
 # ---------------------------------------------------------------- 3. version re-checks
@@ -772,6 +819,84 @@ def test_load_state_dict_never_overrides_offload(saved_offload, live_offload):
         live.load_state_dict(state_dict)
         assert [g["offload"] for g in live.param_groups] == [live_offload]
         assert [g["precision"].name for g in live.param_groups] == ["bf16-sr"]
+
+
+# ---------------------------------------------------------------- host threads of the update
+
+
+def _threads_seen(monkeypatch):
+    """Numba's thread count at every kernel launch."""
+    numba = pytest.importorskip("numba")
+    seen = []
+    real_prepare = numba_backend.prepare
+
+    def prepare(bucket, scalars):
+        launch = real_prepare(bucket, scalars)
+
+        def spied():
+            seen.append(numba.get_num_threads())
+            launch()
+
+        return spied
+
+    monkeypatch.setattr(numba_backend, "prepare", prepare)
+    return numba, seen
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2, 10 ** 6])
+def test_offload_threads_set_the_host_update_threads_and_are_restored(monkeypatch, threads):
+    """The offloaded update runs with ``offload_threads`` Numba threads (default: every core of
+    the process's affinity; capped at Numba's pool), the caller's count is restored after each
+    step, and the bits do not depend on it."""
+    numba, seen = _threads_seen(monkeypatch)
+    numba.set_num_threads(1)
+    ref_model, ref_opt, model, opt = run_pair("AdamW", torch.bfloat16, steps=2, precision="bf16-sr",
+                                              backend="numba", offload_threads=threads)
+    expected = min(threads or len(os.sched_getaffinity(0)), numba.config.NUMBA_NUM_THREADS)
+    offloaded = seen[len(seen) // 2:]  # the offloaded run comes second
+    assert offloaded and set(offloaded) == {expected}
+    assert set(seen[:len(seen) // 2]) == {1}  # the run without offload: the caller's setting
+    assert numba.get_num_threads() == 1
+    assert_same_run(ref_model, ref_opt, model, opt)
+
+
+def test_offload_threads_per_group(monkeypatch):
+    numba, seen = _threads_seen(monkeypatch)
+    model = Net(torch.bfloat16)
+    opt = bf16opt.AdamW([{"params": [model.w1], "offload_threads": 1}, {"params": [model.w2]}],
+                        backend="numba", offload="cpu", offload_threads=2)
+    loss_of(model, batches(torch.bfloat16, 1)[0]).backward()
+    opt.step()
+    assert seen == [1, min(2, numba.config.NUMBA_NUM_THREADS)]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+def test_default_threads_follow_the_process_affinity(monkeypatch):
+    """A process pinned to one core (taskset, a container's cpuset) updates on one thread."""
+    numba, seen = _threads_seen(monkeypatch)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        model, opt = make("AdamW", torch.bfloat16, "cpu", backend="numba")
+        loss_of(model, batches(torch.bfloat16, 1)[0]).backward()
+        opt.step()
+    finally:
+        os.sched_setaffinity(0, before)
+    assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_offload_threads_are_rejected(bad):
+    model = Net(torch.bfloat16)
+    with pytest.raises(ValueError, match="offload_threads"):
+        bf16opt.AdamW(model.parameters(), offload="cpu", offload_threads=bad)
+    opt = bf16opt.AdamW(model.parameters(), offload="cpu")
+    loss_of(model, batches(torch.bfloat16, 1)[0]).backward()
+    opt.param_groups[0]["offload_threads"] = bad
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="offload_threads"):
+        opt.step()
+    assert_unchanged(opt, before)
 
 
 # ---------------------------------------------------------------- 6. bad input
