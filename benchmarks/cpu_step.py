@@ -21,6 +21,10 @@ medians are reported):
   ``memory`` and the compute ceiling, the faster of ``compute`` and ``in cache`` (where
   bf16opt's own kernel beats the limit kernel, it shows the work can be done that fast; the
   row says so);
+* ``streamed``: the compute-limit kernel once over arrays of the step's size, out of cache:
+  the unavoidable instructions with the step's memory traffic.  The ceiling above assumes
+  memory and compute overlap perfectly; where compute and memory times are close, this says
+  how much of that overlap the plainest kernel doing only the unavoidable work gets here;
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` where torch has the same
   configuration (its states have the param's dtype, so: bf16 params with bf16 states, and
   fp32 params with fp32 states);
@@ -117,6 +121,16 @@ def compute_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str, 
     threads = get_num_threads()
     operands = compute_limit.arrays(threads, block, algorithm, storage)
     return compute_limit.runner(algorithm, storage, operands, max(1, n // (threads * block)))
+
+
+def streamed_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str):
+    """The compute-limit kernel doing ``n`` element updates once over arrays of the step's
+    size (out of cache): the unavoidable instructions together with the step's memory
+    traffic, on this machine, with nothing else in the way."""
+    storage = compute_limit.FP32_PARAMS if dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
+    threads = get_num_threads()
+    block = -(-n // (2 * threads)) * 2  # even: the paired loop takes two elements at a time
+    return compute_limit.runner(algorithm, storage, compute_limit.arrays(threads, block, algorithm, storage), 1)
 
 
 # ---------------------------------------------------------------- contenders
@@ -222,9 +236,10 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
           f"median of {repeats} interleaved repetitions; times in ms.\n"
           f"memory: the memory-limit kernel (same arrays, trivial math); compute: the compute-limit kernel "
           f"in cache (compute_limit.py); in cache: bf16opt's kernel in cache;\n"
-          f"ceiling = the slower of memory and the faster of compute and in cache")
+          f"ceiling = the slower of memory and the faster of compute and in cache;\n"
+          f"streamed: the compute-limit kernel over arrays of the step's size (out of cache)")
     header = (f"{'configuration':36} {'bf16opt':>8} {'memory':>8} {'compute':>8} {'of ceil':>7} "
-              f"{'in cache':>8} {'torch fused':>11} {'DeepSpeed':>9}")
+              f"{'in cache':>8} {'streamed':>8} {'of str':>6} {'torch fused':>11} {'DeepSpeed':>9}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -239,7 +254,8 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             ours, opt = bf16opt_step(mine, preset, algorithm)
             state = opt.state[mine[0]]
             contenders = {"bf16opt": ours, "memory": limit_step(mine[0], mine[0].grad, _state_buffers(state)),
-                          "compute": compute_limit_step(n, family, dtype, preset)}
+                          "compute": compute_limit_step(n, family, dtype, preset),
+                          "streamed": streamed_limit_step(n, family, dtype, preset)}
             contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset, algorithm=algorithm)
             keep = [opt, cache_opt]
             if has_torch:
@@ -253,12 +269,13 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             t = measure(contenders, repeats)
             ceiling = max(t["memory"], min(t["compute"], t["in cache"]))
             row = dict(algorithm=algorithm, configuration=label, preset=preset, ceiling=ceiling,
-                       of_ceiling=ceiling / t["bf16opt"], **t)
+                       of_ceiling=ceiling / t["bf16opt"], of_streamed=t["streamed"] / t["bf16opt"], **t)
             rows.append(row)
             warn = f" (compute limit {100 * (t['compute'] / t['in cache'] - 1):.0f}% slower than bf16opt in " \
                 f"cache: not a limit; in cache taken)" if t["compute"] > t["in cache"] else ""
             print(f"{algorithm + ' ' + label:36} {_ms(t['bf16opt'])} {_ms(t['memory'])} {_ms(t['compute'])} "
-                  f"{100 * row['of_ceiling']:6.0f}% {_ms(t['in cache'])} "
+                  f"{100 * row['of_ceiling']:6.0f}% {_ms(t['in cache'])} {_ms(t['streamed'])} "
+                  f"{100 * row['of_streamed']:5.0f}% "
                   f"{_ms(t.get('torch')):>11} {_ms(t.get('deepspeed')):>9}{warn}", flush=True)
             del contenders, keep, mine, opt, state
             gc.collect()

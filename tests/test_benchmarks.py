@@ -32,11 +32,13 @@ def test_cpu_benchmark_prints_its_table():
     rows = [line for line in result.stdout.splitlines() if line.startswith("AdamW ")]
     assert len(rows) == 3, result.stdout
     for row in rows:
-        # bf16opt, memory limit, compute limit, share of the ceiling, in-cache time: all
-        # measured (in ms to 0.1: tiny times print as 0.0)
-        ours, memory, compute, share, in_cache = re.split(r"\s{2,}", row.strip())[1:6]
+        # bf16opt, memory limit, compute limit, share of the ceiling, in-cache time, the
+        # streamed compute limit and its share: all measured (in ms to 0.1: tiny times print as 0.0)
+        ours, memory, compute, share, in_cache, streamed, of_streamed = re.split(r"\s{2,}", row.strip())[1:8]
         assert float(ours) > 0 and float(memory) >= 0 and float(compute) >= 0 and float(in_cache) >= 0
+        assert float(streamed) >= 0
         assert share.endswith("%") and int(share[:-1]) >= 0
+        assert of_streamed.endswith("%") and int(of_streamed[:-1]) >= 0
 
 
 @pytest.mark.parametrize("preset", ["bf16-sr", "bf16-kahan", "fp32-remainder"])
