@@ -32,6 +32,9 @@ medians are reported):
   bf16 states (``fp32_optimizer_states=False``), bf16 params with fp32 states
   (``fp32_optimizer_states=True``), fp32 params with fp32 states.
 
+``--peers``: only bf16opt against each peer with the same storage, as the median of paired
+per-repetition ratios (the robust figure for "never slower than a peer").
+
 Then the multi-tensor check: the step for a GPT-2-small-shaped param list (~124M params in
 ~150 tensors) against one flat tensor of the same size.
 """
@@ -282,6 +285,51 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
     return rows
 
 
+def peer_table(n: int, repeats: int) -> list:
+    """bf16opt against each peer doing the same storage (AdamW), as the median over
+    repetitions of each repetition's paired ratio (the two steps run back to back, so a
+    drift of memory bandwidth between repetitions cancels); returns the rows."""
+    print(f"\nAdamW step against peers with the same storage, 2^{n.bit_length() - 1} params, {get_num_threads()} "
+          f"Numba threads, {cpu_name()}; {repeats} interleaved repetitions; ms (medians) and the median of "
+          f"the paired ratios bf16opt / peer (below 1: bf16opt faster)")
+    header = f"{'configuration':36} {'peer':24} {'bf16opt':>8} {'peer':>8} {'ratio':>6} {'range':>11}"
+    print(header)
+    print("-" * len(header))
+    pairs = [  # (label, param dtype, preset, peer name, peer step maker)
+        ("bf16 params, bf16", torch.bfloat16, "bf16", "torch AdamW(fused=True)", torch_fused_step),
+        ("bf16 params, bf16", torch.bfloat16, "bf16", "DeepSpeedCPUAdam bf16", lambda p: deepspeed_step(p, False)),
+        ("bf16 params, bf16-master", torch.bfloat16, "bf16-master", "DeepSpeedCPUAdam fp32",
+         lambda p: deepspeed_step(p, True)),
+        ("fp32 params, fp32", torch.float32, "fp32", "torch AdamW(fused=True)", torch_fused_step),
+        ("fp32 params, fp32", torch.float32, "fp32", "DeepSpeedCPUAdam fp32", lambda p: deepspeed_step(p, True)),
+    ]
+    rows = []
+    for label, dtype, preset, peer, make in pairs:
+        mine, theirs = [_param(n, dtype, 0)], [_param(n, dtype, 0)]
+        ours, opt = bf16opt_step(mine, preset)
+        other, peer_opt = make(theirs)
+        if other is None:
+            print(f"{label:36} {peer:24} (not installed or does not build here)")
+            continue
+        times = {"bf16opt": [], "peer": []}
+        ours(), other()
+        for _ in range(repeats):
+            for name, fn in (("bf16opt", ours), ("peer", other)):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        ratios = sorted(a / b for a, b in zip(times["bf16opt"], times["peer"]))
+        row = dict(configuration=label, peer=peer, ratio=statistics.median(ratios),
+                   bf16opt=statistics.median(times["bf16opt"]), peer_time=statistics.median(times["peer"]))
+        rows.append(row)
+        quartiles = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
+        print(f"{label:36} {peer:24} {_ms(row['bf16opt'])} {_ms(row['peer_time'])} {row['ratio']:6.3f} "
+              f"{quartiles:>11}", flush=True)
+        del mine, theirs, opt, peer_opt, ours, other
+        gc.collect()
+    return rows
+
+
 def gpt2_small_shapes() -> list:
     d, vocab, ctx, layers = 768, 50257, 1024, 12
     shapes = [(vocab, d), (ctx, d)]
@@ -322,7 +370,12 @@ def main() -> None:
     parser.add_argument("--presets", help="comma-separated presets to time (default: all)")
     parser.add_argument("--algorithms", default="AdamW,Lion,SGD", help="comma-separated (default: %(default)s)")
     parser.add_argument("--skip-multi-tensor", action="store_true")
+    parser.add_argument("--peers", action="store_true",
+                        help="only the paired comparison with the peers (AdamW), --repeats repetitions")
     args = parser.parse_args()
+    if args.peers:
+        peer_table(1 << args.log2_params, args.repeats)
+        return
     preset_table(1 << args.log2_params, args.repeats,
                  set(args.presets.split(",")) if args.presets else None, tuple(args.algorithms.split(",")))
     if not args.skip_multi_tensor:

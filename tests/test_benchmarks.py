@@ -41,6 +41,21 @@ def test_cpu_benchmark_prints_its_table():
         assert of_streamed.endswith("%") and int(of_streamed[:-1]) >= 0
 
 
+def test_cpu_benchmark_compares_with_peers():
+    """``--peers``: one row per (configuration, peer); torch's fused AdamW is always there, so
+    its rows carry both times and a paired ratio (DeepSpeed's say when it is missing)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--peers", "--log2-params", "12", "--repeats", "3"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if "torch AdamW(fused=True)" in line]
+    assert len(rows) == 2, result.stdout  # bf16 params with bf16 states, fp32 params with fp32 states
+    for row in rows:
+        ours, theirs, ratio = (float(x) for x in row.split("torch AdamW(fused=True)")[1].split()[:3])
+        assert ours >= 0 and theirs >= 0 and ratio > 0
+    assert sum("DeepSpeedCPUAdam" in line for line in result.stdout.splitlines()) == 3, result.stdout
+
+
 @pytest.mark.parametrize("preset", ["bf16-sr", "bf16-kahan", "fp32-remainder"])
 def test_compute_limit_kernel_does_the_work(preset):
     """The compute-limit kernel is not dead code: it rewrites every stored operand, and its
