@@ -21,8 +21,8 @@ medians are reported):
   ``memory`` and the compute ceiling, the faster of ``compute`` and ``in cache`` (where
   bf16opt's own kernel beats the limit kernel, it shows the work can be done that fast; the
   row says so);
-* ``streamed``: the compute-limit kernel once over arrays of the step's size, out of cache:
-  the unavoidable instructions with the step's memory traffic.  The ceiling above assumes
+* ``streamed``: the compute-limit kernel once over the step's own tensors (the arrays of
+  ``memory``), out of cache: the unavoidable instructions with the step's memory traffic.  The ceiling above assumes
   memory and compute overlap perfectly; where compute and memory times are close, this says
   how much of that overlap the plainest kernel doing only the unavoidable work gets here;
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` where torch has the same
@@ -126,14 +126,31 @@ def compute_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str, 
     return compute_limit.runner(algorithm, storage, operands, max(1, n // (threads * block)))
 
 
-def streamed_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str):
-    """The compute-limit kernel doing ``n`` element updates once over arrays of the step's
-    size (out of cache): the unavoidable instructions together with the step's memory
-    traffic, on this machine, with nothing else in the way."""
-    storage = compute_limit.FP32_PARAMS if dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
+def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str):
+    """The compute-limit kernel doing one update of every element of the step's own tensors
+    (the memory-limit kernel's arrays, out of cache): the unavoidable instructions together
+    with the step's memory traffic, on the same memory, with nothing else in the way.
+    ``buffers``: the state's tensors, the master's companion first (``_state_buffers``)."""
+    storage = compute_limit.FP32_PARAMS if param.dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
     threads = get_num_threads()
-    block = -(-n // (2 * threads)) * 2  # even: the paired loop takes two elements at a time
-    return compute_limit.runner(algorithm, storage, compute_limit.arrays(threads, block, algorithm, storage), 1)
+    if param.numel() % (2 * threads):
+        raise ValueError(f"{param.numel()} elements do not split into even blocks for {threads} threads")
+
+    def rows(t):  # [thread, block] view of the tensor's memory (only addresses and shapes are used)
+        return _raw(t).reshape(threads, -1)
+
+    companion = storage.master == "copy" or storage.master == "remainder" or storage.kahan
+    if len(buffers) != int(companion) + compute_limit.MOMENTS[algorithm]:
+        raise ValueError(f"{preset}: {len(buffers)} state buffers, the compute limit's storage has "
+                         f"{int(companion) + compute_limit.MOMENTS[algorithm]}")
+    w = rows(buffers[0]) if companion else np.zeros((threads, 0), dtype=np.float32)
+    moments = [rows(b) for b in buffers[int(companion):]]
+    m = moments[0]
+    v = moments[1] if compute_limit.MOMENTS[algorithm] == 2 else m[:, :0]
+    keys = np.arange(1, threads * compute_limit.KEYS + 1, dtype=np.uint32).reshape(threads, compute_limit.KEYS)
+    operands = compute_limit.Operands(rows(grad), rows(param), w, m, v,
+                                      np.array(compute_limit.SCALARS[algorithm], dtype=np.float32), keys)
+    return compute_limit.runner(algorithm, storage, operands, 1)
 
 
 # ---------------------------------------------------------------- contenders
@@ -240,7 +257,7 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
           f"memory: the memory-limit kernel (same arrays, trivial math); compute: the compute-limit kernel "
           f"in cache (compute_limit.py); in cache: bf16opt's kernel in cache;\n"
           f"ceiling = the slower of memory and the faster of compute and in cache;\n"
-          f"streamed: the compute-limit kernel over arrays of the step's size (out of cache)")
+          f"streamed: the compute-limit kernel over the step's own tensors (out of cache)")
     header = (f"{'configuration':36} {'bf16opt':>8} {'memory':>8} {'compute':>8} {'of ceil':>7} "
               f"{'in cache':>8} {'streamed':>8} {'of str':>6} {'torch fused':>11} {'DeepSpeed':>9}")
     print(header)
@@ -258,7 +275,8 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             state = opt.state[mine[0]]
             contenders = {"bf16opt": ours, "memory": limit_step(mine[0], mine[0].grad, _state_buffers(state)),
                           "compute": compute_limit_step(n, family, dtype, preset),
-                          "streamed": streamed_limit_step(n, family, dtype, preset)}
+                          "streamed": streamed_limit_step(mine[0], mine[0].grad, _state_buffers(state), family,
+                                                          preset)}
             contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset, algorithm=algorithm)
             keep = [opt, cache_opt]
             if has_torch:
