@@ -210,8 +210,8 @@ def deepspeed_step(params: list, fp32_states: bool):
     return opt.step, opt
 
 
-def measure(contenders: dict, repeats: int) -> dict:
-    """Median seconds per contender, repetitions interleaved."""
+def timings(contenders: dict, repeats: int) -> dict:
+    """Seconds of each repetition per contender, repetitions interleaved."""
     times = {name: [] for name, fn in contenders.items() if fn is not None}
     for name in times:  # warm-up
         contenders[name]()
@@ -220,7 +220,18 @@ def measure(contenders: dict, repeats: int) -> dict:
             start = time.perf_counter()
             contenders[name]()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def measure(contenders: dict, repeats: int) -> dict:
+    """Median seconds per contender, repetitions interleaved."""
+    return {name: statistics.median(t) for name, t in timings(contenders, repeats).items()}
+
+
+def ceiling_of(memory: float, compute: float, in_cache: float) -> float:
+    """The slower of the memory limit and the compute ceiling (the faster of the compute-limit
+    kernel and bf16opt's own kernel in cache)."""
+    return max(memory, min(compute, in_cache))
 
 
 # ---------------------------------------------------------------- tables
@@ -256,7 +267,8 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
           f"median of {repeats} interleaved repetitions; times in ms.\n"
           f"memory: the memory-limit kernel (same arrays, trivial math); compute: the compute-limit kernel "
           f"in cache (compute_limit.py); in cache: bf16opt's kernel in cache;\n"
-          f"ceiling = the slower of memory and the faster of compute and in cache;\n"
+          f"ceiling = the slower of memory and the faster of compute and in cache; shares (of ceil, of str) are "
+          f"medians of each repetition's ratio;\n"
           f"streamed: the compute-limit kernel over the step's own tensors (out of cache)")
     header = (f"{'configuration':36} {'bf16opt':>8} {'memory':>8} {'compute':>8} {'of ceil':>7} "
               f"{'in cache':>8} {'streamed':>8} {'of str':>6} {'torch fused':>11} {'DeepSpeed':>9}")
@@ -287,10 +299,16 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
                 ds = [_param(n, dtype, 0)]
                 contenders["deepspeed"], ds_opt = deepspeed_step(ds, ds_fp32)
                 keep.append(ds_opt)
-            t = measure(contenders, repeats)
-            ceiling = max(t["memory"], min(t["compute"], t["in cache"]))
+            runs = timings(contenders, repeats)
+            t = {name: statistics.median(times) for name, times in runs.items()}
+            ceiling = ceiling_of(t["memory"], t["compute"], t["in cache"])
+            # shares as medians of each repetition's own ratio: the speed of memory and of the
+            # cores drifts between repetitions, and a ratio within one repetition cancels most of it
+            of_ceiling = statistics.median(ceiling_of(*parts) / ours for ours, *parts in
+                                           zip(runs["bf16opt"], runs["memory"], runs["compute"], runs["in cache"]))
+            of_streamed = statistics.median(s / ours for ours, s in zip(runs["bf16opt"], runs["streamed"]))
             row = dict(algorithm=algorithm, configuration=label, preset=preset, ceiling=ceiling,
-                       of_ceiling=ceiling / t["bf16opt"], of_streamed=t["streamed"] / t["bf16opt"], **t)
+                       of_ceiling=of_ceiling, of_streamed=of_streamed, **t)
             rows.append(row)
             warn = f" (compute limit {100 * (t['compute'] / t['in cache'] - 1):.0f}% slower than bf16opt in " \
                 f"cache: not a limit; in cache taken)" if t["compute"] > t["in cache"] else ""
