@@ -362,12 +362,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         known = self._state_configs
         distributed = dtensor_type() is not None  # else no DTensor exists in this process
         kept = self._group_launches
+        view = step_cache.StateView.of(self.state) if kept else None  # (one for all groups)
         index = 0
         for group_number, group in enumerate(self.param_groups):
             precision = self._checked_precision(group)
             first_index, index = index, index + len(group["params"])
             reused = group_number in kept and kept[group_number].prepare(self, group, first_index, precision,
-                                                                         inv_grad_scale)
+                                                                         inv_grad_scale, view)
             if reused:  # nothing the group's launch was built from changed since the last step
                 plan.precisions.append((group, precision))
                 plan.reused.append(reused)

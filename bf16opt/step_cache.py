@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import defaultdict
 from itertools import chain, compress, repeat
 from typing import Callable, Optional
 
@@ -51,10 +52,84 @@ _GRAD_FORM = operator.attrgetter("layout", "dtype", "shape", "is_cpu")
 _STRIDES = torch.Tensor.stride
 _ADDRESS = torch.Tensor.data_ptr
 _NO_STATE: dict = {}
+_UNPROBED = object()
+_tensor_guards = _UNPROBED  # torch's bulk tensor check once probed (tensor_guards()), or None
+
+
+def tensor_guards():
+    """torch.compile's C++ check of many tensors' forms (``TensorGuards``, private API), or
+    None when this torch lacks it or it does not behave as :func:`_probe_guards` expects."""
+    global _tensor_guards
+    if _tensor_guards is _UNPROBED:
+        _tensor_guards = _probe_guards()
+    return _tensor_guards
+
+
+def _probe_guards():
+    """``TensorGuards`` if it tells a tensor of the example's form from each kind of change the
+    cache must see, else None.  What it compares (torch/csrc/dynamo/guards.cpp): the exact
+    Python type, the dispatch key set (backend, so device type and layout: sparse, mkldnn,
+    meta; conj/neg bits; autograd), dtype, device index, requires_grad, sizes and strides;
+    and that no tensor is passed twice.  Not the address, which the cache checks itself."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards  # noqa: PLC0415
+        example = torch.zeros(2, 3)
+        guards = TensorGuards(example, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        changed = [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3, 2), torch.zeros(3, 2).t(),
+                   torch.nn.Parameter(torch.zeros(2, 3)), torch.zeros(2, 3).to_sparse(),
+                   torch.zeros(2, 3, device="meta"), torch.zeros(2, 3)._neg_view()]
+        if guards.check(torch.ones(2, 3)) is True and not any(guards.check(tensor) for tensor in changed):
+            return TensorGuards
+    except Exception:  # noqa: BLE001  (any failure: the checks in Python)
+        pass
+    return None
+
+
+def _guards_of(tensors: list):
+    """A bulk check that ``tensors`` (distinct tensors) keep their types and forms, or None."""
+    guards = tensor_guards()
+    if guards is None:
+        return None
+    try:
+        check = guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        return check if check.check(*tensors) is True else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _same_objects(a: list, b: list) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+class StateView:
+    """The optimizer's ``state`` mapping at one moment: its keys and values, in order.  Two
+    views with the same objects in the same order map every param to the same state dict
+    (a param's hash is its id), so a launch whose states were checked under one view needs
+    no lookup (torch's ``Tensor.__hash__`` runs in Python) under the next; made once per step
+    for all groups.  None when ``state`` is not a plain dict or defaultdict, whose ``get``
+    could answer otherwise."""
+
+    __slots__ = ("keys", "values", "_matches")
+
+    def __init__(self, state):
+        self.keys, self.values = list(state), list(state.values())
+        self._matches = {}
+
+    @staticmethod
+    def of(state) -> "Optional[StateView]":
+        return StateView(state) if type(state) in (dict, defaultdict) else None
+
+    def matches(self, other: "Optional[StateView]") -> bool:
+        """Whether ``other`` (an earlier view) holds the same keys and values as this one."""
+        if other is None:
+            return False
+        if other is self:
+            return True
+        same = self._matches.get(id(other))  # (groups checked under one view compare once)
+        if same is None:
+            same = self._matches[id(other)] = _same_objects(self.keys, other.keys) \
+                and _same_objects(self.values, other.values)
+        return same
 
 
 def settings(optimizer, group: dict, precision) -> tuple:
@@ -80,9 +155,11 @@ class GroupLaunch:
         self.param_strides = list(map(_STRIDES, updated))
         self.grad_forms = list(map(_GRAD_FORM, grads))
         self.grad_strides = list(map(_STRIDES, grads))
+        self.guards = _guards_of(updated + grads)  # (holds no tensor: their forms alone)
         sized = [grad.numel() > 0 for grad in grads]  # (an empty tensor may have address 0)
         self.sized_grads = slice(None) if all(sized) else np.array(sized)
         self.states = list(map(optimizer.state.get, updated))
+        self.checked_under = StateView.of(optimizer.state)  # the view self.states were last found under
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
         self.addresses = list(map(_ADDRESS, chain(updated, self.values)))
         self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
@@ -92,11 +169,12 @@ class GroupLaunch:
         self.relaunches = relaunches  # (Relaunch, position in ``updated`` of its first param)
         self.written = written  # for autograd's version counters (the kernels write through addresses)
 
-    def prepare(self, optimizer, group: dict, first_index: int, precision,
-                inv_grad_scale: float) -> Optional[Callable[[], None]]:
+    def prepare(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
+                view: Optional[StateView] = None) -> Optional[Callable[[], None]]:
         """Phase one of this group's step: None unless everything the launch was built from
         still holds (then the caller takes the full path); else the step's phase two, which
-        advances the counters and runs the kernels.  Changes nothing."""
+        advances the counters and runs the kernels.  Changes nothing (but the view it last
+        found its states under).  ``view``: ``StateView.of(optimizer.state)`` now."""
         params = group["params"]
         if first_index != self.first_index or not _same_objects(params, self.params) \
                 or settings(optimizer, group, precision) != self.settings:
@@ -106,18 +184,18 @@ class GroupLaunch:
             if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
                 return None
             grads = list(compress(grads, self.has_grad))
-        if not _PLAIN.issuperset(map(type, grads)) or list(map(_GRAD_FORM, grads)) != self.grad_forms \
-                or list(map(_STRIDES, grads)) != self.grad_strides:
+        if (self.guards is None or self.guards.check(*self.updated, *grads) is not True) \
+                and not self._forms_hold(grads):
             return None
         grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
         if not grad_addresses[self.sized_grads].all():  # a grad without memory
             return None
-        states = list(map(optimizer.state.get, self.updated, repeat(_NO_STATE)))
-        if not _same_objects(states, self.states) \
-                or not _same_objects(list(chain.from_iterable(map(dict.values, states))), self.values) \
+        if view is None or not view.matches(self.checked_under):
+            if not _same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
+                return None
+            self.checked_under = view
+        if not _same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values) \
                 or list(map(_ADDRESS, chain(self.updated, self.values))) != self.addresses \
-                or list(map(_PARAM_FORM, self.updated)) != self.param_forms \
-                or list(map(_STRIDES, self.updated)) != self.param_strides \
                 or numba_backend.threads() != self.threads \
                 or not self.helpers.counters_equal(self.counter_addresses, self.steps):  # (addresses checked)
             return None
@@ -141,6 +219,14 @@ class GroupLaunch:
             torch.autograd.graph.increment_version(self.written)
 
         return run
+
+    def _forms_hold(self, grads: list) -> bool:
+        """The Python form of ``self.guards``' check (without torch's, or when it fails,
+        e.g. on a param whose requires_grad was switched)."""
+        return _PLAIN.issuperset(map(type, grads)) and list(map(_GRAD_FORM, grads)) == self.grad_forms \
+            and list(map(_STRIDES, grads)) == self.grad_strides \
+            and list(map(_PARAM_FORM, self.updated)) == self.param_forms \
+            and list(map(_STRIDES, self.updated)) == self.param_strides
 
 
 def build(optimizer, group: dict, first_index: int, precision, entries: list, buckets: list) -> Optional[GroupLaunch]:
