@@ -362,7 +362,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         known = self._state_configs
         distributed = dtensor_type() is not None  # else no DTensor exists in this process
         kept = self._group_launches
-        view = step_cache.StateView.of(self.state) if kept else None  # (one for all groups)
+        view = step_cache.StateView(self.state) if kept else None  # (one for all groups)
         index = 0
         for group_number, group in enumerate(self.param_groups):
             precision = self._checked_precision(group)

@@ -85,6 +85,44 @@ def _probe_guards():
     return None
 
 
+_dict_versions = _UNPROBED  # torch's reading of a dict's version once probed (dict_versions()), or None
+
+
+def dict_versions():
+    """A function giving a dict's version, which every change of the dict changes (CPython's
+    ``ma_version_tag``, PEP 509, read by torch.compile's private ``dict_version``), or None
+    when unavailable or it does not behave as :func:`_probe_versions` expects."""
+    global _dict_versions
+    if _dict_versions is _UNPROBED:
+        _dict_versions = _probe_versions()
+    return _dict_versions
+
+
+def _probe_versions():
+    """torch's ``dict_version`` if every kind of change of a dict tried here changes it and
+    reading does not, else None."""
+    try:
+        from torch._C._dynamo.guards import dict_version  # noqa: PLC0415
+        d = {"a": 0, "b": 1}
+        changes = [lambda: d.__setitem__("c", 2), lambda: d.__setitem__("a", 5), lambda: d.__delitem__("c"),
+                   lambda: d.pop("a"), lambda: d.popitem(), lambda: d.setdefault("x", 1),
+                   lambda: d.update(y=2), lambda: d.__ior__({"z": 3}), lambda: d.clear(),
+                   lambda: dict.__init__(d, a=1), lambda: d.__setitem__("a", 2)]
+        version = dict_version(d)
+        for change in changes:
+            change()
+            now = dict_version(d)
+            if not isinstance(now, int) or now == version:
+                return None
+            version = now
+        d.get("a"), list(d.values()), "a" in d  # noqa: B018
+        if dict_version(d) == version and dict_version({}) != dict_version({}):
+            return dict_version
+    except Exception:  # noqa: BLE001  (any failure: the checks in Python)
+        pass
+    return None
+
+
 def _guards_of(tensors: list):
     """A bulk check that ``tensors`` (distinct tensors) keep their types and forms, or None."""
     guards = tensor_guards()
@@ -102,29 +140,36 @@ def _same_objects(a: list, b: list) -> bool:
 
 
 class StateView:
-    """The optimizer's ``state`` mapping at one moment: its keys and values, in order.  Two
-    views with the same objects in the same order map every param to the same state dict
-    (a param's hash is its id), so a launch whose states were checked under one view needs
-    no lookup (torch's ``Tensor.__hash__`` runs in Python) under the next; made once per step
-    for all groups.  None when ``state`` is not a plain dict or defaultdict, whose ``get``
-    could answer otherwise."""
+    """The optimizer's ``state`` mapping at one moment, made once per step for all groups: a
+    launch whose params' state dicts were found under one view needs no lookup (torch's
+    ``Tensor.__hash__`` runs in Python) under a later view that :meth:`matches` it.
 
-    __slots__ = ("keys", "values", "_matches")
+    Two moments match when the mapping is the same dict whose version (:func:`dict_versions`)
+    did not change, or, without versions, when it holds the same keys and values in the same
+    order (a param's hash is its id: the same items map every param to the same state).
+    Only a plain dict or defaultdict: another mapping's ``get`` could answer otherwise."""
+
+    __slots__ = ("state", "version", "keys", "values", "_matches")
 
     def __init__(self, state):
-        self.keys, self.values = list(state), list(state.values())
+        self.state = state if type(state) in (dict, defaultdict) else None
+        versions = dict_versions()
+        self.version = self.keys = self.values = None
+        if self.state is not None:
+            if versions is not None:
+                self.version = versions(state)
+            else:
+                self.keys, self.values = list(state), list(state.values())
         self._matches = {}
 
-    @staticmethod
-    def of(state) -> "Optional[StateView]":
-        return StateView(state) if type(state) in (dict, defaultdict) else None
-
     def matches(self, other: "Optional[StateView]") -> bool:
-        """Whether ``other`` (an earlier view) holds the same keys and values as this one."""
-        if other is None:
+        """Whether the mapping holds what it held at ``other`` (an earlier view)."""
+        if other is None or self.state is None or other.state is None:
             return False
         if other is self:
             return True
+        if self.version is not None or other.version is not None:
+            return self.state is other.state and self.version == other.version
         same = self._matches.get(id(other))  # (groups checked under one view compare once)
         if same is None:
             same = self._matches[id(other)] = _same_objects(self.keys, other.keys) \
@@ -159,8 +204,11 @@ class GroupLaunch:
         sized = [grad.numel() > 0 for grad in grads]  # (an empty tensor may have address 0)
         self.sized_grads = slice(None) if all(sized) else np.array(sized)
         self.states = list(map(optimizer.state.get, updated))
-        self.checked_under = StateView.of(optimizer.state)  # the view self.states were last found under
+        self.found_under = StateView(optimizer.state)  # the view self.states were last found under
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
+        self.keys = list(chain.from_iterable(self.states))  # (str)
+        self.versions = dict_versions()
+        self.state_versions = None if self.versions is None else list(map(self.versions, self.states))
         self.addresses = list(map(_ADDRESS, chain(updated, self.values)))
         self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
         self.steps = np.array([state["step"].item() for state in self.states])  # the counters after the last step
@@ -174,7 +222,7 @@ class GroupLaunch:
         """Phase one of this group's step: None unless everything the launch was built from
         still holds (then the caller takes the full path); else the step's phase two, which
         advances the counters and runs the kernels.  Changes nothing (but the view it last
-        found its states under).  ``view``: ``StateView.of(optimizer.state)`` now."""
+        found its states under).  ``view``: ``StateView(optimizer.state)`` now."""
         params = group["params"]
         if first_index != self.first_index or not _same_objects(params, self.params) \
                 or settings(optimizer, group, precision) != self.settings:
@@ -190,11 +238,13 @@ class GroupLaunch:
         grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
         if not grad_addresses[self.sized_grads].all():  # a grad without memory
             return None
-        if view is None or not view.matches(self.checked_under):
+        if view is None or not view.matches(self.found_under):
             if not _same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
                 return None
-            self.checked_under = view
-        if not _same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values) \
+            self.found_under = view
+        if (list(map(self.versions, self.states)) != self.state_versions if self.state_versions is not None
+                else not _same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values)
+                or list(chain.from_iterable(self.states)) != self.keys) \
                 or list(map(_ADDRESS, chain(self.updated, self.values))) != self.addresses \
                 or numba_backend.threads() != self.threads \
                 or not self.helpers.counters_equal(self.counter_addresses, self.steps):  # (addresses checked)

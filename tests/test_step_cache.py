@@ -62,12 +62,14 @@ def spy(monkeypatch):
 
 @pytest.fixture(autouse=True, params=["torch checks", "python checks"])
 def form_checks(request, monkeypatch):
-    """Every test twice: params' and grads' forms checked by torch's bulk check (TensorGuards,
-    private API) where this torch has one, and by the Python fallback."""
+    """Every test twice: with torch's private helpers where this torch has them (params' and
+    grads' forms in one check, TensorGuards; dicts' versions, dict_version), and with the
+    Python fallback."""
     if request.param == "python checks":
         monkeypatch.setattr(step_cache, "_tensor_guards", None)
-    elif step_cache.tensor_guards() is None:
-        pytest.skip("this torch has no usable TensorGuards")
+        monkeypatch.setattr(step_cache, "_dict_versions", None)
+    elif step_cache.tensor_guards() is None or step_cache.dict_versions() is None:
+        pytest.skip("this torch lacks TensorGuards or dict_version (or they failed their probes)")
     return request.param
 
 
@@ -207,6 +209,25 @@ def test_a_grad_given_to_two_params_is_checked_in_python(spy):
     assert spy.counts()[:2] == (reused + 2, 0)
 
 
+@pytest.mark.parametrize("blind_to", range(11))
+def test_probing_refuses_dict_versions_that_miss_a_change(monkeypatch, blind_to):
+    """A dict_version that misses one of the probe's changes (its call after change
+    ``blind_to`` answers the version before it) is refused, or one that reads as a change."""
+    real = step_cache._probe_versions()
+    if real is None:
+        pytest.skip("this torch has no usable dict_version")
+    calls = []
+
+    def blind(d):
+        calls.append(real(d))
+        return calls[-2] if len(calls) == blind_to + 2 else calls[-1]
+
+    monkeypatch.setattr(torch._C._dynamo.guards, "dict_version", blind)
+    assert step_cache._probe_versions() is None
+    monkeypatch.setattr(torch._C._dynamo.guards, "dict_version", lambda d: len(calls.append(0) or calls))
+    assert step_cache._probe_versions() is None  # (changes at every read)
+
+
 def test_probing_refuses_a_bulk_check_that_misses_a_change(monkeypatch):
     """The probe tries the kinds of change the cache relies on torch's check to see."""
     real = step_cache._probe_guards()
@@ -330,6 +351,11 @@ def _replace_state(opt, params):
     opt.state[params[3]] = {key: value.clone() for key, value in opt.state[params[3]].items()}
 
 
+def _rename_state_key(opt, params):
+    state = opt.state[params[2]]
+    state["renamed"] = state.pop("exp_avg_sq")  # the same tensors in the same order, under another key
+
+
 def _drop_state(opt, params):
     opt.state[params[0]] = None  # as good as no state: made afresh
 
@@ -363,6 +389,7 @@ CHANGES = [
     (_replace_state_tensor, True, True),
     (_move_state_tensor, True, True),
     (_replace_state, True, True),
+    (_rename_state_key, False, True),
     (_drop_state, False, True),
     (_edit_step_counter, True, True),
     (_replace_step_counter, False, False),  # a float32 counter
