@@ -135,7 +135,8 @@ def _guards_of(tensors: list):
         return None
 
 
-def _same_objects(a: list, b: list) -> bool:
+def same_objects(a: list, b: list) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects (identity) in the same order."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
@@ -172,8 +173,8 @@ class StateView:
             return self.state is other.state and self.version == other.version
         same = self._matches.get(id(other))  # (groups checked under one view compare once)
         if same is None:
-            same = self._matches[id(other)] = _same_objects(self.keys, other.keys) \
-                and _same_objects(self.values, other.values)
+            same = self._matches[id(other)] = same_objects(self.keys, other.keys) \
+                and same_objects(self.values, other.values)
         return same
 
 
@@ -224,7 +225,7 @@ class GroupLaunch:
         advances the counters and runs the kernels.  Changes nothing (but the view it last
         found its states under).  ``view``: ``StateView(optimizer.state)`` now."""
         params = group["params"]
-        if first_index != self.first_index or not _same_objects(params, self.params) \
+        if first_index != self.first_index or not same_objects(params, self.params) \
                 or settings(optimizer, group, precision) != self.settings:
             return None
         grads = list(map(_GRAD, params))
@@ -239,11 +240,11 @@ class GroupLaunch:
         if not grad_addresses[self.sized_grads].all():  # a grad without memory
             return None
         if view is None or not view.matches(self.found_under):
-            if not _same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
+            if not same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
                 return None
             self.found_under = view
         if (list(map(self.versions, self.states)) != self.state_versions if self.state_versions is not None
-                else not _same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values)
+                else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values)
                 or list(chain.from_iterable(self.states)) != self.keys) \
                 or list(map(_ADDRESS, chain(self.updated, self.values))) != self.addresses \
                 or numba_backend.threads() != self.threads \

@@ -245,6 +245,41 @@ def test_probing_refuses_a_bulk_check_that_misses_a_change(monkeypatch):
     assert step_cache._probe_guards() is None
 
 
+# ---------------------------------------------------------------- a group's settings, checked once
+@pytest.mark.parametrize("edit", ["betas in place", "betas", "lr", "new key", "lr tensor in place", "renamed key"])
+def test_a_group_edit_is_checked_after_unchanged_steps(spy, edit):
+    """A group's settings are checked again only when a value changed (identity), or could
+    have changed in place (a list, a tensor or a dict hyper-parameter); every bad edit still
+    raises and changes nothing."""
+    twins = Twins(bf16opt.Adam)
+    twins.each(lambda opt, params: opt.param_groups[0].__setitem__("betas", [0.9, 0.999]) if "in place" in edit
+               and edit.startswith("betas") else None)
+    twins.each(lambda opt, params: opt.param_groups[0].__setitem__(
+        "lr", torch.tensor(0.01)) if edit == "lr tensor in place" else None)
+    warm(twins, spy)
+    twins.grads()
+    for opt in twins.opts.values():
+        group = opt.param_groups[0]
+        if edit == "betas in place":
+            group["betas"][0] = 1.5
+        elif edit == "betas":
+            group["betas"] = (1.5, 0.999)
+        elif edit == "lr":
+            group["lr"] = -1.0
+        elif edit == "new key":
+            group["capturable"] = True
+        elif edit == "renamed key":  # the same values in the same order, under other keys
+            last = list(group)[-1]
+            assert group[last] is None and "sr_streams" not in group
+            group["sr_streams"] = group.pop(last)  # (None: not "position")
+        else:
+            group["lr"].fill_(-1.0)
+        before = snapshot(opt)
+        with pytest.raises((ValueError, TypeError)):
+            opt.step()
+        assert_unchanged(opt, before)
+
+
 # ---------------------------------------------------------------- the state view
 def test_a_new_state_mapping_with_the_same_items_reuses(spy):
     twins = Twins()
