@@ -15,10 +15,28 @@ in passes over lists that run in C, that everything they were built from still h
 * each updated param's dtype, shape, strides and address (``p.data = ...`` changes them);
 * which params have grads, and each grad's type, layout, dtype, shape, strides and device
   (a new grad only needs those to match: its address is put into the table every step);
-* each state dict, every value in it (identity) and every state tensor's address;
+* each state dict, every key and value in it (identity) and every state tensor's address;
 * the step counters: each exactly one more than after the last step (params whose counters
   differ go in different buckets), and below 2**53;
 * the number of Numba threads (the table's thread ranges).
+
+How, per step (~1 µs of Python per param; the fallbacks are exact, only slower):
+
+* the forms of params and grads (type, layout, device, dtype, shape, strides): one call of
+  torch.compile's C++ ``TensorGuards`` check over all of them (private API: used only once
+  :func:`_probe_guards` has seen it refuse each kind of change; when it refuses, e.g. a
+  param whose requires_grad was switched, the checks in Python decide);
+* the state dicts: the mapping ``optimizer.state`` is the same dict at the same version
+  (:func:`dict_versions`: CPython's per-dict version, which every change of a dict bumps,
+  read by torch.compile's private ``dict_version``, probed likewise), else each param's
+  state is looked up; each state dict at the same version, else (without versions) the
+  same values and keys.  Without versions, :class:`StateView` compares the mapping's
+  keys and values by identity instead of a lookup per param (``Tensor.__hash__`` is Python);
+* addresses, as ``data_ptr`` (no bulk form exists in torch's public or private API that
+  cannot raise inside compiled code).
+
+The group's hyper-parameter checks (``MixedPrecisionOptimizer._group_precision``) run again
+only when a value of the group changed or could change in place.
 
 Any difference, and the step takes the full path, which raises on bad input as always and
 builds the launch again.  As in a full step, ``prepare`` (phase one) changes nothing -- a
