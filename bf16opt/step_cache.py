@@ -228,7 +228,8 @@ class GroupLaunch:
         self.keys = list(chain.from_iterable(self.states))  # (str)
         self.versions = dict_versions()
         self.state_versions = None if self.versions is None else list(map(self.versions, self.states))
-        self.addresses = list(map(_ADDRESS, chain(updated, self.values)))
+        self.addressed = updated + self.values  # (one list: no chain per step)
+        self.addresses = list(map(_ADDRESS, self.addressed))
         self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
         self.steps = np.array([state["step"].item() for state in self.states])  # the counters after the last step
         self.helpers = numba_backend.helpers()
@@ -264,7 +265,7 @@ class GroupLaunch:
         if (list(map(self.versions, self.states)) != self.state_versions if self.state_versions is not None
                 else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values)
                 or list(chain.from_iterable(self.states)) != self.keys) \
-                or list(map(_ADDRESS, chain(self.updated, self.values))) != self.addresses \
+                or list(map(_ADDRESS, self.addressed)) != self.addresses \
                 or numba_backend.threads() != self.threads \
                 or not self.helpers.counters_equal(self.counter_addresses, self.steps):  # (addresses checked)
             return None
