@@ -74,6 +74,15 @@ def _at_home(state: dict, device: torch.device, offloaded: bool) -> bool:
                for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor))
 
 
+_IMMUTABLE = frozenset((bool, int, float, str, type(None), Precision))
+
+
+def _immutable(value) -> bool:
+    """Whether ``value`` cannot change in place (exact types: a subclass could)."""
+    kind = type(value)
+    return kind in _IMMUTABLE or (kind is tuple and all(map(_immutable, value)))
+
+
 def _layout(tensor) -> str:
     return f"a DTensor placed {tuple(tensor.placements)} on {tensor.device_mesh}" if is_dtensor(tensor) \
         else "a plain tensor"
@@ -248,6 +257,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._check_hyperparameters(group)
         return precision
 
+    def _group_precision(self, number: int, group: dict) -> Precision:
+        """:meth:`_checked_precision` of group ``number``, remembered while the group holds
+        the same keys and the same values (identical objects, each of an immutable type: a
+        list or tensor hyper-parameter can change in place, and is checked at every step).
+        The checks read nothing but the group's values (its params aside)."""
+        memo = self._side_dict("_checked_groups")
+        values = list(group.values())
+        kept = memo.get(number)
+        if kept is not None and kept[0] is group and step_cache.same_objects(values, kept[2]) \
+                and list(group) == kept[1]:
+            return kept[3]
+        precision = self._checked_precision(group)
+        if all(map(_immutable, (value for key, value in group.items() if key != "params"))):
+            memo[number] = (group, list(group), list(group.values()), precision)  # (after seed's normalisation)
+        else:
+            memo.pop(number, None)
+        return precision
+
     # ---- state
     def _config(self, group: dict, precision: Precision, param: torch.Tensor) -> KernelConfig:
         return kernel_config(self.algorithm, plan_for(precision, param.dtype),
@@ -362,12 +389,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         known = self._state_configs
         distributed = dtensor_type() is not None  # else no DTensor exists in this process
         kept = self._group_launches
+        view = step_cache.StateView(self.state) if kept else None  # (one for all groups)
         index = 0
         for group_number, group in enumerate(self.param_groups):
-            precision = self._checked_precision(group)
+            precision = self._group_precision(group_number, group)
             first_index, index = index, index + len(group["params"])
             reused = group_number in kept and kept[group_number].prepare(self, group, first_index, precision,
-                                                                         inv_grad_scale)
+                                                                         inv_grad_scale, view)
             if reused:  # nothing the group's launch was built from changed since the last step
                 plan.precisions.append((group, precision))
                 plan.reused.append(reused)

@@ -15,10 +15,28 @@ in passes over lists that run in C, that everything they were built from still h
 * each updated param's dtype, shape, strides and address (``p.data = ...`` changes them);
 * which params have grads, and each grad's type, layout, dtype, shape, strides and device
   (a new grad only needs those to match: its address is put into the table every step);
-* each state dict, every value in it (identity) and every state tensor's address;
+* each state dict, every key and value in it (identity) and every state tensor's address;
 * the step counters: each exactly one more than after the last step (params whose counters
   differ go in different buckets), and below 2**53;
 * the number of Numba threads (the table's thread ranges).
+
+How, per step (~1 µs of Python per param; the fallbacks are exact, only slower):
+
+* the forms of params and grads (type, layout, device, dtype, shape, strides): one call of
+  torch.compile's C++ ``TensorGuards`` check over all of them (private API: used only once
+  :func:`_probe_guards` has seen it refuse each kind of change; when it refuses, e.g. a
+  param whose requires_grad was switched, the checks in Python decide);
+* the state dicts: the mapping ``optimizer.state`` is the same dict at the same version
+  (:func:`dict_versions`: CPython's per-dict version, which every change of a dict bumps,
+  read by torch.compile's private ``dict_version``, probed likewise), else each param's
+  state is looked up; each state dict at the same version, else (without versions) the
+  same values and keys.  Without versions, :class:`StateView` compares the mapping's
+  keys and values by identity instead of a lookup per param (``Tensor.__hash__`` is Python);
+* addresses, as ``data_ptr`` (no bulk form exists in torch's public or private API that
+  cannot raise inside compiled code).
+
+The group's hyper-parameter checks (``MixedPrecisionOptimizer._group_precision``) run again
+only when a value of the group changed or could change in place.
 
 Any difference, and the step takes the full path, which raises on bad input as always and
 builds the launch again.  As in a full step, ``prepare`` (phase one) changes nothing -- a
@@ -36,6 +54,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import defaultdict
 from itertools import chain, compress, repeat
 from typing import Callable, Optional
 
@@ -51,10 +70,130 @@ _GRAD_FORM = operator.attrgetter("layout", "dtype", "shape", "is_cpu")
 _STRIDES = torch.Tensor.stride
 _ADDRESS = torch.Tensor.data_ptr
 _NO_STATE: dict = {}
+_UNPROBED = object()
+_tensor_guards = _UNPROBED  # torch's bulk tensor check once probed (tensor_guards()), or None
 
 
-def _same_objects(a: list, b: list) -> bool:
+def tensor_guards():
+    """torch.compile's C++ check of many tensors' forms (``TensorGuards``, private API), or
+    None when this torch lacks it or it does not behave as :func:`_probe_guards` expects."""
+    global _tensor_guards
+    if _tensor_guards is _UNPROBED:
+        _tensor_guards = _probe_guards()
+    return _tensor_guards
+
+
+def _probe_guards():
+    """``TensorGuards`` if it tells a tensor of the example's form from each kind of change the
+    cache must see, else None.  What it compares (torch/csrc/dynamo/guards.cpp): the exact
+    Python type, the dispatch key set (backend, so device type and layout: sparse, mkldnn,
+    meta; conj/neg bits; autograd), dtype, device index, requires_grad, sizes and strides;
+    and that no tensor is passed twice.  Not the address, which the cache checks itself."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards  # noqa: PLC0415
+        example = torch.zeros(2, 3)
+        guards = TensorGuards(example, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        changed = [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3, 2), torch.zeros(3, 2).t(),
+                   torch.nn.Parameter(torch.zeros(2, 3)), torch.zeros(2, 3).to_sparse(),
+                   torch.zeros(2, 3, device="meta"), torch.zeros(2, 3)._neg_view()]
+        if guards.check(torch.ones(2, 3)) is True and not any(guards.check(tensor) for tensor in changed):
+            return TensorGuards
+    except Exception:  # noqa: BLE001  (any failure: the checks in Python)
+        pass
+    return None
+
+
+_dict_versions = _UNPROBED  # torch's reading of a dict's version once probed (dict_versions()), or None
+
+
+def dict_versions():
+    """A function giving a dict's version, which every change of the dict changes (CPython's
+    ``ma_version_tag``, PEP 509, read by torch.compile's private ``dict_version``), or None
+    when unavailable or it does not behave as :func:`_probe_versions` expects."""
+    global _dict_versions
+    if _dict_versions is _UNPROBED:
+        _dict_versions = _probe_versions()
+    return _dict_versions
+
+
+def _probe_versions():
+    """torch's ``dict_version`` if every kind of change of a dict tried here changes it and
+    reading does not, else None."""
+    try:
+        from torch._C._dynamo.guards import dict_version  # noqa: PLC0415
+        d = {"a": 0, "b": 1}
+        changes = [lambda: d.__setitem__("c", 2), lambda: d.__setitem__("a", 5), lambda: d.__delitem__("c"),
+                   lambda: d.pop("a"), lambda: d.popitem(), lambda: d.setdefault("x", 1),
+                   lambda: d.update(y=2), lambda: d.__ior__({"z": 3}), lambda: d.clear(),
+                   lambda: dict.__init__(d, a=1), lambda: d.__setitem__("a", 2)]
+        version = dict_version(d)
+        for change in changes:
+            change()
+            now = dict_version(d)
+            if not isinstance(now, int) or now == version:
+                return None
+            version = now
+        d.get("a"), list(d.values()), "a" in d  # noqa: B018
+        if dict_version(d) == version and dict_version({}) != dict_version({}):
+            return dict_version
+    except Exception:  # noqa: BLE001  (any failure: the checks in Python)
+        pass
+    return None
+
+
+def _guards_of(tensors: list):
+    """A bulk check that ``tensors`` (distinct tensors) keep their types and forms, or None."""
+    guards = tensor_guards()
+    if guards is None:
+        return None
+    try:
+        check = guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        return check if check.check(*tensors) is True else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def same_objects(a: list, b: list) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects (identity) in the same order."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+class StateView:
+    """The optimizer's ``state`` mapping at one moment, made once per step for all groups: a
+    launch whose params' state dicts were found under one view needs no lookup (torch's
+    ``Tensor.__hash__`` runs in Python) under a later view that :meth:`matches` it.
+
+    Two moments match when the mapping is the same dict whose version (:func:`dict_versions`)
+    did not change, or, without versions, when it holds the same keys and values in the same
+    order (a param's hash is its id: the same items map every param to the same state).
+    Only a plain dict or defaultdict: another mapping's ``get`` could answer otherwise."""
+
+    __slots__ = ("state", "version", "keys", "values", "_matches")
+
+    def __init__(self, state):
+        self.state = state if type(state) in (dict, defaultdict) else None
+        versions = dict_versions()
+        self.version = self.keys = self.values = None
+        if self.state is not None:
+            if versions is not None:
+                self.version = versions(state)
+            else:
+                self.keys, self.values = list(state), list(state.values())
+        self._matches = {}
+
+    def matches(self, other: "Optional[StateView]") -> bool:
+        """Whether the mapping holds what it held at ``other`` (an earlier view)."""
+        if other is None or self.state is None or other.state is None:
+            return False
+        if other is self:
+            return True
+        if self.version is not None or other.version is not None:
+            return self.state is other.state and self.version == other.version
+        same = self._matches.get(id(other))  # (groups checked under one view compare once)
+        if same is None:
+            same = self._matches[id(other)] = same_objects(self.keys, other.keys) \
+                and same_objects(self.values, other.values)
+        return same
 
 
 def settings(optimizer, group: dict, precision) -> tuple:
@@ -80,11 +219,17 @@ class GroupLaunch:
         self.param_strides = list(map(_STRIDES, updated))
         self.grad_forms = list(map(_GRAD_FORM, grads))
         self.grad_strides = list(map(_STRIDES, grads))
+        self.guards = _guards_of(updated + grads)  # (holds no tensor: their forms alone)
         sized = [grad.numel() > 0 for grad in grads]  # (an empty tensor may have address 0)
         self.sized_grads = slice(None) if all(sized) else np.array(sized)
         self.states = list(map(optimizer.state.get, updated))
+        self.found_under = StateView(optimizer.state)  # the view self.states were last found under
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
-        self.addresses = list(map(_ADDRESS, chain(updated, self.values)))
+        self.keys = list(chain.from_iterable(self.states))  # (str)
+        self.versions = dict_versions()
+        self.state_versions = None if self.versions is None else list(map(self.versions, self.states))
+        self.addressed = updated + self.values  # (one list: no chain per step)
+        self.addresses = list(map(_ADDRESS, self.addressed))
         self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
         self.steps = np.array([state["step"].item() for state in self.states])  # the counters after the last step
         self.helpers = numba_backend.helpers()
@@ -92,13 +237,14 @@ class GroupLaunch:
         self.relaunches = relaunches  # (Relaunch, position in ``updated`` of its first param)
         self.written = written  # for autograd's version counters (the kernels write through addresses)
 
-    def prepare(self, optimizer, group: dict, first_index: int, precision,
-                inv_grad_scale: float) -> Optional[Callable[[], None]]:
+    def prepare(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
+                view: Optional[StateView] = None) -> Optional[Callable[[], None]]:
         """Phase one of this group's step: None unless everything the launch was built from
         still holds (then the caller takes the full path); else the step's phase two, which
-        advances the counters and runs the kernels.  Changes nothing."""
+        advances the counters and runs the kernels.  Changes nothing (but the view it last
+        found its states under).  ``view``: ``StateView(optimizer.state)`` now."""
         params = group["params"]
-        if first_index != self.first_index or not _same_objects(params, self.params) \
+        if first_index != self.first_index or not same_objects(params, self.params) \
                 or settings(optimizer, group, precision) != self.settings:
             return None
         grads = list(map(_GRAD, params))
@@ -106,18 +252,20 @@ class GroupLaunch:
             if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
                 return None
             grads = list(compress(grads, self.has_grad))
-        if not _PLAIN.issuperset(map(type, grads)) or list(map(_GRAD_FORM, grads)) != self.grad_forms \
-                or list(map(_STRIDES, grads)) != self.grad_strides:
+        if (self.guards is None or self.guards.check(*self.updated, *grads) is not True) \
+                and not self._forms_hold(grads):
             return None
         grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
         if not grad_addresses[self.sized_grads].all():  # a grad without memory
             return None
-        states = list(map(optimizer.state.get, self.updated, repeat(_NO_STATE)))
-        if not _same_objects(states, self.states) \
-                or not _same_objects(list(chain.from_iterable(map(dict.values, states))), self.values) \
-                or list(map(_ADDRESS, chain(self.updated, self.values))) != self.addresses \
-                or list(map(_PARAM_FORM, self.updated)) != self.param_forms \
-                or list(map(_STRIDES, self.updated)) != self.param_strides \
+        if view is None or not view.matches(self.found_under):
+            if not same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
+                return None
+            self.found_under = view
+        if (list(map(self.versions, self.states)) != self.state_versions if self.state_versions is not None
+                else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values)
+                or list(chain.from_iterable(self.states)) != self.keys) \
+                or list(map(_ADDRESS, self.addressed)) != self.addresses \
                 or numba_backend.threads() != self.threads \
                 or not self.helpers.counters_equal(self.counter_addresses, self.steps):  # (addresses checked)
             return None
@@ -141,6 +289,14 @@ class GroupLaunch:
             torch.autograd.graph.increment_version(self.written)
 
         return run
+
+    def _forms_hold(self, grads: list) -> bool:
+        """The Python form of ``self.guards``' check (without torch's, or when it fails,
+        e.g. on a param whose requires_grad was switched)."""
+        return _PLAIN.issuperset(map(type, grads)) and list(map(_GRAD_FORM, grads)) == self.grad_forms \
+            and list(map(_STRIDES, grads)) == self.grad_strides \
+            and list(map(_PARAM_FORM, self.updated)) == self.param_forms \
+            and list(map(_STRIDES, self.updated)) == self.param_strides
 
 
 def build(optimizer, group: dict, first_index: int, precision, entries: list, buckets: list) -> Optional[GroupLaunch]:

@@ -60,6 +60,19 @@ def spy(monkeypatch):
     return Spy(monkeypatch)
 
 
+@pytest.fixture(autouse=True, params=["torch checks", "python checks"])
+def form_checks(request, monkeypatch):
+    """Every test twice: with torch's private helpers where this torch has them (params' and
+    grads' forms in one check, TensorGuards; dicts' versions, dict_version), and with the
+    Python fallback."""
+    if request.param == "python checks":
+        monkeypatch.setattr(step_cache, "_tensor_guards", None)
+        monkeypatch.setattr(step_cache, "_dict_versions", None)
+    elif step_cache.tensor_guards() is None or step_cache.dict_versions() is None:
+        pytest.skip("this torch lacks TensorGuards or dict_version (or they failed their probes)")
+    return request.param
+
+
 class Twins:
     """A numba optimizer and a reference one on identical params; every action goes to both."""
 
@@ -165,6 +178,178 @@ def test_groups_the_cache_does_not_keep_take_the_full_path(spy, options):
     assert spy.counts() == (0, 0, 0)
 
 
+def test_the_bulk_check_is_used_where_available(spy, form_checks):
+    twins = Twins()
+    warm(twins, spy)
+    assert (twins.opt._group_launches[0].guards is not None) == (form_checks == "torch checks")
+
+
+def test_a_refusal_of_the_bulk_check_falls_back_to_the_python_checks(spy):
+    """torch's check compares more than the cache needs (requires_grad): a param whose
+    requires_grad was switched off fails it, passes the Python checks, and reuses."""
+    twins = Twins()
+    warm(twins, spy)
+    twins.each(lambda opt, params: params[1].requires_grad_(False))
+    reused = spy.reused
+    for _ in range(2):
+        twins.grads_and_step()
+    assert spy.counts()[:2] == (reused + 2, 0)
+
+
+def test_a_grad_given_to_two_params_is_checked_in_python(spy):
+    """torch's check refuses a tensor passed twice; the same grad object on two params of one
+    shape is still a valid step, checked by the Python fallback."""
+    twins = Twins(shapes=[(5,), (5,), (3,)])
+    warm(twins, spy)
+    reused = spy.reused
+    for _ in range(2):
+        twins.grads()
+        twins.each(lambda opt, params: setattr(params[1], "grad", params[0].grad))
+        twins.step()
+    assert spy.counts()[:2] == (reused + 2, 0)
+
+
+@pytest.mark.parametrize("blind_to", range(11))
+def test_probing_refuses_dict_versions_that_miss_a_change(monkeypatch, blind_to):
+    """A dict_version that misses one of the probe's changes (its call after change
+    ``blind_to`` answers the version before it) is refused, or one that reads as a change."""
+    real = step_cache._probe_versions()
+    if real is None:
+        pytest.skip("this torch has no usable dict_version")
+    calls = []
+
+    def blind(d):
+        calls.append(real(d))
+        return calls[-2] if len(calls) == blind_to + 2 else calls[-1]
+
+    monkeypatch.setattr(torch._C._dynamo.guards, "dict_version", blind)
+    assert step_cache._probe_versions() is None
+    monkeypatch.setattr(torch._C._dynamo.guards, "dict_version", lambda d: len(calls.append(0) or calls))
+    assert step_cache._probe_versions() is None  # (changes at every read)
+
+
+def test_probing_refuses_a_bulk_check_that_misses_a_change(monkeypatch):
+    """The probe tries the kinds of change the cache relies on torch's check to see."""
+    real = step_cache._probe_guards()
+    if real is None:
+        pytest.skip("this torch has no usable TensorGuards")
+
+    class Blind:  # a check that only compares dtypes
+        def __init__(self, *tensors, **kwargs):
+            self.dtypes = [t.dtype for t in tensors]
+
+        def check(self, *tensors):
+            return [t.dtype for t in tensors] == self.dtypes
+
+    monkeypatch.setattr(torch._C._dynamo.guards, "TensorGuards", Blind)
+    assert step_cache._probe_guards() is None
+
+
+# ---------------------------------------------------------------- a group's settings, checked once
+@pytest.mark.parametrize("edit", ["betas in place", "betas", "lr", "new key", "lr tensor in place", "renamed key"])
+def test_a_group_edit_is_checked_after_unchanged_steps(spy, edit):
+    """A group's settings are checked again only when a value changed (identity), or could
+    have changed in place (a list, a tensor or a dict hyper-parameter); every bad edit still
+    raises and changes nothing."""
+    twins = Twins(bf16opt.Adam)
+    twins.each(lambda opt, params: opt.param_groups[0].__setitem__("betas", [0.9, 0.999]) if "in place" in edit
+               and edit.startswith("betas") else None)
+    twins.each(lambda opt, params: opt.param_groups[0].__setitem__(
+        "lr", torch.tensor(0.01)) if edit == "lr tensor in place" else None)
+    warm(twins, spy)
+    twins.grads()
+    for opt in twins.opts.values():
+        group = opt.param_groups[0]
+        if edit == "betas in place":
+            group["betas"][0] = 1.5
+        elif edit == "betas":
+            group["betas"] = (1.5, 0.999)
+        elif edit == "lr":
+            group["lr"] = -1.0
+        elif edit == "new key":
+            group["capturable"] = True
+        elif edit == "renamed key":  # the same values in the same order, under other keys
+            last = list(group)[-1]
+            assert group[last] is None and "sr_streams" not in group
+            group["sr_streams"] = group.pop(last)  # (None: not "position")
+        else:
+            group["lr"].fill_(-1.0)
+        before = snapshot(opt)
+        with pytest.raises((ValueError, TypeError)):
+            opt.step()
+        assert_unchanged(opt, before)
+
+
+# ---------------------------------------------------------------- the state view
+def test_a_new_state_mapping_with_the_same_items_reuses(spy):
+    twins = Twins()
+    warm(twins, spy)
+    reused = spy.reused
+    for _ in range(2):
+        twins.each(lambda opt, params: setattr(opt, "state", dict(opt.state)))
+        twins.grads_and_step()
+    assert spy.counts()[:2] == (reused + 2, 0)
+
+
+def test_a_state_mapping_of_another_type_is_looked_up(spy):
+    """A mapping whose ``get`` answers otherwise than its items: each param's state is looked
+    up with ``get``, as the full path does (here: the same states, reused; then ``get``
+    gives another state for param 0, refused though the items did not change)."""
+    class Mapping(dict):
+        other = None
+
+        def get(self, key, default=None):
+            return self.other if self.other is not None and key is self.first else super().get(key, default)
+
+    twins = Twins()
+    warm(twins, spy)
+
+    def remap(opt, params):
+        opt.state = Mapping(opt.state)
+        opt.state.first = params[0]
+
+    twins.each(remap)
+    reused = spy.reused
+    twins.grads_and_step()
+    assert spy.counts()[:2] == (reused + 1, 0)
+    twins.each(lambda opt, params: setattr(opt.state, "other", copy.deepcopy(opt.state[params[0]])))
+    twins.grads()
+    for opt in twins.opts.values():
+        opt.step()
+    assert spy.counts()[:2] == (reused + 1, 1)
+
+
+def test_a_state_replaced_in_another_group_keeps_this_groups_launch(spy):
+    """Two groups: a param of the second gets a new state dict; the first group's params'
+    states are looked up (the view changed) and found unchanged, the second rebuilds."""
+    twins = Twins()
+    for backend, opt in twins.opts.items():
+        params = twins.params[backend]
+        opt.param_groups[0]["params"] = params[:3]
+        opt.add_param_group({"params": params[3:]})
+    warm(twins, spy)
+    reused, refused, built = spy.counts()
+    twins.each(_replace_state)  # params[3]: the second group
+    twins.grads_and_step()
+    assert spy.counts() == (reused + 1, refused + 1, built + 1)
+    twins.grads_and_step()
+    assert spy.counts() == (reused + 3, refused + 1, built + 1)
+
+
+def test_states_swapped_between_params_refuse(spy):
+    """The same state dicts, given to other params: the view changed, the lookup sees it."""
+    twins = Twins(shapes=[(5,), (5,), (3,)])
+    warm(twins, spy)
+    refused = spy.refused
+
+    def swap(opt, params):
+        opt.state[params[0]], opt.state[params[1]] = opt.state[params[1]], opt.state[params[0]]
+
+    twins.each(swap)
+    twins.grads_and_step()
+    assert spy.refused == refused + 1
+
+
 # ---------------------------------------------------------------- every change rebuilds
 def _replace_param_list(opt, params):
     opt.param_groups[0]["params"] = opt.param_groups[0]["params"][:-1]
@@ -201,6 +386,11 @@ def _replace_state(opt, params):
     opt.state[params[3]] = {key: value.clone() for key, value in opt.state[params[3]].items()}
 
 
+def _rename_state_key(opt, params):
+    state = opt.state[params[2]]
+    state["renamed"] = state.pop("exp_avg_sq")  # the same tensors in the same order, under another key
+
+
 def _drop_state(opt, params):
     opt.state[params[0]] = None  # as good as no state: made afresh
 
@@ -234,6 +424,7 @@ CHANGES = [
     (_replace_state_tensor, True, True),
     (_move_state_tensor, True, True),
     (_replace_state, True, True),
+    (_rename_state_key, False, True),
     (_drop_state, False, True),
     (_edit_step_counter, True, True),
     (_replace_step_counter, False, False),  # a float32 counter
