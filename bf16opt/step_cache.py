@@ -15,14 +15,16 @@ in passes over lists that run in C, that everything they were built from still h
 * each updated param's dtype, shape, strides and address (``p.data = ...`` changes them);
 * which params have grads, and each grad's type, layout, dtype, shape, strides and device
   (a new grad only needs those to match: its address is put into the table every step);
-* each state dict, every key and value in it (identity) and every state tensor's address;
+* each state dict, every key and value in it (identity), every state tensor's dtype, shape
+  and strides (``m.data = m.data[:3]`` keeps identity and address) and its address;
 * the step counters: each exactly one more than after the last step (params whose counters
   differ go in different buckets), and below 2**53;
 * the number of Numba threads (the table's thread ranges).
 
 How, per step (~1 µs of Python per param; the fallbacks are exact, only slower):
 
-* the forms of params and grads (type, layout, device, dtype, shape, strides): one call of
+* the forms of params, grads and state tensors (type, layout, device, dtype, shape,
+  strides): one call of
   torch.compile's C++ ``TensorGuards`` check over all of them (private API: used only once
   :func:`_probe_guards` has seen it refuse each kind of change; when it refuses, e.g. a
   param whose requires_grad was switched, the checks in Python decide);
@@ -219,12 +221,16 @@ class GroupLaunch:
         self.param_strides = list(map(_STRIDES, updated))
         self.grad_forms = list(map(_GRAD_FORM, grads))
         self.grad_strides = list(map(_STRIDES, grads))
-        self.guards = _guards_of(updated + grads)  # (holds no tensor: their forms alone)
         sized = [grad.numel() > 0 for grad in grads]  # (an empty tensor may have address 0)
         self.sized_grads = slice(None) if all(sized) else np.array(sized)
         self.states = list(map(optimizer.state.get, updated))
         self.found_under = StateView(optimizer.state)  # the view self.states were last found under
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
+        # a state tensor reshaped or retyped in place keeps its identity and address
+        # (``m.data = m.data[:3]``): its form is checked as the params' are
+        self.value_forms = list(map(_PARAM_FORM, self.values))
+        self.value_strides = list(map(_STRIDES, self.values))
+        self.guards = _guards_of(updated + grads + self.values)  # (holds no tensor: their forms alone)
         self.keys = list(chain.from_iterable(self.states))  # (str)
         self.versions = dict_versions()
         self.state_versions = None if self.versions is None else list(map(self.versions, self.states))
@@ -252,7 +258,7 @@ class GroupLaunch:
             if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
                 return None
             grads = list(compress(grads, self.has_grad))
-        if (self.guards is None or self.guards.check(*self.updated, *grads) is not True) \
+        if (self.guards is None or self.guards.check(*self.updated, *grads, *self.values) is not True) \
                 and not self._forms_hold(grads):
             return None
         grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
@@ -296,7 +302,9 @@ class GroupLaunch:
         return _PLAIN.issuperset(map(type, grads)) and list(map(_GRAD_FORM, grads)) == self.grad_forms \
             and list(map(_STRIDES, grads)) == self.grad_strides \
             and list(map(_PARAM_FORM, self.updated)) == self.param_forms \
-            and list(map(_STRIDES, self.updated)) == self.param_strides
+            and list(map(_STRIDES, self.updated)) == self.param_strides \
+            and list(map(_PARAM_FORM, self.values)) == self.value_forms \
+            and list(map(_STRIDES, self.values)) == self.value_strides
 
 
 def build(optimizer, group: dict, first_index: int, precision, entries: list, buckets: list) -> Optional[GroupLaunch]:

@@ -540,6 +540,29 @@ def test_numba_thread_count_change_refuses_the_kept_launch(spy):
     assert spy.refused == before[1] + 2  # and back
 
 
+@pytest.mark.parametrize("edit", ["shrink", "reinterpret", "reshape"])
+def test_a_state_tensor_changed_in_place_refuses_the_kept_launch(spy, edit):
+    """A state tensor given another form at the same address (identity kept) is not written
+    through the kept launch: the full path refuses it by name, as it would without a cache,
+    and leaves everything as it was."""
+    twins = Twins()
+    warm(twins, spy)
+    twins.grads()
+    opt, params = twins.opt, twins.params["numba"]
+    before = snapshot(opt)
+    moment = opt.state[params[0]]["exp_avg"]  # (6, 6) bf16
+    address, kept = moment.data_ptr(), moment.data
+    moment.data = {"shrink": kept.view(-1)[:3], "reinterpret": kept.view(torch.float16),
+                   "reshape": kept.view(4, 9)}[edit]
+    assert moment.data_ptr() == address
+    reused = spy.reused
+    with pytest.raises(ValueError, match="exp_avg of param 0"):
+        opt.step()
+    assert spy.reused == reused
+    moment.data = kept
+    assert_unchanged(opt, before)
+
+
 # ---------------------------------------------------------------- a failed step changes nothing
 def _bad_grad(opt, params):
     params[-1].grad.data = torch.zeros(3, dtype=params[-1].dtype)  # (torch refuses it as a new grad)
