@@ -19,19 +19,23 @@ __all__ = ["chunk_function"]
 
 @functools.lru_cache(maxsize=None)
 def chunk_function(formats: tuple, weights: str, moments: str, track: bool, momentum: bool = False,
-                   l2: bool = False, nesterov: bool = False, first: bool = False):
+                   l2: bool = False, nesterov: bool = False, first: bool = False, unit: bool = False):
     """The compiled SGD chunk function of one configuration (memoised; on-disk cached).
 
     ``formats``: numpy element classes of ``bf16opt.algorithms.SGD.roles`` (param, grad,
     companion, momentum_buffer); ``momentum``: the buffer exists; ``first``: its first
-    step (the buffer becomes the gradient, as torch clones it); the other arguments as for
+    step (the buffer becomes the gradient, as torch clones it); ``unit``: the step's
+    unscaling factor (``inv_grad_scale * sign``) and ``1 - dampening`` are both exactly 1, and
+    their two multiplications per element are left out -- the same bits (``x * 1`` is exact,
+    and a NaN is made canonical when stored either way), chosen per call by the backend from
+    the scalars (a run-time branch per element would cost what it saves); the other arguments as for
     :func:`adam.chunk_function`.  The scalars are ``SGDScalars`` (``inv_grad_scale`` last) followed by ``sign``.
     """
     param_format, grad_format, companion_format, buffer_format = formats
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments, track = str(weights), str(moments), bool(track)
-    momentum, l2, nesterov, first = bool(momentum), bool(l2), bool(nesterov), bool(first)
+    momentum, l2, nesterov, first, unit = bool(momentum), bool(l2), bool(nesterov), bool(first), bool(unit)
     reads_buffer = momentum and not first
     reads_param, has_companion = WEIGHT_ARRAYS[weights]
     present = (param_format, grad_format) + ((companion_format,) if has_companion else ()) + \
@@ -53,7 +57,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         def update(g, p, comp, b, element):
             """Stored elements of grad, param, companion, momentum buffer in; the elements to
             store and the telemetry flags (swallowed, buffer underflow) out."""
-            g = decode(g) * scale
+            g = decode(g) if unit else decode(g) * scale
             w0 = master_value(weights, p, comp)
             w = w0
             if l2:
@@ -65,7 +69,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
                     b_new = g
                 else:
                     b_new = decode(b) * momentum_factor
-                    t = g * one_minus_dampening
+                    t = g if unit else g * one_minus_dampening
                     b_new = b_new + t
                 if nesterov:
                     t = b_new * momentum_factor

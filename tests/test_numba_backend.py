@@ -647,3 +647,44 @@ def test_step_allocates_nothing_the_size_of_the_params(optimizer, preset):
     with peak:
         opt.step()
     assert peak.peak < (1 << 20), f"a step grew resident memory by {peak.mib:.1f} MiB"
+
+
+@pytest.mark.parametrize("change", ["dampening", "grad scale", "maximize"])
+@pytest.mark.parametrize("preset", ["bf16", "fp32", "bf16-kahan", "bf16-sr"])
+def test_sgd_without_multiplications_by_one_has_the_same_bits(monkeypatch, preset, change):
+    """SGD's kernel leaves out its multiplications by 1 (unscaling factor and 1 - dampening)
+    at the steps whose scalars make them 1, and only there -- also when a kept launch is
+    reused and the scalars change under it -- with the reference's bits at every step."""
+    used = []
+    chunk_function = numba_backend.chunk_function
+    monkeypatch.setattr(numba_backend, "chunk_function",
+                        lambda config, unit=False: used.append(unit) or chunk_function(config, unit))
+    gen = torch.Generator().manual_seed(3)
+    values = [torch.randn(shape, generator=gen).bfloat16() for shape in [(6, 6), (5,), (130,)]]
+    params = {backend: [torch.nn.Parameter(v.clone()) for v in values] for backend in ("numba", "reference")}
+    opts = {backend: bf16opt.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-4, precision=preset, backend=backend)
+            for backend, ps in params.items()}
+
+    def step(changed: bool) -> None:
+        grads = [torch.randn(v.shape, generator=gen).bfloat16() for v in values]
+        for backend, opt in opts.items():
+            for p, g in zip(params[backend], grads):
+                p.grad = g.clone()
+            opt.param_groups[0]["dampening"] = 0.25 if changed and change == "dampening" else 0.0
+            opt.param_groups[0]["maximize"] = changed and change == "maximize"
+            scale = torch.tensor([4.0 if changed and change == "grad scale" else 1.0])
+            opt.step(grad_scale=scale, found_inf=torch.zeros(1))
+        for p, q in zip(params["numba"], params["reference"]):
+            assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16))
+        for p, q in zip(params["numba"], params["reference"]):
+            for key, value in opts["numba"].state[p].items():
+                other = opts["reference"].state[q][key]
+                assert torch.equal(value.view(-1).view(torch.uint8), other.view(-1).view(torch.uint8)), key
+
+    seen = set()
+    for changed in (False, False, False, True, True, False):
+        used.clear()
+        step(changed)
+        assert set(used) <= {not changed}  # (a reused launch asks for its variant once: memoised)
+        seen.update(used)
+    assert seen == {True, False}

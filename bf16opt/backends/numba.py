@@ -108,14 +108,24 @@ def threads() -> int:
     return get_num_threads()
 
 
-def chunk_function(config: KernelConfig):
+def chunk_function(config: KernelConfig, unit: bool = False):
     """The compiled chunk function of ``config``: ``cpu_src/<algorithm>.py``'s
     ``chunk_function`` with the roles' element classes, the master policy, the rounding,
-    telemetry and every flag but ``maximize`` (a run-time scalar, ``sign``) as constants."""
+    telemetry and every flag but ``maximize`` (a run-time scalar, ``sign``) as constants;
+    ``unit``: SGD's variant for scalars of which :func:`unit_scalars` holds."""
     module = importlib.import_module(f"bf16opt._cpu.{config.algorithm.name}")  # cpu_src/<name>.py
     formats = tuple(np.float32 if dtype is None else _VIEW_DTYPES[dtype] for dtype in config.dtypes)
     flags = {name: value for name, value in config.flags if name != "maximize"}
+    if unit:
+        flags["unit"] = True
     return module.chunk_function(formats, config.weights, config.plan.rounding, config.track, **flags)
+
+
+def unit_scalars(config: KernelConfig, values: np.ndarray) -> bool:
+    """Whether SGD's kernel may leave out its multiplications by 1 at this step (``unit`` in
+    ``cpu_src/sgd.py``): ``1 - dampening`` and the unscaling factor times the sign of
+    maximize, as the kernel computes it, are exactly 1.  ``values``: :func:`_values`."""
+    return config.algorithm.name == "sgd" and values[1] == 1 and values[-2] * values[-1] == 1
 
 
 def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: list, chunks) -> tuple:
@@ -184,10 +194,10 @@ def prepare(bucket: Bucket, scalars):
                          f"(bucket.indices has {len(bucket.indices)} entries for {n} params)")
     check(bucket, "numba")
     chunks = _chunks()
-    chunk = chunk_function(config)
+    values = _values(config, scalars)
+    chunk = chunk_function(config, unit_scalars(config, values))
     keys = stream_keys(bucket.seed, bucket.step, bucket.streams()) if config.stochastic else \
         np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
-    values = _values(config, scalars)
     itemsizes = _itemsizes(config)
 
     def launch() -> None:
@@ -222,7 +232,7 @@ class Relaunch:
     def __init__(self, bucket: Bucket, table: np.ndarray, bounds: np.ndarray, grad_positions: list):
         config = self.config = bucket.config
         chunks = _chunks()
-        self.address = chunk_function(config).address
+        self.addresses = {}  # unit_scalars -> the chunk function's address (SGD has two)
         self.table, self.bounds = table.copy(), bounds
         # row r reads the grad at grad_addresses[grad_of_row[r]] (run's argument), from element start
         self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
@@ -232,7 +242,17 @@ class Relaunch:
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
 
     def values(self, scalars) -> np.ndarray:
-        return _values(self.config, scalars)
+        """The kernel's scalars (and its chunk function for them made ready: a step's phase one)."""
+        values = _values(self.config, scalars)
+        self._address(values)
+        return values
+
+    def _address(self, values: np.ndarray) -> int:
+        unit = unit_scalars(self.config, values)
+        address = self.addresses.get(unit)
+        if address is None:
+            address = self.addresses[unit] = chunk_function(self.config, unit).address
+        return address
 
     def keys(self, step: int) -> np.ndarray:
         return stream_keys(self.seed, step, self.streams) if self.config.stochastic else self.unused_keys
@@ -241,7 +261,7 @@ class Relaunch:
         """The kernel call with the grads at ``grad_addresses`` (int64, indexed by the
         ``grad_positions`` given at construction)."""
         self.table[:, _GRAD_COLUMN] = grad_addresses[self.grad_of_row] + self.grad_row_bytes
-        _call(self.address, self.table, values, keys, self.row_counts, self.bounds)
+        _call(self._address(values), self.table, values, keys, self.row_counts, self.bounds)
 
 
 def relaunch(bucket: Bucket, grad_positions: list) -> "Relaunch | None":
