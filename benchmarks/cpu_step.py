@@ -347,13 +347,7 @@ def peer_table(n: int, repeats: int) -> list:
         if other is None:
             print(f"{label:36} {peer:24} (not installed or does not build here)")
             continue
-        times = {"bf16opt": [], "peer": []}
-        ours(), other()
-        for _ in range(repeats):
-            for name, fn in (("bf16opt", ours), ("peer", other)):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        times = timings({"bf16opt": ours, "peer": other}, repeats)
         ratios = sorted(a / b for a, b in zip(times["bf16opt"], times["peer"]))
         row = dict(configuration=label, peer=peer, ratio=statistics.median(ratios),
                    bf16opt=statistics.median(times["bf16opt"]), peer_time=statistics.median(times["peer"]))

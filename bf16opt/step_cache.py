@@ -217,8 +217,6 @@ class GroupLaunch:
         has_grad = list(map(operator.is_not, map(_GRAD, self.params), repeat(None)))
         self.has_grad = None if all(has_grad) else has_grad  # (None: a missing grad fails the type check)
         self.updated = updated
-        self.param_forms = list(map(_PARAM_FORM, updated))
-        self.param_strides = list(map(_STRIDES, updated))
         self.grad_forms = list(map(_GRAD_FORM, grads))
         self.grad_strides = list(map(_STRIDES, grads))
         sized = [grad.numel() > 0 for grad in grads]  # (an empty tensor may have address 0)
@@ -226,16 +224,16 @@ class GroupLaunch:
         self.states = list(map(optimizer.state.get, updated))
         self.found_under = StateView(optimizer.state)  # the view self.states were last found under
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
-        # a state tensor reshaped or retyped in place keeps its identity and address
-        # (``m.data = m.data[:3]``): its form is checked as the params' are
-        self.value_forms = list(map(_PARAM_FORM, self.values))
-        self.value_strides = list(map(_STRIDES, self.values))
-        self.guards = _guards_of(updated + grads + self.values)  # (holds no tensor: their forms alone)
+        self.addressed = updated + self.values  # (one list: no chain per step)
+        self.addresses = list(map(_ADDRESS, self.addressed))
+        # forms of params and state tensors (a state tensor reshaped or retyped in place,
+        # ``m.data = m.data[:3]``, keeps its identity and address)
+        self.forms = list(map(_PARAM_FORM, self.addressed))
+        self.strides = list(map(_STRIDES, self.addressed))
+        self.guards = _guards_of(self.addressed + grads)  # (holds no tensor: their forms alone)
         self.keys = list(chain.from_iterable(self.states))  # (str)
         self.versions = dict_versions()
         self.state_versions = None if self.versions is None else list(map(self.versions, self.states))
-        self.addressed = updated + self.values  # (one list: no chain per step)
-        self.addresses = list(map(_ADDRESS, self.addressed))
         self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
         self.steps = np.array([state["step"].item() for state in self.states])  # the counters after the last step
         self.helpers = numba_backend.helpers()
@@ -258,7 +256,7 @@ class GroupLaunch:
             if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
                 return None
             grads = list(compress(grads, self.has_grad))
-        if (self.guards is None or self.guards.check(*self.updated, *grads, *self.values) is not True) \
+        if (self.guards is None or self.guards.check(*self.addressed, *grads) is not True) \
                 and not self._forms_hold(grads):
             return None
         grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
@@ -301,10 +299,8 @@ class GroupLaunch:
         e.g. on a param whose requires_grad was switched)."""
         return _PLAIN.issuperset(map(type, grads)) and list(map(_GRAD_FORM, grads)) == self.grad_forms \
             and list(map(_STRIDES, grads)) == self.grad_strides \
-            and list(map(_PARAM_FORM, self.updated)) == self.param_forms \
-            and list(map(_STRIDES, self.updated)) == self.param_strides \
-            and list(map(_PARAM_FORM, self.values)) == self.value_forms \
-            and list(map(_STRIDES, self.values)) == self.value_strides
+            and list(map(_PARAM_FORM, self.addressed)) == self.forms \
+            and list(map(_STRIDES, self.addressed)) == self.strides
 
 
 def build(optimizer, group: dict, first_index: int, precision, entries: list, buckets: list) -> Optional[GroupLaunch]:

@@ -48,7 +48,7 @@ import threading
 import numpy as np
 import torch
 
-from ..algorithms import ELEMENT_BYTES, KernelConfig
+from ..algorithms import ELEMENT_BYTES, SGD, KernelConfig
 from ..storage import GOLDEN, MASK32, fmix32_int
 from .base import Bucket
 from .staging import check, stage
@@ -125,7 +125,10 @@ def unit_scalars(config: KernelConfig, values: np.ndarray) -> bool:
     """Whether SGD's kernel may leave out its multiplications by 1 at this step (``unit`` in
     ``cpu_src/sgd.py``): ``1 - dampening`` and the unscaling factor times the sign of
     maximize, as the kernel computes it, are exactly 1.  ``values``: :func:`_values`."""
-    return config.algorithm.name == "sgd" and values[1] == 1 and values[-2] * values[-1] == 1
+    return config.algorithm is SGD and values[_ONE_MINUS_DAMPENING] == 1 and values[-2] * values[-1] == 1
+
+
+_ONE_MINUS_DAMPENING = SGD.scalars._fields.index("one_minus_dampening")  # (its place in _values)
 
 
 def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: list, chunks) -> tuple:
