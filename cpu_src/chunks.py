@@ -26,13 +26,15 @@ counters, so results do not depend on the chunk size or the number of threads.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic
 
 __all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KEYS", "balanced_bounds", "build_chunk_table",
-           "run_chunks", "run_chunks_serial", "tensor_counts"]
+           "chunk_compiler", "run_chunks", "run_chunks_serial", "tensor_counts"]
 
 #: elements per chunk: large enough for long vector loops, small enough to balance threads
 CHUNK = 1 << 15
@@ -45,6 +47,28 @@ COUNTERS = 3
 
 CHUNK_SIGNATURE = types.void(types.CPointer(types.int64), types.CPointer(types.float32),
                              types.CPointer(types.uint32), types.CPointer(types.int64))
+
+
+def chunk_compiler(configuration: tuple):
+    """Decorator compiling a chunk function of one ``configuration`` (the arguments it was
+    made from, a tuple with a deterministic repr): a ``cfunc`` of :data:`CHUNK_SIGNATURE`,
+    cached on disk under a name of its own.
+
+    Why a name of its own: Numba keeps every cached compilation of one Python function in
+    one index file, and its save reads the index, adds the entry under the first unused
+    data-file number and writes index and data file separately.  Two processes saving
+    different configurations at once (xdist workers, DDP ranks on first use) can both take
+    the same number, so one configuration's entry ends up naming the other's machine code
+    -- a wrong update or a crash in every later process (numba issue 4807).  With one index
+    per configuration, processes writing one index at once write the same compilation.
+    """
+    digest = hashlib.sha256(repr(configuration).encode()).hexdigest()[:16]
+
+    def compile_chunk(function):
+        function.__qualname__ = f"{function.__qualname__}_{digest}"
+        return cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")(function)
+
+    return compile_chunk
 
 
 def build_chunk_table(addresses: np.ndarray, itemsizes: np.ndarray, numels: np.ndarray,

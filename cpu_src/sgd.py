@@ -7,10 +7,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cfunc
 
 from .adam import SIXTEEN_BITS
-from .chunks import CHUNK_SIGNATURE
+from .chunks import chunk_compiler
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
                       encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
 
@@ -42,7 +41,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         ((buffer_format,) if momentum else ())
     paired = all(f in SIXTEEN_BITS for f in present)
 
-    @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
+    @chunk_compiler((formats, weights, moments, track, momentum, l2, nesterov, first, unit))
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
