@@ -34,8 +34,13 @@ How, per step (~1 µs of Python per param; the fallbacks are exact, only slower)
   state is looked up; each state dict at the same version, else (without versions) the
   same values and keys.  Without versions, :class:`StateView` compares the mapping's
   keys and values by identity instead of a lookup per param (``Tensor.__hash__`` is Python);
-* addresses, as ``data_ptr`` (no bulk form exists in torch's public or private API that
-  cannot raise inside compiled code).
+* addresses (params', state tensors', grads'): one compiled call over the tensors' ids
+  (``cpu_src/step_helpers.py``) that reads each address through torch's C function
+  ``_torchinductor_pyobject_tensor_data_ptr`` (private API, the one torch.compile's
+  generated C++ calls; used once :func:`_probe_reader` has seen it answer ``data_ptr``'s
+  address), only for tensors whose forms torch's check has just confirmed (dense, with
+  storage: the function raises a C++ exception otherwise, which compiled code cannot
+  catch); else ``data_ptr`` per tensor.
 
 The group's hyper-parameter checks (``MixedPrecisionOptimizer._group_precision``) run again
 only when a value of the group changed or could change in place.
@@ -143,6 +148,39 @@ def _probe_versions():
     return None
 
 
+_address_reader = _UNPROBED  # torch's C function reading a tensor's address once probed (address_reader()), or None
+
+
+def address_reader() -> Optional[int]:
+    """The address of torch's C function ``void *(PyObject *tensor)`` giving a dense
+    tensor's data address (``_torchinductor_pyobject_tensor_data_ptr``, private API), or None
+    when this torch lacks it or it does not answer as :func:`_probe_reader` expects."""
+    global _address_reader
+    if _address_reader is _UNPROBED:
+        _address_reader = _probe_reader()
+    return _address_reader
+
+
+def _probe_reader() -> Optional[int]:
+    """The function's address if, called from compiled code, it gives ``data_ptr`` of dense
+    tensors of several forms (offset views, a Parameter, empty, 0-dim), else None."""
+    try:
+        from torch._C._dynamo.guards import _torchinductor_pyobject_tensor_data_ptr as reader  # noqa: PLC0415
+        if type(reader) is not int or reader <= 0:  # (an address, as torch exports it)
+            return None
+        examples = [torch.zeros(3), torch.zeros(4, 5, dtype=torch.bfloat16)[1:, 2:],
+                    torch.nn.Parameter(torch.zeros(2)), torch.zeros(0), torch.zeros((), dtype=torch.float64),
+                    torch.zeros(6)[5:]]
+        addresses = np.zeros(len(examples), dtype=np.int64)
+        numba_backend.helpers().read_addresses(reader, np.array(list(map(id, examples)), dtype=np.int64),
+                                               addresses)
+        if addresses.tolist() == list(map(_ADDRESS, examples)):
+            return reader
+    except Exception:  # noqa: BLE001  (any failure: data_ptr)
+        pass
+    return None
+
+
 def _guards_of(tensors: list):
     """A bulk check that ``tensors`` (distinct tensors) keep their types and forms, or None."""
     guards = tensor_guards()
@@ -226,11 +264,14 @@ class GroupLaunch:
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
         self.addressed = updated + self.values  # (one list: no chain per step)
         self.addresses = list(map(_ADDRESS, self.addressed))
+        self.ids = np.array(list(map(id, self.addressed)), dtype=np.int64)  # (this launch keeps them alive)
+        self.address_array = np.array(self.addresses, dtype=np.int64)
         # forms of params and state tensors (a state tensor reshaped or retyped in place,
         # ``m.data = m.data[:3]``, keeps its identity and address)
         self.forms = list(map(_PARAM_FORM, self.addressed))
         self.strides = list(map(_STRIDES, self.addressed))
         self.guards = _guards_of(self.addressed + grads)  # (holds no tensor: their forms alone)
+        self.reader = address_reader() if self.guards is not None else None
         self.keys = list(chain.from_iterable(self.states))  # (str)
         self.versions = dict_versions()
         self.state_versions = None if self.versions is None else list(map(self.versions, self.states))
@@ -256,10 +297,17 @@ class GroupLaunch:
             if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
                 return None
             grads = list(compress(grads, self.has_grad))
-        if (self.guards is None or self.guards.check(*self.addressed, *grads) is not True) \
-                and not self._forms_hold(grads):
+        guarded = self.guards is not None and self.guards.check(*self.addressed, *grads) is True
+        if not guarded and not self._forms_hold(grads):
             return None
-        grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
+        # (the compiled reading only of forms torch's check confirmed: see the module doc)
+        reader = self.reader if guarded else None
+        if reader is None:
+            grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
+        else:
+            grad_addresses = np.empty(len(grads), dtype=np.int64)
+            self.helpers.read_addresses(reader, np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
+                                        grad_addresses)
         if not grad_addresses[self.sized_grads].all():  # a grad without memory
             return None
         if view is None or not view.matches(self.found_under):
@@ -269,7 +317,8 @@ class GroupLaunch:
         if (list(map(self.versions, self.states)) != self.state_versions if self.state_versions is not None
                 else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values)
                 or list(chain.from_iterable(self.states)) != self.keys) \
-                or list(map(_ADDRESS, self.addressed)) != self.addresses \
+                or (list(map(_ADDRESS, self.addressed)) != self.addresses if reader is None
+                    else not self.helpers.addresses_equal(reader, self.ids, self.address_array)) \
                 or numba_backend.threads() != self.threads \
                 or not self.helpers.counters_equal(self.counter_addresses, self.steps):  # (addresses checked)
             return None

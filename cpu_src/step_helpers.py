@@ -1,6 +1,6 @@
 """Per-step bookkeeping of the Numba backend as one compiled call each, not one numpy or
-torch call per tensor: the step counters, read and advanced through their addresses, and
-the stochastic-rounding stream keys of a bucket's tensors.
+torch call per tensor: the step counters, read and advanced through their addresses, the
+stochastic-rounding stream keys of a bucket's tensors, and tensors' data addresses.
 
 What for: a step over ~150 small params would spend more time in these per-tensor calls
 (``torch._foreach_add_`` falls back to a loop on CPU) than in its update.  The step cache
@@ -11,7 +11,9 @@ passes them here.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from .storage import pointer_to
 
@@ -55,3 +57,39 @@ def stream_keys(key, tensors, keys):
         tensor = _fmix32(((key ^ (tensors[i] & _MASK32)) + _GOLDEN) & _MASK32)
         for buffer in range(keys.shape[1]):
             keys[i, buffer] = _fmix32(((tensor ^ np.uint64(buffer)) + _GOLDEN) & _MASK32)
+
+
+@intrinsic
+def _address_of(typingctx, reader, tensor):
+    """``reader(tensor)``: the C function at address ``reader``, ``void *(PyObject *)``, called
+    with the object at address ``tensor`` (its ``id``); the pointer it returns as an int64."""
+    if not isinstance(reader, types.Integer) or not isinstance(tensor, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        bytes_pointer = ir.IntType(8).as_pointer()
+        function = builder.inttoptr(args[0], ir.FunctionType(bytes_pointer, [bytes_pointer]).as_pointer())
+        address = builder.call(function, [builder.inttoptr(args[1], bytes_pointer)])
+        return builder.ptrtoint(address, ir.IntType(64))
+
+    return types.int64(reader, tensor), codegen
+
+
+# (the two below keep the GIL: ``reader`` reads Python objects)
+@njit(cache=True)
+def read_addresses(reader, tensors, out):
+    """``out[i]``: the data address of the tensor whose ``id`` is ``tensors[i]``, read by
+    ``reader`` (torch's C function, see ``bf16opt/step_cache.py``'s ``address_reader``).
+    The caller keeps the tensors alive and has checked that they are dense tensors."""
+    for i in range(tensors.size):
+        out[i] = _address_of(reader, tensors[i])
+
+
+@njit(cache=True)
+def addresses_equal(reader, tensors, expected):
+    """True when the tensor whose ``id`` is ``tensors[i]`` has its data at ``expected[i]``,
+    for every ``i`` (as :func:`read_addresses`)."""
+    for i in range(tensors.size):
+        if _address_of(reader, tensors[i]) != expected[i]:
+            return False
+    return True

@@ -11,6 +11,7 @@ step builds again).  Nothing here is timed.
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
 import weakref
 
@@ -63,13 +64,16 @@ def spy(monkeypatch):
 @pytest.fixture(autouse=True, params=["torch checks", "python checks"])
 def form_checks(request, monkeypatch):
     """Every test twice: with torch's private helpers where this torch has them (params' and
-    grads' forms in one check, TensorGuards; dicts' versions, dict_version), and with the
-    Python fallback."""
+    grads' forms in one check, TensorGuards; dicts' versions, dict_version; addresses read in
+    compiled code, _torchinductor_pyobject_tensor_data_ptr), and with the Python fallback."""
     if request.param == "python checks":
         monkeypatch.setattr(step_cache, "_tensor_guards", None)
         monkeypatch.setattr(step_cache, "_dict_versions", None)
-    elif step_cache.tensor_guards() is None or step_cache.dict_versions() is None:
-        pytest.skip("this torch lacks TensorGuards or dict_version (or they failed their probes)")
+        monkeypatch.setattr(step_cache, "_address_reader", None)
+    elif step_cache.tensor_guards() is None or step_cache.dict_versions() is None \
+            or step_cache.address_reader() is None:
+        pytest.skip("this torch lacks TensorGuards, dict_version or _torchinductor_pyobject_tensor_data_ptr "
+                    "(or they failed their probes)")
     return request.param
 
 
@@ -243,6 +247,17 @@ def test_probing_refuses_a_bulk_check_that_misses_a_change(monkeypatch):
 
     monkeypatch.setattr(torch._C._dynamo.guards, "TensorGuards", Blind)
     assert step_cache._probe_guards() is None
+
+
+def test_probing_refuses_a_reader_of_other_addresses(monkeypatch):
+    """The probe compares the function's answers with data_ptr's: a C function of the same
+    signature that answers the object's own address, or not a function address, is refused."""
+    if step_cache._probe_reader() is None:
+        pytest.skip("this torch has no usable _torchinductor_pyobject_tensor_data_ptr")
+    own_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda tensor: tensor)
+    for reader in (ctypes.cast(own_address, ctypes.c_void_p).value, "not an address", 0):
+        monkeypatch.setattr(torch._C._dynamo.guards, "_torchinductor_pyobject_tensor_data_ptr", reader)
+        assert step_cache._probe_reader() is None
 
 
 # ---------------------------------------------------------------- a group's settings, checked once
