@@ -1,0 +1,101 @@
+"""Step hooks and the profiler's step scope, as torch.optim has them.
+
+bf16opt wraps ``step`` itself (``MixedPrecisionOptimizer.profile_hook_step``): torch's
+wrapper enters a ``record_function`` scope at every step, which costs more than the rest of
+a small step's bookkeeping; bf16opt enters it only while a profiler runs.  Everything else
+must be torch's: global and per-optimizer pre- and post-hooks, in torch's order, a
+pre-hook's replacement arguments, torch's error for a bad pre-hook result, and the scope
+``Optimizer.step#<class>.step`` in a profile.  Each test runs the same thing on
+torch.optim.AdamW and bf16opt.AdamW and compares.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+import bf16opt
+
+
+def make(cls):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    if cls is bf16opt.AdamW:
+        opt = cls(model.parameters(), lr=0.1, precision="fp32", backend="numba")
+    else:
+        opt = cls(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def loss_of(model):
+    return model(torch.ones(2, 4)).square().sum()
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["no profiler", "profiler running"])
+def test_hooks_run_in_torchs_order_with_torchs_arguments(profiled):
+    logs = {}
+    for cls in (torch.optim.AdamW, bf16opt.AdamW):
+        model, opt = make(cls)
+        log = logs[cls] = []
+
+        def closure(model=model, log=log):
+            log.append("closure")
+            model.zero_grad()
+            loss = loss_of(model)
+            loss.backward()
+            return loss
+
+        handles = [
+            register_optimizer_step_pre_hook(lambda o, args, kwargs: log.append(("global pre", len(args), list(kwargs)))),
+            register_optimizer_step_post_hook(lambda o, args, kwargs: log.append(("global post", len(args), list(kwargs)))),
+            opt.register_step_pre_hook(lambda o, args, kwargs: log.append(("pre", len(args), list(kwargs)))),
+            # a pre-hook may replace the arguments: here it passes the closure
+            opt.register_step_pre_hook(lambda o, args, kwargs: (args, {"closure": closure})),
+            opt.register_step_post_hook(lambda o, args, kwargs: log.append(("post", len(args), list(kwargs)))),
+        ]
+        try:
+            if profiled:
+                with torch.profiler.profile():
+                    loss = opt.step()
+            else:
+                loss = opt.step()
+        finally:
+            for handle in handles:
+                handle.remove()
+        log.append(("loss", round(loss.item(), 4)))
+        log.append(("stepped", opt.state[model.weight]["step"].item()))
+    assert logs[bf16opt.AdamW] == logs[torch.optim.AdamW]
+    assert logs[bf16opt.AdamW][:5] == [("global pre", 1, []), ("pre", 1, []), "closure", ("post", 1, ["closure"]),
+                                       ("global post", 1, ["closure"])]
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["no profiler", "profiler running"])
+def test_a_bad_pre_hook_result_raises_torchs_error_before_the_step(profiled):
+    for cls in (torch.optim.AdamW, bf16opt.AdamW):
+        model, opt = make(cls)
+        loss_of(model).backward()
+        before = model.weight.detach().clone()
+        opt.register_step_pre_hook(lambda o, args, kwargs: "not a pair")
+        with pytest.raises(RuntimeError, match=r"must return None or a tuple of \(new_args, new_kwargs\), "
+                                               r"but got not a pair"):
+            if profiled:
+                with torch.profiler.profile():
+                    opt.step()
+            else:
+                opt.step()
+        assert torch.equal(model.weight, before)
+        assert opt.state == {} or not opt.state[model.weight]
+
+
+def test_a_profile_shows_the_step_scope_as_torchs_does():
+    scopes = {}
+    for cls in (torch.optim.AdamW, bf16opt.AdamW):
+        model, opt = make(cls)
+        loss_of(model).backward()
+        with torch.profiler.profile() as prof:
+            opt.step()
+        name = f"Optimizer.step#{cls.__name__}.step"
+        scopes[cls] = [(event.scope, event.device_type) for event in prof.events() if event.name == name]
+    assert scopes[bf16opt.AdamW] == scopes[torch.optim.AdamW]
+    assert len(scopes[torch.optim.AdamW]) == 1
