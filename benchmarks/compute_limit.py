@@ -32,9 +32,9 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cfunc, njit
+from numba import njit
 
-from bf16opt._cpu.chunks import CHUNK_SIGNATURE, COUNTERS, KEYS, run_chunks, run_chunks_serial
+from bf16opt._cpu.chunks import COUNTERS, KEYS, chunk_compiler, run_chunks, run_chunks_serial
 from bf16opt._cpu.storage import (bits_to_f32, element_index, f32_to_bits, high_half, low_half, pair_word,
                                   pointer_to, random_bits)
 
@@ -126,7 +126,7 @@ def chunk_function(algorithm: str, storage: Storage):
     w_format = thirty_two if master == "copy" else sixteen
     moment_format = sixteen if moments16 else thirty_two
 
-    @cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")
+    @chunk_compiler((algorithm, storage))
     def chunk(row, scalars, keys, counts):
         p = pointer_to(row[0], param_format)
         g = pointer_to(row[1], param_format)

@@ -75,7 +75,10 @@ OPTIMIZERS = {
 
 
 # ---------------------------------------------------------------- memory-limit kernels
-@njit(parallel=True, nogil=True, cache=True)
+# (not cached on disk: each is compiled for several dtype combinations, and Numba's cache
+# index of one function is not safe for processes adding different entries at once -- see
+# cpu_src/chunks.py's chunk_compiler; they compile in about a second)
+@njit(parallel=True, nogil=True)
 def _limit2(g, p, m):
     for i in prange(p.size):
         x = g[i]
@@ -83,7 +86,7 @@ def _limit2(g, p, m):
         m[i] += x
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True)
 def _limit3(g, p, m, v):
     for i in prange(p.size):
         x = g[i]
@@ -92,7 +95,7 @@ def _limit3(g, p, m, v):
         v[i] += x
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True)
 def _limit4(g, p, w, m, v):
     for i in prange(p.size):
         x = g[i]
