@@ -23,6 +23,12 @@ RACE = Path(__file__).with_name("kernel_cache_race.py")
 
 
 def test_processes_compiling_different_variants_at_once_leave_each_its_own_kernel(tmp_path):
+    from numba.core.caching import IndexDataCacheFile
+
+    missing = [name for name in ("save", "_load_index", "_save_index", "_save_data")
+               if not hasattr(IndexDataCacheFile, name)]
+    if missing:
+        pytest.skip(f"this numba's IndexDataCacheFile lacks {missing}: the forced interleaving cannot be installed")
     cache, flags = tmp_path / "cache", tmp_path / "flags"
     flags.mkdir()
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
