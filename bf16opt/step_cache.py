@@ -34,8 +34,10 @@ How, per step (~1 µs of Python per param; the fallbacks are exact, only slower)
   state is looked up; each state dict at the same version, else (without versions) the
   same values and keys.  Without versions, :class:`StateView` compares the mapping's
   keys and values by identity instead of a lookup per param (``Tensor.__hash__`` is Python);
-* addresses (params', state tensors', grads'): one compiled call over the tensors' ids
-  (``cpu_src/step_helpers.py``) that reads each address through torch's C function
+* addresses (params', state tensors', grads'), with the step counters: one compiled call
+  over the tensors' ids (``cpu_src/step_helpers.py``'s ``launch_holds``; one call, as each
+  costs tens of µs with cold caches, as after a backward pass) that reads each address
+  through torch's C function
   ``_torchinductor_pyobject_tensor_data_ptr`` (private API, the one torch.compile's
   generated C++ calls; used once :func:`_probe_reader` has seen it answer ``data_ptr``'s
   address), only for tensors whose forms torch's check has just confirmed (dense, with
@@ -300,27 +302,29 @@ class GroupLaunch:
         guarded = self.guards is not None and self.guards.check(*self.addressed, *grads) is True
         if not guarded and not self._forms_hold(grads):
             return None
-        # (the compiled reading only of forms torch's check confirmed: see the module doc)
-        reader = self.reader if guarded else None
-        if reader is None:
-            grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
-        else:
-            grad_addresses = np.empty(len(grads), dtype=np.int64)
-            self.helpers.read_addresses(reader, np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
-                                        grad_addresses)
-        if not grad_addresses[self.sized_grads].all():  # a grad without memory
-            return None
         if view is None or not view.matches(self.found_under):
             if not same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
                 return None
             self.found_under = view
-        if (list(map(self.versions, self.states)) != self.state_versions if self.state_versions is not None
-                else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values)
-                or list(chain.from_iterable(self.states)) != self.keys) \
-                or (list(map(_ADDRESS, self.addressed)) != self.addresses if reader is None
-                    else not self.helpers.addresses_equal(reader, self.ids, self.address_array)) \
-                or numba_backend.threads() != self.threads \
-                or not self.helpers.counters_equal(self.counter_addresses, self.steps):  # (addresses checked)
+        if list(map(self.versions, self.states)) != self.state_versions if self.state_versions is not None \
+                else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values) \
+                or list(chain.from_iterable(self.states)) != self.keys:
+            return None
+        # addresses, counters (read through their addresses: checked first) and threads; the
+        # compiled reading only of forms torch's check confirmed (see the module doc)
+        reader = self.reader if guarded else None
+        if reader is None:
+            grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
+            holds = list(map(_ADDRESS, self.addressed)) == self.addresses \
+                and numba_backend.threads() == self.threads \
+                and self.helpers.counters_equal(self.counter_addresses, self.steps)
+        else:
+            grad_addresses = np.empty(len(grads), dtype=np.int64)
+            holds = numba_backend.threads() == self.threads \
+                and self.helpers.launch_holds(reader, self.ids, self.address_array, self.counter_addresses,
+                                              self.steps, np.fromiter(map(id, grads), dtype=np.int64,
+                                                                      count=len(grads)), grad_addresses)
+        if not holds or not grad_addresses[self.sized_grads].all():  # (a grad without memory)
             return None
         calls = []
         for relaunch, first in self.relaunches:

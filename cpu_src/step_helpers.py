@@ -86,10 +86,18 @@ def read_addresses(reader, tensors, out):
 
 
 @njit(cache=True)
-def addresses_equal(reader, tensors, expected):
-    """True when the tensor whose ``id`` is ``tensors[i]`` has its data at ``expected[i]``,
-    for every ``i`` (as :func:`read_addresses`)."""
+def launch_holds(reader, tensors, expected, counters, steps, grads, grad_addresses):
+    """The step cache's checks of a kept launch in one call (each compiled call costs tens of
+    µs when the caches are cold, as they are after a backward pass): True when the tensor
+    whose ``id`` is ``tensors[i]`` has its data at ``expected[i]`` for every ``i``, and the
+    float64 at each ``counters[i]`` is ``steps[i]`` (the counters are among the tensors: read
+    only once their addresses held); the grads' addresses are read into ``grad_addresses``
+    (as :func:`read_addresses`)."""
     for i in range(tensors.size):
         if _address_of(reader, tensors[i]) != expected[i]:
             return False
+    if not counters_equal(counters, steps):
+        return False
+    for i in range(grads.size):
+        grad_addresses[i] = _address_of(reader, grads[i])
     return True
