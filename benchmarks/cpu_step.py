@@ -171,6 +171,28 @@ def bf16opt_step(params: list, preset: str, algorithm: str = "AdamW"):
     return opt.step, opt
 
 
+def captured_kernel_call(opt) -> tuple:
+    """The arguments of the parallel kernel call one step of ``opt`` makes (the step runs
+    without it: its counters advance, its tensors stay)."""
+    calls = []
+    run = _cpu.chunks.run_chunks
+    _cpu.chunks.run_chunks = lambda *args: calls.append(args)
+    try:
+        opt.step()
+    finally:
+        _cpu.chunks.run_chunks = run
+    if len(calls) != 1:
+        raise RuntimeError(f"expected one kernel call per step, got {len(calls)}")
+    return calls[0]
+
+
+def kernel_step(opt):
+    """``opt``'s step's kernel call alone, replayed with the arguments a step gave it: the
+    step without its Python bookkeeping (which runs with cold caches after a stream)."""
+    args = captured_kernel_call(opt)
+    return lambda: _cpu.chunks.run_chunks(*args)
+
+
 def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13, algorithm: str = "AdamW"):
     """bf16opt's kernel updating ``n`` elements as repeated passes over one cache-resident
     ``block`` per thread: its chunk table, captured from a real step, with every thread's
@@ -178,14 +200,7 @@ def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13,
     threads = get_num_threads()
     params = [_param(block, dtype, 10 + t) for t in range(threads)]
     _, opt = bf16opt_step(params, preset, algorithm)
-    captured = {}
-    run = _cpu.chunks.run_chunks
-    _cpu.chunks.run_chunks = lambda *args: captured.update(args=args)
-    try:
-        opt.step()
-    finally:
-        _cpu.chunks.run_chunks = run
-    address, table, scalars, keys, _, _ = captured["args"]
+    address, table, scalars, keys, _, _ = captured_kernel_call(opt)
     if table.shape[0] != threads:
         raise RuntimeError(f"expected one chunk-table row per block, got {table.shape[0]}")
     # each thread runs one contiguous range of rows: fill thread t's range with block t's row
@@ -194,7 +209,7 @@ def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13,
     big = np.repeat(table, per_thread, axis=0)[:rows]
     bounds = np.minimum(np.arange(threads + 1, dtype=np.int64) * per_thread, rows)
     counts = np.zeros((rows, _cpu.chunks.COUNTERS), dtype=np.int64)
-    return (lambda: run(address, big, scalars, keys, counts, bounds)), opt
+    return (lambda: _cpu.chunks.run_chunks(address, big, scalars, keys, counts, bounds)), opt
 
 
 def torch_fused_step(params: list):
@@ -272,9 +287,11 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
           f"in cache (compute_limit.py); in cache: bf16opt's kernel in cache;\n"
           f"ceiling = the slower of memory and the faster of compute and in cache; shares (of ceil, of str) are "
           f"medians of each repetition's ratio;\n"
-          f"streamed: the compute-limit kernel over the step's own tensors (out of cache)")
+          f"streamed: the compute-limit kernel over the step's own tensors (out of cache); kernel: bf16opt's "
+          f"kernel call alone (the step without its Python), of ceil: its share")
     header = (f"{'configuration':36} {'bf16opt':>8} {'memory':>8} {'compute':>8} {'of ceil':>7} "
-              f"{'in cache':>8} {'streamed':>8} {'of str':>6} {'torch fused':>11} {'DeepSpeed':>9}")
+              f"{'in cache':>8} {'streamed':>8} {'of str':>6} {'kernel':>7} {'of ceil':>7} "
+              f"{'torch fused':>11} {'DeepSpeed':>9}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -292,6 +309,7 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
                           "compute": compute_limit_step(n, family, dtype, preset),
                           "streamed": streamed_limit_step(mine[0], mine[0].grad, _state_buffers(state), family,
                                                           preset)}
+            contenders["kernel"] = kernel_step(opt)
             contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset, algorithm=algorithm)
             keep = [opt, cache_opt]
             if has_torch:
@@ -310,14 +328,17 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             of_ceiling = statistics.median(ceiling_of(*parts) / ours for ours, *parts in
                                            zip(runs["bf16opt"], runs["memory"], runs["compute"], runs["in cache"]))
             of_streamed = statistics.median(s / ours for ours, s in zip(runs["bf16opt"], runs["streamed"]))
+            kernel_of_ceiling = statistics.median(
+                ceiling_of(*parts) / kernel for kernel, *parts in
+                zip(runs["kernel"], runs["memory"], runs["compute"], runs["in cache"]))
             row = dict(algorithm=algorithm, configuration=label, preset=preset, ceiling=ceiling,
-                       of_ceiling=of_ceiling, of_streamed=of_streamed, **t)
+                       of_ceiling=of_ceiling, of_streamed=of_streamed, kernel_of_ceiling=kernel_of_ceiling, **t)
             rows.append(row)
             warn = f" (compute limit {100 * (t['compute'] / t['in cache'] - 1):.0f}% slower than bf16opt in " \
                 f"cache: not a limit; in cache taken)" if t["compute"] > t["in cache"] else ""
             print(f"{algorithm + ' ' + label:36} {_ms(t['bf16opt'])} {_ms(t['memory'])} {_ms(t['compute'])} "
                   f"{100 * row['of_ceiling']:6.0f}% {_ms(t['in cache'])} {_ms(t['streamed'])} "
-                  f"{100 * row['of_streamed']:5.0f}% "
+                  f"{100 * row['of_streamed']:5.0f}% {1e3 * t['kernel']:7.1f} {100 * kernel_of_ceiling:6.0f}% "
                   f"{_ms(t.get('torch')):>11} {_ms(t.get('deepspeed')):>9}{warn}", flush=True)
             del contenders, keep, mine, opt, state
             gc.collect()

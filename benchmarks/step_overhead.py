@@ -43,10 +43,10 @@ import bf16opt
 from bf16opt import _cpu
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
-    from cpu_step import gpt2_small_shapes
+    from cpu_step import captured_kernel_call, gpt2_small_shapes
     from machine import cpu_name
 except ImportError:  # pragma: no cover
-    from benchmarks.cpu_step import gpt2_small_shapes
+    from benchmarks.cpu_step import captured_kernel_call, gpt2_small_shapes
     from benchmarks.machine import cpu_name
 
 PRESETS = ("bf16", "fp32", "bf16-sr")
@@ -67,20 +67,6 @@ def tiny_optimizer(shapes: list, preset: str, dtype: torch.dtype = torch.bfloat1
     opt.step()  # creates state, compiles or loads the kernel
     opt.step()  # builds the launch the next steps reuse
     return opt
-
-
-def captured_kernel_call(opt) -> tuple:
-    """The arguments of the parallel kernel call one step makes."""
-    calls = []
-    run = _cpu.chunks.run_chunks
-    _cpu.chunks.run_chunks = lambda *args: calls.append(args)
-    try:
-        opt.step()
-    finally:
-        _cpu.chunks.run_chunks = run
-    if len(calls) != 1:
-        raise RuntimeError(f"expected one kernel call per step, got {len(calls)}")
-    return calls[0]
 
 
 def empty_kernel_call(args: tuple) -> tuple:
