@@ -1,15 +1,19 @@
 """Step hooks and the profiler's step scope, as torch.optim has them.
 
 bf16opt wraps ``step`` itself (``MixedPrecisionOptimizer.profile_hook_step``): torch's
-wrapper enters a ``record_function`` scope at every step, which costs more than the rest of
-a small step's bookkeeping; bf16opt enters it only while a profiler runs.  Everything else
-must be torch's: global and per-optimizer pre- and post-hooks, in torch's order, a
-pre-hook's replacement arguments, torch's error for a bad pre-hook result, and the scope
-``Optimizer.step#<class>.step`` in a profile.  Each test runs the same thing on
+wrapper enters its ``record_function`` scope through torch's operator dispatch, which costs
+more than the rest of a small step's bookkeeping; bf16opt enters the same scope through its
+C++ binding.  Everything must be torch's: global and per-optimizer pre- and post-hooks, in
+torch's order, a pre-hook's replacement arguments, torch's error for a bad pre-hook result,
+and the scope ``Optimizer.step#<class>.step`` in a profile and in an execution trace.  Each test runs the same thing on
 torch.optim.AdamW and bf16opt.AdamW and compares.
 """
 
 from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +103,26 @@ def test_a_profile_shows_the_step_scope_as_torchs_does():
         scopes[cls] = [(event.scope, event.device_type) for event in prof.events() if event.name == name]
     assert scopes[bf16opt.AdamW] == scopes[torch.optim.AdamW]
     assert len(scopes[torch.optim.AdamW]) == 1
+
+
+def test_an_execution_trace_without_a_profiler_shows_the_step():
+    """An observer of torch's record-function events that runs without a profiler (an
+    execution-trace observer) sees the step's scope as it sees torch.optim's."""
+    from torch.profiler import ExecutionTraceObserver
+
+    seen = {}
+    for cls in (torch.optim.AdamW, bf16opt.AdamW):
+        model, opt = make(cls)
+        loss_of(model).backward()
+        path = Path(tempfile.mkdtemp()) / "trace.json"
+        observer = ExecutionTraceObserver().register_callback(str(path))
+        observer.start()
+        try:
+            assert not torch.autograd._profiler_enabled()
+            opt.step()
+        finally:
+            observer.stop()
+            observer.unregister_callback()
+        names = [node.get("name") for node in json.loads(path.read_text()).get("nodes", [])]
+        seen[cls] = names.count(f"Optimizer.step#{cls.__name__}.step")
+    assert seen[bf16opt.AdamW] == seen[torch.optim.AdamW] == 1
