@@ -566,8 +566,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         record-function events see -- the same scope, entered through its C++ binding
         (``_record_function_with_args_enter``, private) rather than ``record_function``, which
         costs ~20 µs a step through torch's operator dispatch, a seventh of a step over 150
-        small params.  On a torch without the global hook dicts or that binding, torch's
-        wrapper."""
+        small params.  While torch.compile traces it, and on a torch without the global hook
+        dicts or that binding, torch's wrapper."""
         profiled = torch.optim.Optimizer.profile_hook_step(func)
         if _SCOPE is None or \
                 not all(isinstance(getattr(torch_optimizer, name, None), dict) for name in _GLOBAL_STEP_HOOKS):
@@ -576,6 +576,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
+            if torch.compiler.is_compiling():  # (Dynamo traces torch's scope, not the binding)
+                return profiled(*args, **kwargs)
             self = args[0]
             scope = enter_scope(f"Optimizer.step#{self.__class__.__name__}.step")
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,22 @@ def test_an_execution_trace_without_a_profiler_shows_the_step():
         names = [node.get("name") for node in json.loads(path.read_text()).get("nodes", [])]
         seen[cls] = names.count(f"Optimizer.step#{cls.__name__}.step")
     assert seen[bf16opt.AdamW] == seen[torch.optim.AdamW] == 1
+
+
+def test_a_compiled_training_step_traces_the_wrapper_without_warnings():
+    """torch.compile traces the step's wrapper as it traces torch.optim's (the step itself runs
+    eagerly): no warning about the scope's C++ binding, which Dynamo cannot trace."""
+    model, opt = make(bf16opt.AdamW)
+    before = model.weight.detach().clone()
+
+    @torch.compile(backend="eager")
+    def train_step():
+        loss_of(model).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step()
+    assert not [str(w.message) for w in caught if "record_function" in str(w.message)]
+    assert not torch.equal(model.weight, before)
