@@ -43,10 +43,10 @@ import bf16opt
 from bf16opt import _cpu
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
-    from cpu_step import captured_kernel_call, gpt2_small_shapes
+    from cpu_step import captured_kernel_call, gpt2_small_shapes, kernel_step
     from machine import cpu_name
 except ImportError:  # pragma: no cover
-    from benchmarks.cpu_step import captured_kernel_call, gpt2_small_shapes
+    from benchmarks.cpu_step import captured_kernel_call, gpt2_small_shapes, kernel_step
     from benchmarks.machine import cpu_name
 
 PRESETS = ("bf16", "fp32", "bf16-sr")
@@ -160,7 +160,7 @@ def list_vs_flat(repeats: int) -> None:
         for name, layout in (("list", shapes), ("flat", [(total,)])):
             opt = tiny_optimizer(layout, preset, dtype)
             contenders[name] = opt.step
-            contenders[name + " kernel"] = lambda a=captured_kernel_call(opt): _cpu.chunks.run_chunks(*a)
+            contenders[name + " kernel"] = kernel_step(opt)
         t = timings(contenders, repeats)
         median = {name: 1e3 * statistics.median(times) for name, times in t.items()}
         ratio = {kind: statistics.median(a / b for a, b in zip(t["list" + kind], t["flat" + kind]))

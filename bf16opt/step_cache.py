@@ -265,9 +265,8 @@ class GroupLaunch:
         self.found_under = StateView(optimizer.state)  # the view self.states were last found under
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
         self.addressed = updated + self.values  # (one list: no chain per step)
-        self.addresses = list(map(_ADDRESS, self.addressed))
-        self.ids = np.array(list(map(id, self.addressed)), dtype=np.int64)  # (this launch keeps them alive)
-        self.address_array = np.array(self.addresses, dtype=np.int64)
+        self.addresses = np.fromiter(map(_ADDRESS, self.addressed), dtype=np.int64, count=len(self.addressed))
+        self.ids = np.fromiter(map(id, self.addressed), dtype=np.int64, count=len(self.addressed))  # (kept alive here)
         # forms of params and state tensors (a state tensor reshaped or retyped in place,
         # ``m.data = m.data[:3]``, keeps its identity and address)
         self.forms = list(map(_PARAM_FORM, self.addressed))
@@ -310,20 +309,21 @@ class GroupLaunch:
                 else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values) \
                 or list(chain.from_iterable(self.states)) != self.keys:
             return None
-        # addresses, counters (read through their addresses: checked first) and threads; the
-        # compiled reading only of forms torch's check confirmed (see the module doc)
+        if numba_backend.threads() != self.threads:
+            return None
+        # addresses, then the counters (read through their addresses); the compiled reading
+        # only of forms torch's check confirmed (see the module doc)
         reader = self.reader if guarded else None
         if reader is None:
             grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
-            holds = list(map(_ADDRESS, self.addressed)) == self.addresses \
-                and numba_backend.threads() == self.threads \
+            holds = np.array_equal(np.fromiter(map(_ADDRESS, self.addressed), dtype=np.int64,
+                                               count=len(self.addressed)), self.addresses) \
                 and self.helpers.counters_equal(self.counter_addresses, self.steps)
         else:
             grad_addresses = np.empty(len(grads), dtype=np.int64)
-            holds = numba_backend.threads() == self.threads \
-                and self.helpers.launch_holds(reader, self.ids, self.address_array, self.counter_addresses,
-                                              self.steps, np.fromiter(map(id, grads), dtype=np.int64,
-                                                                      count=len(grads)), grad_addresses)
+            holds = self.helpers.launch_holds(reader, self.ids, self.addresses, self.counter_addresses, self.steps,
+                                              np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
+                                              grad_addresses)
         if not holds or not grad_addresses[self.sized_grads].all():  # (a grad without memory)
             return None
         calls = []

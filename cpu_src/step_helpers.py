@@ -98,6 +98,5 @@ def launch_holds(reader, tensors, expected, counters, steps, grads, grad_address
             return False
     if not counters_equal(counters, steps):
         return False
-    for i in range(grads.size):
-        grad_addresses[i] = _address_of(reader, grads[i])
+    read_addresses(reader, grads, grad_addresses)
     return True

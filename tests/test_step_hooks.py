@@ -51,13 +51,16 @@ def test_hooks_run_in_torchs_order_with_torchs_arguments(profiled):
             loss.backward()
             return loss
 
+        def logging(name, log=log):  # a hook that logs its call and returns None
+            return lambda o, args, kwargs: log.append((name, len(args), list(kwargs)))
+
         handles = [
-            register_optimizer_step_pre_hook(lambda o, args, kwargs: log.append(("global pre", len(args), list(kwargs)))),
-            register_optimizer_step_post_hook(lambda o, args, kwargs: log.append(("global post", len(args), list(kwargs)))),
-            opt.register_step_pre_hook(lambda o, args, kwargs: log.append(("pre", len(args), list(kwargs)))),
+            register_optimizer_step_pre_hook(logging("global pre")),
+            register_optimizer_step_post_hook(logging("global post")),
+            opt.register_step_pre_hook(logging("pre")),
             # a pre-hook may replace the arguments: here it passes the closure
             opt.register_step_pre_hook(lambda o, args, kwargs: (args, {"closure": closure})),
-            opt.register_step_post_hook(lambda o, args, kwargs: log.append(("post", len(args), list(kwargs)))),
+            opt.register_step_post_hook(logging("post")),
         ]
         try:
             if profiled:
