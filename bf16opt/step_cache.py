@@ -34,9 +34,10 @@ How, per step (~1 µs of Python per param; the fallbacks are exact, only slower)
   state is looked up; each state dict at the same version, else (without versions) the
   same values and keys.  Without versions, :class:`StateView` compares the mapping's
   keys and values by identity instead of a lookup per param (``Tensor.__hash__`` is Python);
-* addresses (params', state tensors', grads'), with the step counters: one compiled call
-  over the tensors' ids (``cpu_src/step_helpers.py``'s ``launch_holds``; one call, as each
-  costs tens of µs with cold caches, as after a backward pass) that reads each address
+* addresses (params', state tensors', grads'), with the step counters and the thread
+  count: one compiled call over the tensors' ids (``cpu_src/step_helpers.py``'s
+  ``launch_holds``; one call, as each call costs tens of µs with the caches cold after a
+  backward pass or the last step's kernel) that reads each address
   through torch's C function
   ``_torchinductor_pyobject_tensor_data_ptr`` (private API, the one torch.compile's
   generated C++ calls; used once :func:`_probe_reader` has seen it answer ``data_ptr``'s
@@ -259,8 +260,8 @@ class GroupLaunch:
         self.updated = updated
         self.grad_forms = list(map(_GRAD_FORM, grads))
         self.grad_strides = list(map(_STRIDES, grads))
-        sized = [grad.numel() > 0 for grad in grads]  # (an empty tensor may have address 0)
-        self.sized_grads = slice(None) if all(sized) else np.array(sized)
+        # grads that must have memory (an empty tensor may have address 0)
+        self.sized_grads = np.array([grad.numel() > 0 for grad in grads], dtype=np.bool_)
         self.states = list(map(optimizer.state.get, updated))
         self.found_under = StateView(optimizer.state)  # the view self.states were last found under
         self.values = list(chain.from_iterable(map(dict.values, self.states)))  # the state tensors
@@ -309,22 +310,22 @@ class GroupLaunch:
                 else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values) \
                 or list(chain.from_iterable(self.states)) != self.keys:
             return None
-        if numba_backend.threads() != self.threads:
-            return None
-        # addresses, then the counters (read through their addresses); the compiled reading
-        # only of forms torch's check confirmed (see the module doc)
+        # the thread count, addresses, then the counters (read through their addresses); the
+        # compiled reading only of forms torch's check confirmed (see the module doc)
         reader = self.reader if guarded else None
         if reader is None:
             grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
-            holds = np.array_equal(np.fromiter(map(_ADDRESS, self.addressed), dtype=np.int64,
-                                               count=len(self.addressed)), self.addresses) \
-                and self.helpers.counters_equal(self.counter_addresses, self.steps)
+            holds = numba_backend.threads() == self.threads \
+                and np.array_equal(np.fromiter(map(_ADDRESS, self.addressed), dtype=np.int64,
+                                                count=len(self.addressed)), self.addresses) \
+                and self.helpers.counters_equal(self.counter_addresses, self.steps) \
+                and grad_addresses[self.sized_grads].all()
         else:
             grad_addresses = np.empty(len(grads), dtype=np.int64)
             holds = self.helpers.launch_holds(reader, self.ids, self.addresses, self.counter_addresses, self.steps,
                                               np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
-                                              grad_addresses)
-        if not holds or not grad_addresses[self.sized_grads].all():  # (a grad without memory)
+                                              grad_addresses, self.sized_grads, self.threads)
+        if not holds:
             return None
         calls = []
         for relaunch, first in self.relaunches:
@@ -339,8 +340,7 @@ class GroupLaunch:
             calls.append((relaunch, relaunch.values(scalars), relaunch.keys(counted + 1)))
 
         def run() -> None:
-            self.helpers.advance_counters(self.counter_addresses)
-            self.steps += 1
+            self.helpers.advance_counters(self.counter_addresses, self.steps)
             for relaunch, values, keys in calls:
                 relaunch.run(grad_addresses, values, keys)
             torch.autograd.graph.increment_version(self.written)

@@ -1,9 +1,12 @@
 """Per-step bookkeeping of the Numba backend as one compiled call each, not one numpy or
 torch call per tensor: the step counters, read and advanced through their addresses, the
-stochastic-rounding stream keys of a bucket's tensors, and tensors' data addresses.
+stochastic-rounding stream keys of a bucket's tensors, tensors' data addresses, and a kept
+chunk table's grad column.
 
 What for: a step over ~150 small params would spend more time in these per-tensor calls
-(``torch._foreach_add_`` falls back to a loop on CPU) than in its update.  The step cache
+(``torch._foreach_add_`` falls back to a loop on CPU) than in its update; and every call,
+compiled or numpy, costs tens of µs when the caches are cold after a kernel's stream (a step
+over one large param), so the step cache's checks are one call.  The step cache
 (``bf16opt/step_cache.py``) checks the counters' identities and addresses before it
 passes them here.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .storage import pointer_to
@@ -31,11 +35,21 @@ def counters_equal(addresses, expected):
 
 
 @njit(nogil=True, cache=True)
-def advance_counters(addresses):
-    """Add 1 to the float64 at each of ``addresses``."""
+def advance_counters(addresses, steps):
+    """Add 1 to the float64 at each of ``addresses`` and to each of ``steps`` (the kept copy
+    of the counters; one call, not a numpy call more)."""
     for i in range(addresses.size):
         counter = pointer_to(addresses[i], np.float64)
         counter[0] += 1.0
+        steps[i] += 1.0
+
+
+@njit(nogil=True, cache=True)
+def point_grads(table, column, grad_of_row, row_bytes, grad_addresses):
+    """``table[r, column]``: the address of row ``r``'s first grad element, at byte
+    ``row_bytes[r]`` of the grad at ``grad_addresses[grad_of_row[r]]``."""
+    for r in range(grad_of_row.size):
+        table[r, column] = grad_addresses[grad_of_row[r]] + row_bytes[r]
 
 
 @njit(nogil=True, cache=True)
@@ -51,10 +65,10 @@ def _fmix32(h):
 @njit(nogil=True, cache=True)
 def stream_keys(key, tensors, keys):
     """``keys[i, b]``: storage.stream_key's hash chain continued from ``key`` (the seed's
-    and step's words hashed) with the words ``tensors[i]`` (uint64, the low 32 bits are
+    and step's words hashed) with the words ``tensors[i]`` (int64, the low 32 bits are
     used) and buffer ``b``, for every buffer column ``b`` of ``keys`` (uint32)."""
     for i in range(tensors.size):
-        tensor = _fmix32(((key ^ (tensors[i] & _MASK32)) + _GOLDEN) & _MASK32)
+        tensor = _fmix32(((key ^ (np.uint64(tensors[i]) & _MASK32)) + _GOLDEN) & _MASK32)
         for buffer in range(keys.shape[1]):
             keys[i, buffer] = _fmix32(((tensor ^ np.uint64(buffer)) + _GOLDEN) & _MASK32)
 
@@ -75,6 +89,22 @@ def _address_of(typingctx, reader, tensor):
     return types.int64(reader, tensor), codegen
 
 
+@intrinsic
+def _thread_count(typingctx):
+    """Numba's thread count for the calling thread (``numba.get_num_threads()``) without its
+    Python function's locks: the threading layer's C function ``int get_num_threads(void)``,
+    the symbol Numba registers when it launches its threads -- as ``numba.get_num_threads()``
+    does, which the step cache calls before it keeps a launch (and a cached compilation
+    referring to the symbol is only loaded after that)."""
+
+    def codegen(context, builder, signature, args):
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                                  "get_num_threads")
+        return builder.sext(builder.call(function, []), ir.IntType(64))
+
+    return types.int64(), codegen
+
+
 # (the two below keep the GIL: ``reader`` reads Python objects)
 @njit(cache=True)
 def read_addresses(reader, tensors, out):
@@ -86,17 +116,23 @@ def read_addresses(reader, tensors, out):
 
 
 @njit(cache=True)
-def launch_holds(reader, tensors, expected, counters, steps, grads, grad_addresses):
+def launch_holds(reader, tensors, expected, counters, steps, grads, grad_addresses, sized, threads):
     """The step cache's checks of a kept launch in one call (each compiled call costs tens of
-    µs when the caches are cold, as they are after a backward pass): True when the tensor
-    whose ``id`` is ``tensors[i]`` has its data at ``expected[i]`` for every ``i``, and the
-    float64 at each ``counters[i]`` is ``steps[i]`` (the counters are among the tensors: read
-    only once their addresses held); the grads' addresses are read into ``grad_addresses``
-    (as :func:`read_addresses`)."""
+    µs when the caches are cold, as they are after a backward pass): True when Numba's
+    thread count is ``threads``, the tensor whose ``id`` is ``tensors[i]`` has its data at
+    ``expected[i]`` for every ``i``, and the float64 at each ``counters[i]`` is ``steps[i]``
+    (the counters are among the tensors: read only once their addresses held); the grads'
+    addresses are read into ``grad_addresses`` (as :func:`read_addresses`), and each grad
+    with ``sized[i]`` has memory (an empty tensor may have address 0)."""
+    if _thread_count() != threads:
+        return False
     for i in range(tensors.size):
         if _address_of(reader, tensors[i]) != expected[i]:
             return False
     if not counters_equal(counters, steps):
         return False
     read_addresses(reader, grads, grad_addresses)
+    for i in range(grads.size):
+        if sized[i] and grad_addresses[i] == 0:
+            return False
     return True

@@ -473,7 +473,7 @@ def test_a_change_drops_the_kept_launch_and_results_stay_right(spy, change, buil
 
 
 @pytest.mark.parametrize("change", ["grad dtype", "grad layout", "grad missing", "grad appears", "grad shape",
-                                    "grad sparse"])
+                                    "grad sparse", "grad without memory"])
 def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
     twins = Twins()
     for params in twins.params.values():
@@ -494,7 +494,9 @@ def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
             params[4].grad.data = params[4].grad.data.reshape(7, 1)  # (torch refuses it as a new grad)
         elif change == "grad sparse":
             params[4].grad = params[4].grad.to_sparse()
-    if change in ("grad shape", "grad sparse"):
+        elif change == "grad without memory":  # (as FSDP frees a tensor: same form, address 0)
+            params[4].grad.untyped_storage().resize_(0)
+    if change in ("grad shape", "grad sparse", "grad without memory"):
         for opt in twins.opts.values():
             with pytest.raises((ValueError, TypeError), match="param 4"):
                 opt.step()

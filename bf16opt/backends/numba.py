@@ -149,14 +149,15 @@ def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: l
     return cached
 
 
-def stream_keys(seed: int, step: int, indices) -> np.ndarray:
+def stream_keys(seed: int, step: int, indices, out: "np.ndarray | None" = None) -> np.ndarray:
     """uint32 (len(indices), 4): ``storage.stream_key(seed, step, index, buffer)`` for the
-    buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), one compiled loop over tensors."""
+    buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), one compiled loop over tensors
+    (negative indices as their two's complement); written into ``out`` when given."""
     key = 0
     for word in (seed & MASK32, ((seed >> 32) ^ (step >> 32)) & MASK32, step & MASK32):
         key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
-    tensors = np.asarray(indices, dtype=np.int64).astype(np.uint64)  # (negative ids: two's complement)
-    keys = np.empty((tensors.size, 4), dtype=np.uint32)
+    tensors = np.asarray(indices, dtype=np.int64)
+    keys = np.empty((tensors.size, 4), dtype=np.uint32) if out is None else out
     helpers().stream_keys(np.uint64(key), tensors, keys)
     return keys
 
@@ -241,7 +242,8 @@ class Relaunch:
         self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
         self.grad_row_bytes = table[:, -2] * ELEMENT_BYTES[config.grad]
         self.seed, self.streams = bucket.seed, np.array(bucket.streams(), dtype=np.int64)
-        self.unused_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
+        # the step's stream keys, written by keys() (zeros, never read, without stochastic rounding)
+        self.stream_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
 
     def values(self, scalars) -> np.ndarray:
@@ -258,12 +260,16 @@ class Relaunch:
         return address
 
     def keys(self, step: int) -> np.ndarray:
-        return stream_keys(self.seed, step, self.streams) if self.config.stochastic else self.unused_keys
+        """The stream keys of ``step`` (into this launch's own array: a step's phase one
+        makes them, its phase two passes them to :meth:`run`)."""
+        if self.config.stochastic:
+            stream_keys(self.seed, step, self.streams, out=self.stream_keys)
+        return self.stream_keys
 
     def run(self, grad_addresses: np.ndarray, values: np.ndarray, keys: np.ndarray) -> None:
         """The kernel call with the grads at ``grad_addresses`` (int64, indexed by the
         ``grad_positions`` given at construction)."""
-        self.table[:, _GRAD_COLUMN] = grad_addresses[self.grad_of_row] + self.grad_row_bytes
+        helpers().point_grads(self.table, _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses)
         _call(self._address(values), self.table, values, keys, self.row_counts, self.bounds)
 
 
