@@ -275,6 +275,11 @@ def _x(a, b):
     return "-" if a is None or b is None else f"{b / a:5.2f}x"
 
 
+def _moment_buffers(state: dict, param) -> list:
+    """A peer's state tensors of the param's size (its moments; not its step counter)."""
+    return [value for value in state.values() if isinstance(value, torch.Tensor) and value.numel() == param.numel()]
+
+
 def _state_buffers(state: dict) -> list:
     return [value for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor)]
 
@@ -360,8 +365,11 @@ def peer_table(n: int, repeats: int) -> list:
     drift of memory bandwidth between repetitions cancels); returns the rows."""
     print(f"\nAdamW step against peers with the same storage, 2^{n.bit_length() - 1} params, {get_num_threads()} "
           f"Numba threads, {cpu_name()}; {repeats} interleaved repetitions; ms (medians) and the median of "
-          f"the paired ratios bf16opt / peer (below 1: bf16opt faster)")
-    header = f"{'configuration':36} {'peer':24} {'bf16opt':>8} {'peer':>8} {'ratio':>6} {'range':>11}"
+          f"the paired ratios bf16opt / peer (below 1: bf16opt faster);\n"
+          f"of limit: each step's share of the memory-limit kernel run on its own tensors (a tensor's placement "
+          f"alone changes a memory-bound step by up to 1.5x on a VM; these shares do not carry that)")
+    header = (f"{'configuration':36} {'peer':24} {'bf16opt':>8} {'peer':>8} {'ratio':>6} {'range':>11} "
+              f"{'bf16opt of limit':>16} {'peer of limit':>13}")
     print(header)
     print("-" * len(header))
     pairs = [  # (label, param dtype, preset, peer name, peer step maker)
@@ -380,15 +388,21 @@ def peer_table(n: int, repeats: int) -> list:
         if other is None:
             print(f"{label:36} {peer:24} (not installed or does not build here)")
             continue
-        times = timings({"bf16opt": ours, "peer": other}, repeats)
+        limits = {"bf16opt limit": limit_step(mine[0], mine[0].grad, _state_buffers(opt.state[mine[0]])),
+                  "peer limit": limit_step(theirs[0], theirs[0].grad, _moment_buffers(peer_opt.state[theirs[0]],
+                                                                                      theirs[0]))}
+        times = timings({"bf16opt": ours, "peer": other, **limits}, repeats)
         ratios = sorted(a / b for a, b in zip(times["bf16opt"], times["peer"]))
+        of_limit = {name: statistics.median(limit / step for step, limit in zip(times[name], times[f"{name} limit"]))
+                    for name in ("bf16opt", "peer")}
         row = dict(configuration=label, peer=peer, ratio=statistics.median(ratios),
-                   bf16opt=statistics.median(times["bf16opt"]), peer_time=statistics.median(times["peer"]))
+                   bf16opt=statistics.median(times["bf16opt"]), peer_time=statistics.median(times["peer"]),
+                   bf16opt_of_limit=of_limit["bf16opt"], peer_of_limit=of_limit["peer"])
         rows.append(row)
         quartiles = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
         print(f"{label:36} {peer:24} {_ms(row['bf16opt'])} {_ms(row['peer_time'])} {row['ratio']:6.3f} "
-              f"{quartiles:>11}", flush=True)
-        del mine, theirs, opt, peer_opt, ours, other
+              f"{quartiles:>11} {100 * of_limit['bf16opt']:15.0f}% {100 * of_limit['peer']:12.0f}%", flush=True)
+        del mine, theirs, opt, peer_opt, ours, other, limits
         gc.collect()
     return rows
 

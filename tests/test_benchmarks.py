@@ -54,8 +54,11 @@ def test_cpu_benchmark_compares_with_peers():
     rows = [line for line in result.stdout.splitlines() if "torch AdamW(fused=True)" in line]
     assert len(rows) == 2, result.stdout  # bf16 params with bf16 states, fp32 params with fp32 states
     for row in rows:
-        ours, theirs, ratio = (float(x) for x in row.split("torch AdamW(fused=True)")[1].split()[:3])
-        assert ours >= 0 and theirs >= 0 and ratio > 0
+        # times, their paired ratio and its range, each step's share of its own memory limit
+        ours, theirs, ratio, _, ours_of_limit, theirs_of_limit = row.split("torch AdamW(fused=True)")[1].split()[:6]
+        assert float(ours) >= 0 and float(theirs) >= 0 and float(ratio) > 0
+        assert ours_of_limit.endswith("%") and theirs_of_limit.endswith("%")
+        assert int(ours_of_limit[:-1]) > 0 and int(theirs_of_limit[:-1]) > 0
     assert sum("DeepSpeedCPUAdam" in line for line in result.stdout.splitlines()) == 3, result.stdout
 
 
