@@ -132,7 +132,7 @@ def _chunk_call(algorithm: str, dtype, preset: str, n: int):
     opt = cls([torch.nn.Parameter(torch.zeros(1, dtype=dtype))], precision=preset, backend="numba", **hyper)
     group = opt.param_groups[0]
     config = kernel_config(opt.algorithm, plan_for(as_precision(preset), dtype), tuple(opt._flags(group).items()))
-    chunk = backend.chunk_function(config, opt.algorithm.name == "sgd")  # the step's: no dampening, no grad scale
+    chunk = backend.chunk_function(config, True)  # the step's: no grad scale, not maximizing (SGD: no dampening)
     rng = np.random.default_rng(0)
     scale = {"param": 0.02, "grad": 1e-3, "companion": 1e-6, "exp_avg": 1e-4}
     arrays = []

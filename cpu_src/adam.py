@@ -66,7 +66,7 @@ def _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps):
 
 @functools.lru_cache(maxsize=None)
 def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsgrad: bool = False,
-                   l2: bool = False):
+                   l2: bool = False, unit: bool = False):
     """The compiled Adam chunk function of one configuration (memoised; on-disk cached).
 
     ``formats``: numpy element classes of the roles, in the order of
@@ -75,20 +75,26 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     grad's class is the param's or np.float32;
     ``weights``: a key of ``storage.WEIGHT_POLICIES`` (how the master is held);
     ``moments``: a key of ``storage.MOMENT_ROUNDINGS``;
-    ``track``: count telemetry into the row's counters.  The scalars are
-    ``AdamScalars`` (``inv_grad_scale`` last) followed by ``sign`` (-1 to maximize).
+    ``track``: count telemetry into the row's counters; ``unit``: the step's unscaling
+    factor (``inv_grad_scale * sign``) is exactly 1 and its multiplication per element is left
+    out -- the same bits (``x * 1`` is exact; the grad only enters arithmetic, which quiets a
+    signalling NaN as the multiplication would, and a NaN is made canonical when stored),
+    chosen per call by the backend from the scalars (a run-time branch per element would cost
+    what it saves; the multiplication costs AdamW ``bf16`` ~7% of its time on AVX-512: one more
+    live vector constant, spilled in its loop).  The scalars are ``AdamScalars``
+    (``inv_grad_scale`` last) followed by ``sign`` (-1 to maximize).
     """
     param_format, grad_format, companion_format, exp_avg_format, exp_avg_sq_format, _ = formats
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
     weights, moments = str(weights), str(moments)
-    amsgrad, l2, track = bool(amsgrad), bool(l2), bool(track)
+    amsgrad, l2, track, unit = bool(amsgrad), bool(l2), bool(track), bool(unit)
     reads_param, has_companion = WEIGHT_ARRAYS[weights]
     present = (param_format, grad_format, exp_avg_format, exp_avg_sq_format) + \
         ((companion_format,) if has_companion else ())
     paired = all(f in SIXTEEN_BITS for f in present)
 
-    @chunk_compiler((formats, weights, moments, track, amsgrad, l2))
+    @chunk_compiler((formats, weights, moments, track, amsgrad, l2, unit))
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
@@ -107,7 +113,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         def update(g, p, c, m, v, x, element):
             """Stored elements of grad, param, companion, moments, max in; the elements to
             store and the telemetry flags (swallowed, exp_avg / exp_avg_sq underflow) out."""
-            g = decode(g) * scale
+            g = decode(g) if unit else decode(g) * scale
             w0 = master_value(weights, p, c)
             w = w0
             if l2:

@@ -16,22 +16,23 @@ __all__ = ["chunk_function"]
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_function(formats: tuple, weights: str, moments: str, track: bool):
+def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit: bool = False):
     """The compiled Lion chunk function of one configuration (memoised; on-disk cached).
 
     ``formats``: numpy element classes of ``bf16opt.algorithms.LION.roles`` (param, grad,
-    companion, exp_avg); the other arguments as for :func:`adam.chunk_function`.  The
-    scalars are ``LionScalars`` (``inv_grad_scale`` last) followed by ``sign``.
+    companion, exp_avg); the other arguments (``unit``: no multiplication by an unscaling
+    factor of exactly 1) as for :func:`adam.chunk_function`.  The scalars are
+    ``LionScalars`` (``inv_grad_scale`` last) followed by ``sign``.
     """
     param_format, grad_format, companion_format, exp_avg_format = formats
     if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
         raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
-    weights, moments, track = str(weights), str(moments), bool(track)
+    weights, moments, track, unit = str(weights), str(moments), bool(track), bool(unit)
     reads_param, has_companion = WEIGHT_ARRAYS[weights]
     present = (param_format, grad_format, exp_avg_format) + ((companion_format,) if has_companion else ())
     paired = all(f in SIXTEEN_BITS for f in present)
 
-    @chunk_compiler((formats, weights, moments, track))
+    @chunk_compiler((formats, weights, moments, track, unit))
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
@@ -47,7 +48,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool):
         def update(g, p, comp, m_old, element):
             """Stored elements of grad, param, companion, exp_avg in; the elements to store
             and the telemetry flags (swallowed, exp_avg underflow) out."""
-            g = decode(g) * scale
+            g = decode(g) if unit else decode(g) * scale
             w0 = master_value(weights, p, comp)
             w = w0 * decay
             m_old = decode(m_old)

@@ -125,7 +125,8 @@ def test_numba_chunk_function_reads_every_role(name):
     module = pytest.importorskip(f"bf16opt._cpu.{name}")
     parameters = list(inspect.signature(module.chunk_function).parameters)
     assert parameters[:4] == ["formats", "weights", "moments", "track"]
-    # (SGD's ``unit``: its variant without multiplications by 1, chosen per call from the scalars)
-    assert set(parameters[4:]) - ({"unit"} if name == "sgd" else set()) == set(ALGORITHMS[name].flags) - {"maximize"}
+    # (``unit``: the variant without multiplications by 1, chosen per call from the scalars)
+    assert set(parameters[4:]) - {"unit"} == set(ALGORITHMS[name].flags) - {"maximize"}
+    assert "unit" in parameters
     source = inspect.getsource(module.chunk_function)
     assert f"row[{len(ALGORITHMS[name].roles)}]" in source  # the element count follows the roles

@@ -649,12 +649,15 @@ def test_step_allocates_nothing_the_size_of_the_params(optimizer, preset):
     assert peak.peak < (1 << 20), f"a step grew resident memory by {peak.mib:.1f} MiB"
 
 
-@pytest.mark.parametrize("change", ["dampening", "grad scale", "maximize"])
+@pytest.mark.parametrize("algorithm, change", [("SGD", "dampening"), ("SGD", "grad scale"), ("SGD", "maximize"),
+                                               ("AdamW", "grad scale"), ("AdamW", "maximize"),
+                                               ("Lion", "grad scale"), ("Lion", "maximize")])
 @pytest.mark.parametrize("preset", ["bf16", "fp32", "bf16-kahan", "bf16-sr"])
-def test_sgd_without_multiplications_by_one_has_the_same_bits(monkeypatch, preset, change):
-    """SGD's kernel leaves out its multiplications by 1 (unscaling factor and 1 - dampening)
-    at the steps whose scalars make them 1, and only there -- also when a kept launch is
-    reused and the scalars change under it -- with the reference's bits at every step."""
+def test_kernels_without_multiplications_by_one_have_the_same_bits(monkeypatch, preset, algorithm, change):
+    """The kernels leave out their multiplications by 1 (the unscaling factor; SGD's
+    1 - dampening) at the steps whose scalars make them 1, and only there -- also when a kept
+    launch is reused and the scalars change under it -- with the reference's bits at every
+    step, NaN and infinite grads included."""
     used = []
     chunk_function = numba_backend.chunk_function
     monkeypatch.setattr(numba_backend, "chunk_function",
@@ -662,15 +665,21 @@ def test_sgd_without_multiplications_by_one_has_the_same_bits(monkeypatch, prese
     gen = torch.Generator().manual_seed(3)
     values = [torch.randn(shape, generator=gen).bfloat16() for shape in [(6, 6), (5,), (130,)]]
     params = {backend: [torch.nn.Parameter(v.clone()) for v in values] for backend in ("numba", "reference")}
-    opts = {backend: bf16opt.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-4, precision=preset, backend=backend)
-            for backend, ps in params.items()}
+    cls, options = {"SGD": (bf16opt.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-4)),
+                    "AdamW": (bf16opt.AdamW, dict(lr=1e-2, weight_decay=1e-2)),
+                    "Lion": (bf16opt.Lion, dict(lr=1e-3, weight_decay=1e-2))}[algorithm]
+    opts = {backend: cls(ps, precision=preset, backend=backend, **options) for backend, ps in params.items()}
 
     def step(changed: bool) -> None:
         grads = [torch.randn(v.shape, generator=gen).bfloat16() for v in values]
+        # special values, in the paired loop's words and the element loop alike (130 is even, 5 odd)
+        grads[2][:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+        grads[1][-1] = float("nan")
         for backend, opt in opts.items():
             for p, g in zip(params[backend], grads):
                 p.grad = g.clone()
-            opt.param_groups[0]["dampening"] = 0.25 if changed and change == "dampening" else 0.0
+            if algorithm == "SGD":
+                opt.param_groups[0]["dampening"] = 0.25 if changed and change == "dampening" else 0.0
             opt.param_groups[0]["maximize"] = changed and change == "maximize"
             scale = torch.tensor([4.0 if changed and change == "grad scale" else 1.0])
             opt.step(grad_scale=scale, found_inf=torch.zeros(1))

@@ -122,10 +122,11 @@ def chunk_function(config: KernelConfig, unit: bool = False):
 
 
 def unit_scalars(config: KernelConfig, values: np.ndarray) -> bool:
-    """Whether SGD's kernel may leave out its multiplications by 1 at this step (``unit`` in
-    ``cpu_src/sgd.py``): ``1 - dampening`` and the unscaling factor times the sign of
-    maximize, as the kernel computes it, are exactly 1.  ``values``: :func:`_values`."""
-    return config.algorithm is SGD and values[_ONE_MINUS_DAMPENING] == 1 and values[-2] * values[-1] == 1
+    """Whether the kernel may leave out its multiplications by 1 at this step (``unit`` in
+    ``cpu_src/<algorithm>.py``): the unscaling factor times the sign of maximize, as the
+    kernel computes it, is exactly 1 (no GradScaler, not maximizing), and for SGD
+    ``1 - dampening`` too.  ``values``: :func:`_values`."""
+    return values[-2] * values[-1] == 1 and (config.algorithm is not SGD or values[_ONE_MINUS_DAMPENING] == 1)
 
 
 _ONE_MINUS_DAMPENING = SGD.scalars._fields.index("one_minus_dampening")  # (its place in _values)
@@ -236,7 +237,7 @@ class Relaunch:
     def __init__(self, bucket: Bucket, table: np.ndarray, bounds: np.ndarray, grad_positions: list):
         config = self.config = bucket.config
         chunks = _chunks()
-        self.addresses = {}  # unit_scalars -> the chunk function's address (SGD has two)
+        self.addresses = {}  # unit_scalars -> the chunk function's address (one of two variants)
         self.table, self.bounds = table.copy(), bounds
         # row r reads the grad at grad_addresses[grad_of_row[r]] (run's argument), from element start
         self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
