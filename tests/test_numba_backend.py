@@ -697,3 +697,17 @@ def test_kernels_without_multiplications_by_one_have_the_same_bits(monkeypatch, 
         assert set(used) <= {not changed}  # (a reused launch asks for its variant once: memoised)
         seen.update(used)
     assert seen == {True, False}
+
+
+@pytest.mark.parametrize("algorithm", [ADAM, LION, SGD])
+def test_the_variant_without_multiplications_by_one_is_for_untracked_steps(algorithm):
+    """Chosen when the unscaling factor is exactly 1 (and SGD's 1 - dampening), not with a
+    grad scale, maximizing, or telemetry (a diagnostic run: one compilation per configuration)."""
+    plan = plan_for(PRESETS["bf16"], torch.bfloat16)
+    flags = tuple((name, False) for name in algorithm.flags)
+    ones = np.ones(len(algorithm.scalars._fields) + 1, dtype=np.float32)  # (every scalar 1, sign +1)
+    for track, inv_grad_scale, sign, unit in [(False, 1.0, 1.0, True), (False, 0.25, 1.0, False),
+                                              (False, 1.0, -1.0, False), (True, 1.0, 1.0, False)]:
+        values = ones.copy()
+        values[-2:] = inv_grad_scale, sign
+        assert numba_backend.unit_scalars(kernel_config(algorithm, plan, flags, track), values) is unit

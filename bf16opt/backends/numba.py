@@ -125,8 +125,11 @@ def unit_scalars(config: KernelConfig, values: np.ndarray) -> bool:
     """Whether the kernel may leave out its multiplications by 1 at this step (``unit`` in
     ``cpu_src/<algorithm>.py``): the unscaling factor times the sign of maximize, as the
     kernel computes it, is exactly 1 (no GradScaler, not maximizing), and for SGD
-    ``1 - dampening`` too.  ``values``: :func:`_values`."""
-    return values[-2] * values[-1] == 1 and (config.algorithm is not SGD or values[_ONE_MINUS_DAMPENING] == 1)
+    ``1 - dampening`` too.  Not for telemetry (``track_precision``): a diagnostic run, whose
+    kernels count per element anyway, is not worth a second compilation of each
+    configuration.  ``values``: :func:`_values`."""
+    return not config.track and bool(values[-2] * values[-1] == 1) \
+        and (config.algorithm is not SGD or bool(values[_ONE_MINUS_DAMPENING] == 1))
 
 
 _ONE_MINUS_DAMPENING = SGD.scalars._fields.index("one_minus_dampening")  # (its place in _values)
