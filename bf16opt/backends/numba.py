@@ -247,7 +247,7 @@ class Relaunch:
         self.grad_row_bytes = table[:, -2] * ELEMENT_BYTES[config.grad]
         self.seed, self.streams = bucket.seed, np.array(bucket.streams(), dtype=np.int64)
         # the step's stream keys, written by keys() (zeros, never read, without stochastic rounding)
-        self.stream_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
+        self.step_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
 
     def values(self, scalars) -> np.ndarray:
@@ -267,8 +267,8 @@ class Relaunch:
         """The stream keys of ``step`` (into this launch's own array: a step's phase one
         makes them, its phase two passes them to :meth:`run`)."""
         if self.config.stochastic:
-            stream_keys(self.seed, step, self.streams, out=self.stream_keys)
-        return self.stream_keys
+            stream_keys(self.seed, step, self.streams, out=self.step_keys)
+        return self.step_keys
 
     def run(self, grad_addresses: np.ndarray, values: np.ndarray, keys: np.ndarray) -> None:
         """The kernel call with the grads at ``grad_addresses`` (int64, indexed by the
