@@ -1,6 +1,6 @@
 """Python overhead of a CPU step over many tiny params (numba backend).
 
-Run:  python benchmarks/step_overhead.py [--repeats 41] [--steps 50] [--profile] [--multi-tensor]
+Run:  python benchmarks/step_overhead.py [--repeats 41] [--steps 50] [--profile] [--multi-tensor] [--cold]
 
 Per param list and preset (AdamW, bf16 params) it times, repetitions interleaved across
 all rows (medians reported, in ms per step):
@@ -24,6 +24,11 @@ dimension divided by 64 (same count and mix of matrices and vectors, tiny sizes)
 against one flat tensor of the same size, whole steps and their kernel calls alone, with
 the median over repetitions of each repetition's list/flat ratio (memory bandwidth drifts
 between repetitions on a shared machine; a paired ratio cancels most of it).
+
+``--cold``: the step's Python as a training step meets it, with the caches cold after the
+last kernel's stream (SGD and AdamW over one 2^25 param, and with ``--multi-tensor`` the
+full-size GPT-2-small list): its time before and after the kernel call inside each step, and
+its share of the step.
 """
 
 from __future__ import annotations
@@ -57,13 +62,15 @@ def param_lists() -> dict:
     return {"150 x 64": [(64,)] * 150, f"GPT-2 small / 64 ({len(gpt2)})": gpt2}
 
 
-def tiny_optimizer(shapes: list, preset: str, dtype: torch.dtype = torch.bfloat16):
+def tiny_optimizer(shapes: list, preset: str, dtype: torch.dtype = torch.bfloat16, algorithm: str = "AdamW"):
     params = []
     for shape in shapes:
         p = torch.nn.Parameter(torch.empty(shape, dtype=dtype).normal_(0, 0.02))
         p.grad = torch.empty(shape, dtype=dtype).normal_(0, 1e-3)
         params.append(p)
-    opt = bf16opt.AdamW(params, lr=1e-3, weight_decay=1e-2, precision=preset, backend="numba")
+    cls, hyper = {"AdamW": (bf16opt.AdamW, dict(lr=1e-3, weight_decay=1e-2)),
+                  "SGD": (bf16opt.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-4))}[algorithm]
+    opt = cls(params, precision=preset, backend="numba", **hyper)
     opt.step()  # creates state, compiles or loads the kernel
     opt.step()  # builds the launch the next steps reuse
     return opt
@@ -171,6 +178,56 @@ def list_vs_flat(repeats: int) -> None:
         gc.collect()
 
 
+def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
+    """The step's Python with the caches cold, as a training step runs it: a step's own kernel
+    streams its tensors through the caches, so the bookkeeping of the next step starts cold.
+    Times the Python before and after the kernel call inside each step (the call is timed
+    by wrapping the backend's ``_call``), for one large param and (``with_list``) for the
+    full-size GPT-2-small list."""
+    from bf16opt.backends import numba as backend  # noqa: PLC0415
+
+    marks = []
+    call = backend._call
+
+    def timed_call(*args):
+        start = time.perf_counter()
+        call(*args)
+        marks.append((start, time.perf_counter()))
+
+    cases = [(f"1 param of 2^{log2_params}, {preset}", algorithm, [(1 << log2_params,)], preset)
+             for algorithm, preset in (("SGD", "bf16-sr"), ("AdamW", "bf16"))]
+    if with_list:
+        cases.append((f"GPT-2 small list ({len(gpt2_small_shapes())})", "AdamW", gpt2_small_shapes(), "bf16"))
+    print(f"\nThe step's Python with cold caches (bf16 params, numba backend), {cpu_name()}; medians of {repeats} "
+          f"steps; before / after: the step's time before its kernel call and after it, ms")
+    header = f"{'params':30} {'optimizer':9} {'before':>7} {'after':>7} {'Python':>7} {'kernel':>8} {'share':>6}"
+    print(header)
+    print("-" * len(header))
+    backend._call = timed_call
+    try:
+        for label, algorithm, shapes, preset in cases:
+            opt = tiny_optimizer(shapes, preset, algorithm=algorithm)
+            before, inside, after = [], [], []
+            for _ in range(repeats):
+                marks.clear()
+                start = time.perf_counter()
+                opt.step()
+                end = time.perf_counter()
+                if len(marks) != 1:
+                    raise RuntimeError(f"expected one kernel call per step, got {len(marks)}")
+                (enter, leave), = marks
+                before.append(enter - start)
+                inside.append(leave - enter)
+                after.append(end - leave)
+            b, k, a = (statistics.median(x) for x in (before, inside, after))
+            print(f"{label:30} {algorithm:9} {1e3 * b:7.3f} {1e3 * a:7.3f} {1e3 * (b + a):7.3f} {1e3 * k:8.2f} "
+                  f"{100 * (b + a) / (b + a + k):5.1f}%", flush=True)
+            del opt
+            gc.collect()
+    finally:
+        backend._call = call
+
+
 def profile(preset: str, steps: int, lines: int = 25) -> None:
     opt = tiny_optimizer(next(iter(param_lists().values())), preset)
     profiler = cProfile.Profile()
@@ -190,8 +247,13 @@ def main() -> None:
     parser.add_argument("--multi-tensor", action="store_true",
                         help="add the full-size GPT-2-small-shaped list against one flat tensor")
     parser.add_argument("--multi-tensor-repeats", type=int, default=21)
+    parser.add_argument("--cold", action="store_true",
+                        help="add the step's Python with cold caches, around the kernels of large params")
+    parser.add_argument("--cold-log2-params", type=int, default=25)
     args = parser.parse_args()
     overhead_table(args.repeats, args.steps)
+    if args.cold:
+        cold_bookkeeping(args.cold_log2_params, args.multi_tensor_repeats, args.multi_tensor)
     if args.profile:
         for preset in PRESETS:
             profile(preset, 500)

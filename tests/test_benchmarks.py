@@ -99,8 +99,10 @@ def test_offload_benchmark_prints_its_tables():
 
 
 def test_step_overhead_benchmark_prints_its_table():
-    """benchmarks/step_overhead.py runs and measures every row (figures mean nothing here)."""
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "step_overhead.py"), "--repeats", "1", "--steps", "1"],
+    """benchmarks/step_overhead.py runs and measures every row (figures mean nothing here),
+    with --cold: the Python before and after each step's kernel call, for SGD and AdamW."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "step_overhead.py"), "--repeats", "1", "--steps", "1",
+                             "--cold", "--cold-log2-params", "12", "--multi-tensor-repeats", "2"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("150 x 64", "GPT-2 small / 64"))]
@@ -108,6 +110,12 @@ def test_step_overhead_benchmark_prints_its_table():
     for row in rows:
         step, kernel, empty, _, python = map(float, row[-5:])
         assert step > 0 and kernel > 0 and empty > 0 and python >= 0
+    cold = [line.split() for line in result.stdout.splitlines() if line.startswith("1 param of 2^12")]
+    assert [row[5] for row in cold] == ["SGD", "AdamW"], result.stdout
+    for row in cold:
+        before, after, python, kernel = map(float, row[6:10])
+        assert before > 0 and after > 0 and python == pytest.approx(before + after, abs=2e-3) and kernel >= 0
+        assert row[10].endswith("%")
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None or platform.machine() != "x86_64",
