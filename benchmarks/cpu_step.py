@@ -275,12 +275,8 @@ def _x(a, b):
     return "-" if a is None or b is None else f"{b / a:5.2f}x"
 
 
-def _moment_buffers(state: dict, param) -> list:
-    """A peer's state tensors of the param's size (its moments; not its step counter)."""
-    return [value for value in state.values() if isinstance(value, torch.Tensor) and value.numel() == param.numel()]
-
-
 def _state_buffers(state: dict) -> list:
+    """An optimizer's state tensors but its step counter (bf16opt's, torch's, DeepSpeed's)."""
     return [value for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor)]
 
 
@@ -389,8 +385,7 @@ def peer_table(n: int, repeats: int) -> list:
             print(f"{label:36} {peer:24} (not installed or does not build here)")
             continue
         limits = {"bf16opt limit": limit_step(mine[0], mine[0].grad, _state_buffers(opt.state[mine[0]])),
-                  "peer limit": limit_step(theirs[0], theirs[0].grad, _moment_buffers(peer_opt.state[theirs[0]],
-                                                                                      theirs[0]))}
+                  "peer limit": limit_step(theirs[0], theirs[0].grad, _state_buffers(peer_opt.state[theirs[0]]))}
         times = timings({"bf16opt": ours, "peer": other, **limits}, repeats)
         ratios = sorted(a / b for a, b in zip(times["bf16opt"], times["peer"]))
         of_limit = {name: statistics.median(limit / step for step, limit in zip(times[name], times[f"{name} limit"]))

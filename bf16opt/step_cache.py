@@ -337,12 +337,12 @@ class GroupLaunch:
                 scalars = scalars._replace(inv_grad_scale=inv_grad_scale)
             if not all(map(math.isfinite, scalars)):  # the full path names them
                 return None
-            calls.append((relaunch, relaunch.values(scalars), relaunch.keys(counted + 1)))
+            calls.append((relaunch, relaunch.arguments(scalars, counted + 1)))
 
         def run() -> None:
             self.helpers.advance_counters(self.counter_addresses, self.steps)
-            for relaunch, values, keys in calls:
-                relaunch.run(grad_addresses, values, keys)
+            for relaunch, arguments in calls:
+                relaunch.run(grad_addresses, *arguments)
             torch.autograd.graph.increment_version(self.written)
 
         return run

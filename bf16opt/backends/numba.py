@@ -246,35 +246,28 @@ class Relaunch:
         self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
         self.grad_row_bytes = table[:, -2] * ELEMENT_BYTES[config.grad]
         self.seed, self.streams = bucket.seed, np.array(bucket.streams(), dtype=np.int64)
-        # the step's stream keys, written by keys() (zeros, never read, without stochastic rounding)
+        # the step's stream keys, written by arguments() (zeros, never read, without stochastic rounding)
         self.step_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
 
-    def values(self, scalars) -> np.ndarray:
-        """The kernel's scalars (and its chunk function for them made ready: a step's phase one)."""
+    def arguments(self, scalars, step: int) -> tuple:
+        """A step's phase one: the chunk function's address for these scalars (compiled or
+        loaded now), the kernel's scalars and the step's stream keys (into this launch's own
+        array), which :meth:`run` passes to the kernel."""
         values = _values(self.config, scalars)
-        self._address(values)
-        return values
-
-    def _address(self, values: np.ndarray) -> int:
         unit = unit_scalars(self.config, values)
         address = self.addresses.get(unit)
         if address is None:
             address = self.addresses[unit] = chunk_function(self.config, unit).address
-        return address
-
-    def keys(self, step: int) -> np.ndarray:
-        """The stream keys of ``step`` (into this launch's own array: a step's phase one
-        makes them, its phase two passes them to :meth:`run`)."""
         if self.config.stochastic:
             stream_keys(self.seed, step, self.streams, out=self.step_keys)
-        return self.step_keys
+        return address, values, self.step_keys
 
-    def run(self, grad_addresses: np.ndarray, values: np.ndarray, keys: np.ndarray) -> None:
+    def run(self, grad_addresses: np.ndarray, address: int, values: np.ndarray, keys: np.ndarray) -> None:
         """The kernel call with the grads at ``grad_addresses`` (int64, indexed by the
-        ``grad_positions`` given at construction)."""
+        ``grad_positions`` given at construction) and :meth:`arguments`' answer."""
         helpers().point_grads(self.table, _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses)
-        _call(self._address(values), self.table, values, keys, self.row_counts, self.bounds)
+        _call(address, self.table, values, keys, self.row_counts, self.bounds)
 
 
 def relaunch(bucket: Bucket, grad_positions: list) -> "Relaunch | None":
