@@ -282,7 +282,9 @@ class GroupLaunch:
         self.helpers = numba_backend.helpers()
         self.threads = numba_backend.threads()
         self.relaunches = relaunches  # (Relaunch, position in ``updated`` of its first param)
-        self.written = written  # for autograd's version counters (the kernels write through addresses)
+        # for autograd's version counters: what the kernels write through addresses, and the
+        # step counters advanced through theirs (a full step adds to them in place)
+        self.written = written + [state["step"] for state in self.states]
 
     def prepare(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
                 view: Optional[StateView] = None) -> Optional[Callable[[], None]]:

@@ -152,6 +152,32 @@ def test_unchanged_steps_reuse_the_launch(spy, preset, cls, options):
     assert spy.counts() == (4, 0, 1)
 
 
+@pytest.mark.parametrize("preset", ["bf16", "fp32-remainder"])
+@pytest.mark.parametrize("cls, options", [(bf16opt.AdamW, {}), (bf16opt.SGD, dict(momentum=0.9))],
+                         ids=["AdamW", "SGD-momentum"])
+def test_reused_steps_bump_autograd_versions_as_full_steps_do(spy, preset, cls, options):
+    """The kernels write through addresses; autograd must still see every param and state
+    tensor a step writes, the step counters included, as torch.optim's in-place ops show
+    them: each step, full or reused, bumps the same tensors' version counters."""
+    twins = Twins(cls, precision=preset, **options)
+
+    def versions() -> dict:
+        params = twins.params["numba"]
+        return {(i, key): tensor._version for i, p in enumerate(params)
+                for key, tensor in [("param", p), *twins.opt.state[p].items()]}
+
+    twins.grads_and_step()  # (makes the state)
+    bumped_by = []
+    for _ in range(4):  # a full step that builds the launch, then reused ones
+        before = versions()
+        twins.grads_and_step()
+        after = versions()
+        bumped_by.append(sorted(key for key, version in after.items() if version > before[key]))
+    assert spy.counts() == (3, 0, 1)
+    assert bumped_by[0] == sorted(versions())  # every param and state tensor
+    assert bumped_by[1:] == bumped_by[:1] * 3
+
+
 def test_the_same_grads_again_reuse_the_launch(spy):
     twins = Twins()
     twins.grads()
