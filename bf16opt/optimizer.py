@@ -138,6 +138,7 @@ class _StepPlan:
     reused: list = field(default_factory=list)         # phase two of each group whose kept launch is reused
     built: list = field(default_factory=list)          # (group number, what step_cache.build keeps, or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
+    stale_launches: bool = False                       # kept launches of groups that are gone
 
 
 #: torch.optim.optimizer's dicts of the hooks registered for every optimizer's step (private)
@@ -147,6 +148,9 @@ _GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hoo
 _SCOPE = tuple(getattr(torch._C._autograd, name, None) for name in
                ("_record_function_with_args_enter", "_record_function_with_args_exit"))
 _SCOPE = _SCOPE if all(map(callable, _SCOPE)) else None
+#: autograd's grad mode switched directly (private; what ``torch.set_grad_enabled`` calls,
+#: without making its context-manager object), else torch's
+_set_grad_mode = getattr(torch._C, "_set_grad_enabled", None) or torch.set_grad_enabled
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -525,6 +529,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                (group, first_index, precision, entries, launched)))
         if "_offloader_instance" in self.__dict__:
             plan.offloaded = {p for g in self.param_groups if g.get("offload") == "cpu" for p in g["params"]}
+        plan.stale_launches = bool(kept) and max(kept) >= len(self.param_groups)  # (groups removed)
         return plan
 
     def _amp_arguments(self, grad_scale, found_inf) -> tuple:
@@ -617,11 +622,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         decorator's context manager adds several Python calls to every step, each slow with
         the caches cold after a kernel's stream)."""
         grad_enabled = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+        _set_grad_mode(False)
         try:
             return self._step_without_grad(closure, grad_scale, found_inf)
         finally:
-            torch.set_grad_enabled(grad_enabled)
+            _set_grad_mode(grad_enabled)
 
     def _step_without_grad(self, closure, grad_scale, found_inf):
         inv_grad_scale, skip = self._amp_arguments(grad_scale, found_inf)
@@ -655,7 +660,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if bucket.counts is not None:
                 for param, counts in zip(bucket.params, bucket.counts.tolist()):
                     self._precision_counts[param] = (param.numel(), counts)
-        self._keep_launches(plan.built)
+        if plan.built or plan.stale_launches:
+            self._keep_launches(plan.built)
         return loss
 
     @property
@@ -665,7 +671,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _keep_launches(self, built: list) -> None:
         """Keep the launches this step built for the next steps to reuse; forget those of
-        groups that changed beyond reuse, or are gone (their tensors are released)."""
+        groups that changed beyond reuse, or are gone, and what is kept of params no longer
+        in the optimizer (their tensors are released)."""
         kept = self._group_launches
         for number, material in built:
             launch = None if material is None else step_cache.build(self, *material)
@@ -675,6 +682,21 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 kept[number] = launch
         for number in [number for number in kept if number >= len(self.param_groups)]:
             del kept[number]
+        self._forget_removed_params()
+
+    def _forget_removed_params(self) -> None:
+        """Forget what the side dicts hold of params no longer in any group (a group or param
+        taken out of ``param_groups``): they must not keep its tensors alive."""
+        memo = self.__dict__.get("_checked_groups")
+        for number in [number for number in memo or () if number >= len(self.param_groups)]:
+            del memo[number]
+        caches = [self.__dict__[name] for name in ("_state_config_cache", "_telemetry", "_shard_offsets")
+                  if self.__dict__.get(name)]
+        if caches:
+            live = {id(param) for group in self.param_groups for param in group["params"]}
+            for cache in caches:
+                for param in [param for param in cache if id(param) not in live]:
+                    del cache[param]
 
     @property
     def _precision_counts(self) -> dict:

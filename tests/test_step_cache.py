@@ -541,6 +541,45 @@ def test_the_kept_launch_holds_no_grad(spy):
     assert all(grad() is None for grad in grads)
 
 
+def test_a_removed_groups_launch_is_released_while_the_others_are_reused(spy):
+    """A group taken out of ``param_groups`` frees what its kept launch held, also when every
+    remaining group reuses its launch (a step that builds nothing)."""
+    first = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    second = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    opt = bf16opt.AdamW([{"params": [first]}, {"params": [second]}], backend="numba")
+    for _ in range(3):
+        first.grad, second.grad = torch.randn(2, 8, dtype=torch.bfloat16)
+        opt.step()
+    assert sorted(opt._group_launches) == [0, 1]
+    reused = spy.reused
+    opt.param_groups.pop()
+    del opt.state[second]
+    gone = weakref.ref(second)
+    del second
+    first.grad = torch.randn(8, dtype=torch.bfloat16)
+    opt.step()
+    gc.collect()
+    assert spy.reused == reused + 1 and spy.built == 2  # (the first group's launch reused)
+    assert sorted(opt._group_launches) == [0] and gone() is None
+
+
+def test_a_param_taken_out_of_its_group_is_released(spy):
+    first = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    second = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    opt = bf16opt.AdamW([first, second], backend="numba")
+    for _ in range(3):
+        first.grad, second.grad = torch.randn(2, 8, dtype=torch.bfloat16)
+        opt.step()
+    opt.param_groups[0]["params"].pop(1)  # (second)
+    del opt.state[second]
+    gone = weakref.ref(second)
+    del second
+    first.grad = torch.randn(8, dtype=torch.bfloat16)
+    opt.step()
+    gc.collect()
+    assert gone() is None
+
+
 def test_named_params_edit_refuses_the_kept_launch(spy):
     """Stochastic rounding's streams follow param names: renaming one builds anew."""
     twins = Twins(precision="bf16-sr", named=True)

@@ -91,15 +91,24 @@ def check_device(device: torch.device) -> None:
 
 
 def _chunks():
-    # cpu_src/ is installed inside the package as bf16opt._cpu (setup.cfg's package_dir)
-    from .._cpu import chunks  # noqa: PLC0415  (lazy: importing compiles nothing)
-    return chunks
+    """``cpu_src/chunks.py`` (installed inside the package as bf16opt._cpu, setup.cfg's
+    package_dir), imported at the first call (importing compiles nothing)."""
+    return _cpu_module("chunks")
 
 
 def helpers():
     """``cpu_src/step_helpers.py``: step counters by address, stream keys."""
-    from .._cpu import step_helpers  # noqa: PLC0415  (lazy: importing compiles nothing)
-    return step_helpers
+    return _cpu_module("step_helpers")
+
+
+_cpu_modules: dict = {}  # (looked up here: a ``from`` import of a package's module runs Python each time)
+
+
+def _cpu_module(name: str):
+    module = _cpu_modules.get(name)
+    if module is None:
+        module = _cpu_modules[name] = importlib.import_module(f"bf16opt._cpu.{name}")
+    return module
 
 
 def threads() -> int:
