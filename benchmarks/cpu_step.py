@@ -25,6 +25,10 @@ medians are reported):
   ``memory``), out of cache: the unavoidable instructions with the step's memory traffic.  The ceiling above assumes
   memory and compute overlap perfectly; where compute and memory times are close, this says
   how much of that overlap the plainest kernel doing only the unavoidable work gets here;
+* ``limit step``: that kernel inside the least Python a drop-in optimizer's step runs
+  (``ProtocolStep``: torch's hooks and profiler scope, autograd off, the grads fetched, the
+  version counters bumped) with the caches cold after the last stream, as a real step: the
+  share of the ceiling within reach of any optimizer users can swap in for torch.optim's;
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` where torch has the same
   configuration (its states have the param's dtype, so: bf16 params with bf16 states, and
   fp32 params with fp32 states);
@@ -154,6 +158,40 @@ def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str):
     operands = compute_limit.Operands(rows(grad), rows(param), w, m, v,
                                       np.array(compute_limit.SCALARS[algorithm], dtype=np.float32), keys)
     return compute_limit.runner(algorithm, storage, operands, 1)
+
+
+class ProtocolStep(torch.optim.Optimizer):
+    """The least a drop-in torch optimizer's step does around its kernel call: torch's step
+    protocol (the step pre- and post-hooks and the profiler scope, through bf16opt's wrapper
+    of them, the cheapest known; autograd off), every param's grad fetched and its address
+    read, the kernel called, and autograd's version counters of the tensors it wrote bumped
+    (the kernel writes through addresses).  No checks, no step counter, no scalars: a floor
+    for the Python of any optimizer users can swap in for torch.optim's, measured with the
+    caches as cold as the real step meets them.  ``kernel``: a call with no arguments."""
+
+    profile_hook_step = staticmethod(bf16opt.optimizer.MixedPrecisionOptimizer.profile_hook_step)
+
+    def __init__(self, params: list, kernel, written: list):
+        super().__init__(params, {})
+        self.kernel, self.written = kernel, written
+
+    def step(self, closure=None):
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.data_ptr()
+            self.kernel()
+            torch.autograd.graph.increment_version(self.written)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+
+
+def protocol_step(params: list, kernel, written: list):
+    """``kernel`` inside :class:`ProtocolStep`'s step over ``params``."""
+    return ProtocolStep(params, kernel, written).step
 
 
 # ---------------------------------------------------------------- contenders
@@ -289,10 +327,12 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
           f"ceiling = the slower of memory and the faster of compute and in cache; shares are "
           f"medians of each repetition's ratio;\n"
           f"streamed: the compute-limit kernel over the step's own tensors (out of cache), of str: the step's "
-          f"share of it, str/ceil: its share of the ceiling;\n"
+          f"share of it, str/ceil: its share of the ceiling; lim step: the share of the ceiling of the "
+          f"streamed kernel inside the least Python a drop-in step runs (ProtocolStep);\n"
           f"kernel: bf16opt's kernel call alone (the step without its Python), of ceil: its share")
     header = (f"{'configuration':36} {'bf16opt':>8} {'memory':>8} {'compute':>8} {'of ceil':>7} "
-              f"{'in cache':>8} {'streamed':>8} {'of str':>6} {'str/ceil':>8} {'kernel':>7} {'of ceil':>7} "
+              f"{'in cache':>8} {'streamed':>8} {'of str':>6} {'str/ceil':>8} {'lim step':>8} {'kernel':>7} "
+              f"{'of ceil':>7} "
               f"{'torch fused':>11} {'DeepSpeed':>9}")
     print(header)
     print("-" * len(header))
@@ -311,6 +351,7 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
                           "compute": compute_limit_step(n, family, dtype, preset),
                           "streamed": streamed_limit_step(mine[0], mine[0].grad, _state_buffers(state), family,
                                                           preset)}
+            contenders["limit step"] = protocol_step(mine, contenders["streamed"], [mine[0], *_state_buffers(state)])
             contenders["kernel"] = kernel_step(opt)
             contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset, algorithm=algorithm)
             keep = [opt, cache_opt]
@@ -339,15 +380,20 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             streamed_of_ceiling = statistics.median(
                 ceiling_of(*parts) / streamed for streamed, *parts in
                 zip(runs["streamed"], runs["memory"], runs["compute"], runs["in cache"]))
+            # and with the least Python a drop-in step runs around it (ProtocolStep)
+            limit_step_of_ceiling = statistics.median(
+                ceiling_of(*parts) / limit for limit, *parts in
+                zip(runs["limit step"], runs["memory"], runs["compute"], runs["in cache"]))
             row = dict(algorithm=algorithm, configuration=label, preset=preset, ceiling=ceiling,
                        of_ceiling=of_ceiling, of_streamed=of_streamed, kernel_of_ceiling=kernel_of_ceiling,
-                       streamed_of_ceiling=streamed_of_ceiling, **t)
+                       streamed_of_ceiling=streamed_of_ceiling, limit_step_of_ceiling=limit_step_of_ceiling, **t)
             rows.append(row)
             warn = f" (compute limit {100 * (t['compute'] / t['in cache'] - 1):.0f}% slower than bf16opt in " \
                 f"cache: not a limit; in cache taken)" if t["compute"] > t["in cache"] else ""
             print(f"{algorithm + ' ' + label:36} {_ms(t['bf16opt'])} {_ms(t['memory'])} {_ms(t['compute'])} "
                   f"{100 * row['of_ceiling']:6.0f}% {_ms(t['in cache'])} {_ms(t['streamed'])} "
-                  f"{100 * row['of_streamed']:5.0f}% {100 * streamed_of_ceiling:7.0f}% {1e3 * t['kernel']:7.1f} "
+                  f"{100 * row['of_streamed']:5.0f}% {100 * streamed_of_ceiling:7.0f}% "
+                  f"{100 * limit_step_of_ceiling:7.0f}% {1e3 * t['kernel']:7.1f} "
                   f"{100 * kernel_of_ceiling:6.0f}% "
                   f"{_ms(t.get('torch')):>11} {_ms(t.get('deepspeed')):>9}{warn}", flush=True)
             del contenders, keep, mine, opt, state

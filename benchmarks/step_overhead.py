@@ -27,8 +27,9 @@ between repetitions on a shared machine; a paired ratio cancels most of it).
 
 ``--cold``: the step's Python as a training step meets it, with the caches cold after the
 last kernel's stream (SGD and AdamW over one 2^25 param, and with ``--multi-tensor`` the
-full-size GPT-2-small list): its time before and after the kernel call inside each step, and
-its share of the step.
+full-size GPT-2-small list): its time before and after the kernel call inside each step, its
+share of the step, and its excess over the floor: the same kernel call inside the least
+Python a drop-in optimizer's step runs (``cpu_step.ProtocolStep``).
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ import bf16opt
 from bf16opt import _cpu
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
-    from cpu_step import captured_kernel_call, gpt2_small_shapes, kernel_step
+    from cpu_step import ProtocolStep, captured_kernel_call, gpt2_small_shapes, kernel_step
     from machine import cpu_name
 except ImportError:  # pragma: no cover
-    from benchmarks.cpu_step import captured_kernel_call, gpt2_small_shapes, kernel_step
+    from benchmarks.cpu_step import ProtocolStep, captured_kernel_call, gpt2_small_shapes, kernel_step
     from benchmarks.machine import cpu_name
 
 PRESETS = ("bf16", "fp32", "bf16-sr")
@@ -183,46 +184,58 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
     streams its tensors through the caches, so the bookkeeping of the next step starts cold.
     Times the Python before and after the kernel call inside each step (the call is timed
     by wrapping the backend's ``_call``), for one large param and (``with_list``) for the
-    full-size GPT-2-small list."""
+    full-size GPT-2-small list; and, interleaved, the same kernel call inside
+    ``cpu_step.ProtocolStep`` (the least Python a drop-in optimizer's step runs: the floor)."""
     from bf16opt.backends import numba as backend  # noqa: PLC0415
 
     marks = []
     call = backend._call
 
-    def timed_call(*args):
+    def timed(kernel):
+        def run(*args):
+            start = time.perf_counter()
+            kernel(*args)
+            marks.append((start, time.perf_counter()))
+        return run
+
+    def python_around_kernel(step) -> tuple:
+        marks.clear()
         start = time.perf_counter()
-        call(*args)
-        marks.append((start, time.perf_counter()))
+        step()
+        end = time.perf_counter()
+        if len(marks) != 1:
+            raise RuntimeError(f"expected one kernel call per step, got {len(marks)}")
+        (enter, leave), = marks
+        return enter - start, leave - enter, end - leave
 
     cases = [(f"1 param of 2^{log2_params}, {preset}", algorithm, [(1 << log2_params,)], preset)
              for algorithm, preset in (("SGD", "bf16-sr"), ("AdamW", "bf16"))]
     if with_list:
         cases.append((f"GPT-2 small list ({len(gpt2_small_shapes())})", "AdamW", gpt2_small_shapes(), "bf16"))
     print(f"\nThe step's Python with cold caches (bf16 params, numba backend), {cpu_name()}; medians of {repeats} "
-          f"steps; before / after: the step's time before its kernel call and after it, ms")
-    header = f"{'params':30} {'optimizer':9} {'before':>7} {'after':>7} {'Python':>7} {'kernel':>8} {'share':>6}"
+          f"steps; before / after: the step's time before its kernel call and after it, ms; floor: the same "
+          f"kernel call inside the least Python a drop-in step runs (cpu_step.ProtocolStep), interleaved")
+    header = (f"{'params':30} {'optimizer':9} {'before':>7} {'after':>7} {'Python':>7} {'kernel':>8} {'share':>6} "
+              f"{'floor':>7} {'excess':>7}")
     print(header)
     print("-" * len(header))
-    backend._call = timed_call
     try:
         for label, algorithm, shapes, preset in cases:
             opt = tiny_optimizer(shapes, preset, algorithm=algorithm)
-            before, inside, after = [], [], []
+            params = [p for group in opt.param_groups for p in group["params"]]
+            written = params + [t for p in params for key, t in opt.state[p].items() if key != "step"]
+            floor = ProtocolStep(params, timed(kernel_step(opt)), written)
+            ours, theirs = [], []
             for _ in range(repeats):
-                marks.clear()
-                start = time.perf_counter()
-                opt.step()
-                end = time.perf_counter()
-                if len(marks) != 1:
-                    raise RuntimeError(f"expected one kernel call per step, got {len(marks)}")
-                (enter, leave), = marks
-                before.append(enter - start)
-                inside.append(leave - enter)
-                after.append(end - leave)
-            b, k, a = (statistics.median(x) for x in (before, inside, after))
+                backend._call = timed(call)
+                ours.append(python_around_kernel(opt.step))
+                backend._call = call
+                theirs.append(python_around_kernel(floor.step))
+            (b, k, a), (fb, _, fa) = ([statistics.median(x) for x in zip(*runs)] for runs in (ours, theirs))
             print(f"{label:30} {algorithm:9} {1e3 * b:7.3f} {1e3 * a:7.3f} {1e3 * (b + a):7.3f} {1e3 * k:8.2f} "
-                  f"{100 * (b + a) / (b + a + k):5.1f}%", flush=True)
-            del opt
+                  f"{100 * (b + a) / (b + a + k):5.1f}% {1e3 * (fb + fa):7.3f} {1e3 * (b + a - fb - fa):7.3f}",
+                  flush=True)
+            del opt, floor, params, written
             gc.collect()
     finally:
         backend._call = call

@@ -37,7 +37,7 @@ from . import step_cache
 from .algorithms import Algorithm, KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, check_backend_name, f32, reference, resolve_backend
 from .checks import (check_amp_tensor, check_flag, check_implementation_flags, check_no_aliasing,
-                     check_param, check_seed)
+                     check_number, check_param, check_seed)
 from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local, wrap_like
 from .offload import Offloader, check_offload
 from .precision import Precision, as_precision, plan_for
@@ -276,16 +276,25 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """:meth:`_checked_precision` of group ``number``, remembered while the group holds
         the same keys and the same values (identical objects, each of an immutable type: a
         list or tensor hyper-parameter can change in place, and is checked at every step).
-        The checks read nothing but the group's values (its params aside)."""
+        The checks read nothing but the group's values (its params aside).  A new float lr
+        alone (an lr scheduler sets one every step) is checked alone: the full checks would
+        pass all else as before, and raise on a bad lr with the same message."""
         memo = self._side_dict("_checked_groups")
         values = list(group.values())
         kept = memo.get(number)
-        if kept is not None and kept[0] is group and step_cache.same_objects(values, kept[2]) \
-                and list(group) == kept[1]:
-            return kept[3]
+        if kept is not None and kept[0] is group and list(group) == kept[1]:
+            if step_cache.same_objects(values, kept[2]):
+                return kept[3]
+            at = kept[4]  # (lr's place in the group)
+            if type(values[at]) is float and step_cache.same_objects(values[:at], kept[2][:at]) \
+                    and step_cache.same_objects(values[at + 1:], kept[2][at + 1:]):
+                check_number(values[at], "lr", "learning rate")
+                memo[number] = (group, kept[1], values, kept[3], at)
+                return kept[3]
         precision = self._checked_precision(group)
         if all(map(_immutable, (value for key, value in group.items() if key != "params"))):
-            memo[number] = (group, list(group), list(group.values()), precision)  # (after seed's normalisation)
+            keys = list(group)  # (after seed's normalisation)
+            memo[number] = (group, keys, list(group.values()), precision, keys.index("lr"))
         else:
             memo.pop(number, None)
         return precision

@@ -34,13 +34,13 @@ def test_cpu_benchmark_prints_its_table():
     for row in rows:
         # bf16opt, memory limit, compute limit, share of the ceiling, in-cache time, the
         # streamed compute limit, the step's share of it and its own share of the ceiling,
-        # bf16opt's kernel call alone and its share: all measured (in ms to 0.1: tiny times
-        # print as 0.0)
-        ours, memory, compute, share, in_cache, streamed, of_streamed, streamed_share, kernel, kernel_share = \
-            re.split(r"\s{2,}", row.strip())[1:11]
+        # the limit step's share (ProtocolStep), bf16opt's kernel call alone and its share:
+        # all measured (in ms to 0.1: tiny times print as 0.0)
+        ours, memory, compute, share, in_cache, streamed, of_streamed, streamed_share, limit_step_share, kernel, \
+            kernel_share = re.split(r"\s{2,}", row.strip())[1:12]
         assert float(ours) > 0 and float(memory) >= 0 and float(compute) >= 0 and float(in_cache) >= 0
         assert float(streamed) >= 0 and float(kernel) >= 0
-        for percent in (share, of_streamed, streamed_share, kernel_share):
+        for percent in (share, of_streamed, streamed_share, limit_step_share, kernel_share):
             assert percent.endswith("%") and int(percent[:-1]) >= 0
 
 
@@ -100,7 +100,8 @@ def test_offload_benchmark_prints_its_tables():
 
 def test_step_overhead_benchmark_prints_its_table():
     """benchmarks/step_overhead.py runs and measures every row (figures mean nothing here),
-    with --cold: the Python before and after each step's kernel call, for SGD and AdamW."""
+    with --cold: the Python before and after each step's kernel call, for SGD and AdamW, and
+    the floor (the same call inside cpu_step.ProtocolStep)."""
     result = subprocess.run([sys.executable, str(BENCHMARKS / "step_overhead.py"), "--repeats", "1", "--steps", "1",
                              "--cold", "--cold-log2-params", "12", "--multi-tensor-repeats", "2"],
                             capture_output=True, text=True, timeout=600)
@@ -116,6 +117,8 @@ def test_step_overhead_benchmark_prints_its_table():
         before, after, python, kernel = map(float, row[6:10])
         assert before > 0 and after > 0 and python == pytest.approx(before + after, abs=2e-3) and kernel >= 0
         assert row[10].endswith("%")
+        floor, excess = map(float, row[11:13])  # the same kernel call inside ProtocolStep, and the difference
+        assert floor > 0 and excess == pytest.approx(python - floor, abs=2e-3)
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None or platform.machine() != "x86_64",

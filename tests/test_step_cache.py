@@ -198,6 +198,30 @@ def test_lr_from_a_scheduler_and_a_grad_scale_reuse_the_launch(spy):
     assert spy.counts() == (3, 0, 1)
 
 
+def test_an_lr_schedule_rechecks_lr_alone_and_still_refuses_a_bad_lr(spy, monkeypatch):
+    """A scheduler sets a new float lr every step: the group's other settings are not checked
+    again, the new lr is, with the message the full checks give."""
+    twins = Twins()
+    warm(twins, spy)
+    full_checks = []
+    checked = bf16opt.AdamW._checked_precision
+    monkeypatch.setattr(bf16opt.AdamW, "_checked_precision",
+                        lambda opt, group: full_checks.append(opt) or checked(opt, group))
+    for lr in (5e-3, 2e-3, 1e-3):
+        twins.each(lambda opt, params: opt.param_groups[0].__setitem__("lr", lr))
+        twins.grads_and_step()
+    assert full_checks == []
+    for bad, error, message in [(-1.0, ValueError, "Invalid learning rate: -1.0"),
+                                (float("nan"), ValueError, "learning rate"), (True, TypeError, "lr")]:
+        twins.opt.param_groups[0]["lr"] = bad
+        before = snapshot(twins.opt)
+        with pytest.raises(error, match=message):
+            twins.opt.step()
+        assert_unchanged(twins.opt, before)
+    twins.each(lambda opt, params: opt.param_groups[0].__setitem__("lr", 1e-3))
+    twins.grads_and_step()
+
+
 @pytest.mark.parametrize("options", [dict(track_precision=True), dict(offload="cpu"),
                                      dict(dtype=torch.float64, ours="auto")],
                          ids=["telemetry", "offload", "float64"])
