@@ -62,7 +62,6 @@ float64, and whose tensors are all addressed in place (no staging copies).
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 from itertools import chain, compress, repeat
@@ -334,12 +333,12 @@ class GroupLaunch:
             counted = int(self.steps[first])
             if counted >= 2 ** 53:  # the full path refuses it
                 return None
-            scalars = optimizer._scalars(group, counted + 1)
-            if inv_grad_scale != 1.0:
-                scalars = scalars._replace(inv_grad_scale=inv_grad_scale)
-            if not all(map(math.isfinite, scalars)):  # the full path names them
+            # unrounded: the kernel's array rounds each to float32 once, as a full step does
+            arguments = relaunch.arguments(optimizer._scalars(group, counted + 1, float), inv_grad_scale,
+                                           counted + 1)
+            if arguments is None:  # a scalar is not a finite float32: the full path names it
                 return None
-            calls.append((relaunch, relaunch.arguments(scalars, counted + 1)))
+            calls.append((relaunch, arguments))
 
         def run() -> None:
             self.helpers.advance_counters(self.counter_addresses, self.steps)

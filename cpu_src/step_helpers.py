@@ -19,6 +19,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .chunks import run_chunks, run_chunks_serial
 from .storage import pointer_to
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -71,6 +72,33 @@ def stream_keys(key, tensors, keys):
         tensor = _fmix32(((key ^ (np.uint64(tensors[i]) & _MASK32)) + _GOLDEN) & _MASK32)
         for buffer in range(keys.shape[1]):
             keys[i, buffer] = _fmix32(((tensor ^ np.uint64(buffer)) + _GOLDEN) & _MASK32)
+
+
+@njit(nogil=True, cache=True)
+def step_key(seed_words, step):
+    """storage.stream_key's hash chain over the seed's and the step's words (``stream_keys``'
+    ``key``); ``seed_words``: uint64 (seed & MASK32, seed >> 32)."""
+    step = np.uint64(step)
+    key = np.uint64(0)
+    for word in (seed_words[0], (seed_words[1] ^ (step >> np.uint64(32))) & _MASK32, step & _MASK32):
+        key = _fmix32(((key ^ word) + _GOLDEN) & _MASK32)
+    return key
+
+
+@njit(nogil=True, cache=True)
+def relaunch(serial, address, table, scalars, keys, row_counts, bounds, grad_column, grad_of_row, row_bytes,
+             grad_addresses, seed_words, step, streams):
+    """A kept launch's step in one compiled call (each costs tens of µs with cold caches):
+    its grad column pointed (:func:`point_grads`), the step's stream keys written into
+    ``keys`` for the tensors ``streams`` (none without stochastic rounding), and the chunk
+    driver run, on Numba's threads or (``serial``, in a fork child) on this one."""
+    point_grads(table, grad_column, grad_of_row, row_bytes, grad_addresses)
+    if streams.size:
+        stream_keys(step_key(seed_words, step), streams, keys)
+    if serial:
+        run_chunks_serial(address, table, scalars, keys, row_counts, bounds)
+    else:
+        run_chunks(address, table, scalars, keys, row_counts, bounds)
 
 
 @intrinsic

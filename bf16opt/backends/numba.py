@@ -177,7 +177,11 @@ def stream_keys(seed: int, step: int, indices, out: "np.ndarray | None" = None) 
 
 def _values(config: KernelConfig, scalars) -> np.ndarray:
     """The kernels' float32 scalars: the step's, then the sign of maximize."""
-    return np.array([*scalars, -1.0 if config.flag("maximize") else 1.0], dtype=np.float32)
+    return np.array([*scalars, _sign(config)], dtype=np.float32)
+
+
+def _sign(config: KernelConfig) -> float:
+    return -1.0 if config.flag("maximize") else 1.0
 
 
 def _itemsizes(config: KernelConfig) -> np.ndarray:
@@ -254,29 +258,39 @@ class Relaunch:
         # row r reads the grad at grad_addresses[grad_of_row[r]] (run's argument), from element start
         self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
         self.grad_row_bytes = table[:, -2] * ELEMENT_BYTES[config.grad]
-        self.seed, self.streams = bucket.seed, np.array(bucket.streams(), dtype=np.int64)
-        # the step's stream keys, written by arguments() (zeros, never read, without stochastic rounding)
+        self.sign = _sign(config)
+        # the stream keys of the tensors key_streams, written by run() (none without stochastic
+        # rounding: zeros, never read), from the seed's words and the step's
+        self.seed_words = np.array([bucket.seed & MASK32, bucket.seed >> 32], dtype=np.uint64)
+        self.key_streams = np.array(bucket.streams() if config.stochastic else [], dtype=np.int64)
         self.step_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
 
-    def arguments(self, scalars, step: int) -> tuple:
+    def arguments(self, scalars, inv_grad_scale: float, step: int) -> "tuple | None":
         """A step's phase one: the chunk function's address for these scalars (compiled or
-        loaded now), the kernel's scalars and the step's stream keys (into this launch's own
-        array), which :meth:`run` passes to the kernel."""
-        values = _values(self.config, scalars)
+        loaded now), the kernel's scalars and the step, which :meth:`run` passes on; None when
+        a scalar is not a finite float32.  ``scalars``: the algorithm's scalars unrounded
+        (float64), each rounded to float32 here once, as ``f32`` rounds each in a full step;
+        ``inv_grad_scale``: the step's (a float32)."""
+        values = np.array([*scalars[:-1], inv_grad_scale, self.sign], dtype=np.float32)  # (_values' layout)
+        if not np.isfinite(values).all():
+            return None
         unit = unit_scalars(self.config, values)
         address = self.addresses.get(unit)
         if address is None:
             address = self.addresses[unit] = chunk_function(self.config, unit).address
-        if self.config.stochastic:
-            stream_keys(self.seed, step, self.streams, out=self.step_keys)
-        return address, values, self.step_keys
+        return address, values, step
 
-    def run(self, grad_addresses: np.ndarray, address: int, values: np.ndarray, keys: np.ndarray) -> None:
+    def run(self, grad_addresses: np.ndarray, address: int, values: np.ndarray, step: int) -> None:
         """The kernel call with the grads at ``grad_addresses`` (int64, indexed by the
-        ``grad_positions`` given at construction) and :meth:`arguments`' answer."""
-        helpers().point_grads(self.table, _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses)
-        _call(address, self.table, values, keys, self.row_counts, self.bounds)
+        ``grad_positions`` given at construction) and :meth:`arguments`' answer: the grad
+        column pointed, the stream keys made and the chunks run in one compiled call
+        (``step_helpers.relaunch``; each call costs tens of µs with the caches cold), under
+        the process-wide lock as :func:`_call`."""
+        with _KERNEL_LOCK:
+            helpers().relaunch(_FORKED, address, self.table, values, self.step_keys, self.row_counts, self.bounds,
+                               _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
+                               self.seed_words, step, self.key_streams)
 
 
 def relaunch(bucket: Bucket, grad_positions: list) -> "Relaunch | None":
