@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import threading
 
@@ -130,13 +131,14 @@ def chunk_function(config: KernelConfig, unit: bool = False):
     return module.chunk_function(formats, config.weights, config.plan.rounding, config.track, **flags)
 
 
-def unit_scalars(config: KernelConfig, values: np.ndarray) -> bool:
+def unit_scalars(config: KernelConfig, values) -> bool:
     """Whether the kernel may leave out its multiplications by 1 at this step (``unit`` in
     ``cpu_src/<algorithm>.py``): the unscaling factor times the sign of maximize, as the
     kernel computes it, is exactly 1 (no GradScaler, not maximizing), and for SGD
     ``1 - dampening`` too.  Not for telemetry (``track_precision``): a diagnostic run, whose
     kernels count per element anyway, is not worth a second compilation of each
-    configuration.  ``values``: :func:`_values`."""
+    configuration.  ``values``: :func:`_values`, as an array or a list (its products by
+    the sign, +-1, are exact in float32 and float64 alike)."""
     return not config.track and bool(values[-2] * values[-1] == 1) \
         and (config.algorithm is not SGD or bool(values[_ONE_MINUS_DAMPENING] == 1))
 
@@ -273,9 +275,10 @@ class Relaunch:
         (float64), each rounded to float32 here once, as ``f32`` rounds each in a full step;
         ``inv_grad_scale``: the step's (a float32)."""
         values = np.array([*scalars[:-1], inv_grad_scale, self.sign], dtype=np.float32)  # (_values' layout)
-        if not np.isfinite(values).all():
+        rounded = values.tolist()  # (Python floats: numpy's ufuncs cost tens of µs with cold caches)
+        if not all(map(math.isfinite, rounded)):
             return None
-        unit = unit_scalars(self.config, values)
+        unit = unit_scalars(self.config, rounded)
         address = self.addresses.get(unit)
         if address is None:
             address = self.addresses[unit] = chunk_function(self.config, unit).address
