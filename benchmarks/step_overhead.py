@@ -1,6 +1,7 @@
 """Python overhead of a CPU step over many tiny params (numba backend).
 
-Run:  python benchmarks/step_overhead.py [--repeats 41] [--steps 50] [--profile] [--multi-tensor] [--cold]
+Run:  python benchmarks/step_overhead.py [--repeats 41] [--steps 50] [--profile] [--multi-tensor
+      [--multi-tensor-instances 3]] [--cold]
 
 Per param list and preset (AdamW, bf16 params) it times, repetitions interleaved across
 all rows (medians reported, in ms per step):
@@ -23,7 +24,9 @@ dimension divided by 64 (same count and mix of matrices and vectors, tiny sizes)
 ``--multi-tensor``: the full-size GPT-2-small-shaped list (~124M params in 148 tensors)
 against one flat tensor of the same size, whole steps and their kernel calls alone, with
 the median over repetitions of each repetition's list/flat ratio (memory bandwidth drifts
-between repetitions on a shared machine; a paired ratio cancels most of it).
+between repetitions on a shared machine; a paired ratio cancels most of it);
+``--multi-tensor-instances K``: K optimizers of each, made alternately (a tensor's placement
+in memory moves its step by up to 1.5x on these VMs; K draws of it per layout).
 
 ``--cold``: the step's Python as a training step meets it, with the caches cold after the
 last kernel's stream (SGD and AdamW over one 2^25 param, and with ``--multi-tensor`` the
@@ -157,29 +160,48 @@ def overhead_table(repeats: int, steps: int) -> None:
               f"{1e3 * (step - empty):10.3f} {1e3 * python:10.3f}", flush=True)
 
 
-def list_vs_flat(repeats: int) -> None:
+def list_vs_flat(repeats: int, instances: int = 1) -> None:
+    """The GPT-2-small-shaped list against one flat tensor.  ``instances`` > 1: that many
+    optimizers of each, made alternately, every repetition timing all of them: where a
+    tensor's memory lands moves these memory-bound steps by up to 1.5x on these VMs, fixed
+    for an optimizer's life, so one list against one flat tensor compares two draws of
+    placement as much as the two layouts.  A repetition's ratio is then the geometric mean
+    of its list steps over that of its flat ones; each instance's median is printed too."""
     shapes = gpt2_small_shapes()
     total = sum(int(np.prod(shape)) for shape in shapes)
     print(f"\nGPT-2-small-shaped param list ({len(shapes)} tensors, {total} params) vs one flat tensor of the "
-          f"same size; AdamW, numba backend, {cpu_name()}; median of {repeats} interleaved repetitions, ms; "
-          f"list/flat: median of the repetitions' ratios")
-    header = f"{'configuration':20} {'list':>7} {'flat':>7} {'list/flat':>9} {'kernel list':>11} {'kernel flat':>11} {'list/flat':>9}"
+          f"same size; AdamW, numba backend, {cpu_name()}; {instances} optimizer(s) of each, made alternately; "
+          f"median of {repeats} interleaved repetitions, ms; list/flat: median of the repetitions' ratios")
+    header = (f"{'configuration':20} {'list':>7} {'flat':>7} {'list/flat':>9} {'kernel list':>11} "
+              f"{'kernel flat':>11} {'list/flat':>9}")
     print(header)
     print("-" * len(header))
     for label, dtype, preset in [("bf16 params, bf16", torch.bfloat16, "bf16"),
                                  ("fp32 params, fp32", torch.float32, "fp32")]:
-        contenders = {}
-        for name, layout in (("list", shapes), ("flat", [(total,)])):
-            opt = tiny_optimizer(layout, preset, dtype)
-            contenders[name] = opt.step
-            contenders[name + " kernel"] = kernel_step(opt)
+        contenders, keep = {}, []
+        for k in range(instances):
+            for name, layout in (("list", shapes), ("flat", [(total,)])):
+                opt = tiny_optimizer(layout, preset, dtype)
+                contenders[(name, "", k)] = opt.step
+                contenders[(name, " kernel", k)] = kernel_step(opt)
+                keep.append(opt)
         t = timings(contenders, repeats)
-        median = {name: 1e3 * statistics.median(times) for name, times in t.items()}
-        ratio = {kind: statistics.median(a / b for a, b in zip(t["list" + kind], t["flat" + kind]))
+
+        def geomean(name: str, kind: str, rep: int) -> float:
+            return statistics.geometric_mean(t[(name, kind, k)][rep] for k in range(instances))
+
+        median = {(name, kind): 1e3 * statistics.median(geomean(name, kind, r) for r in range(repeats))
+                  for name in ("list", "flat") for kind in ("", " kernel")}
+        ratio = {kind: statistics.median(geomean("list", kind, r) / geomean("flat", kind, r) for r in range(repeats))
                  for kind in ("", " kernel")}
-        print(f"{label:20} {median['list']:7.1f} {median['flat']:7.1f} {ratio['']:9.3f} "
-              f"{median['list kernel']:11.1f} {median['flat kernel']:11.1f} {ratio[' kernel']:9.3f}", flush=True)
-        del contenders, t
+        print(f"{label:20} {median[('list', '')]:7.1f} {median[('flat', '')]:7.1f} {ratio['']:9.3f} "
+              f"{median[('list', ' kernel')]:11.1f} {median[('flat', ' kernel')]:11.1f} {ratio[' kernel']:9.3f}",
+              flush=True)
+        if instances > 1:
+            for name in ("list", "flat"):
+                steps = " ".join(f"{1e3 * statistics.median(t[(name, '', k)]):.1f}" for k in range(instances))
+                print(f"  {name} steps of each instance: {steps}")
+        del contenders, t, keep
         gc.collect()
 
 
@@ -265,6 +287,8 @@ def main() -> None:
     parser.add_argument("--multi-tensor", action="store_true",
                         help="add the full-size GPT-2-small-shaped list against one flat tensor")
     parser.add_argument("--multi-tensor-repeats", type=int, default=21)
+    parser.add_argument("--multi-tensor-instances", type=int, default=1,
+                        help="optimizers of each layout, made alternately (placement varies between them)")
     parser.add_argument("--cold", action="store_true",
                         help="add the step's Python with cold caches, around the kernels of large params")
     parser.add_argument("--cold-log2-params", type=int, default=25)
@@ -276,7 +300,7 @@ def main() -> None:
         for preset in PRESETS:
             profile(preset, 500)
     if args.multi_tensor:
-        list_vs_flat(args.multi_tensor_repeats)
+        list_vs_flat(args.multi_tensor_repeats, args.multi_tensor_instances)
 
 
 if __name__ == "__main__":
