@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from ..algorithms import ELEMENT_BYTES, SGD, KernelConfig
-from ..storage import GOLDEN, MASK32, fmix32_int
+from ..storage import MASK32
 from .base import Bucket
 from .staging import check, stage
 
@@ -168,13 +168,15 @@ def stream_keys(seed: int, step: int, indices, out: "np.ndarray | None" = None) 
     """uint32 (len(indices), 4): ``storage.stream_key(seed, step, index, buffer)`` for the
     buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), one compiled loop over tensors
     (negative indices as their two's complement); written into ``out`` when given."""
-    key = 0
-    for word in (seed & MASK32, ((seed >> 32) ^ (step >> 32)) & MASK32, step & MASK32):
-        key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
     tensors = np.asarray(indices, dtype=np.int64)
     keys = np.empty((tensors.size, 4), dtype=np.uint32) if out is None else out
-    helpers().stream_keys(np.uint64(key), tensors, keys)
+    helpers().stream_keys(helpers().step_key(seed_words(seed), step), tensors, keys)
     return keys
+
+
+def seed_words(seed: int) -> np.ndarray:
+    """A seed (0 <= seed < 2**64) as ``step_helpers.step_key`` takes it."""
+    return np.array([seed & MASK32, seed >> 32], dtype=np.uint64)
 
 
 def _values(config: KernelConfig, scalars) -> np.ndarray:
@@ -263,7 +265,7 @@ class Relaunch:
         self.sign = _sign(config)
         # the stream keys of the tensors key_streams, written by run() (none without stochastic
         # rounding: zeros, never read), from the seed's words and the step's
-        self.seed_words = np.array([bucket.seed & MASK32, bucket.seed >> 32], dtype=np.uint64)
+        self.seed_words = seed_words(bucket.seed)
         self.key_streams = np.array(bucket.streams() if config.stochastic else [], dtype=np.int64)
         self.step_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
