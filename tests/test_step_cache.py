@@ -565,43 +565,33 @@ def test_the_kept_launch_holds_no_grad(spy):
     assert all(grad() is None for grad in grads)
 
 
-def test_a_removed_groups_launch_is_released_while_the_others_are_reused(spy):
-    """A group taken out of ``param_groups`` frees what its kept launch held, also when every
-    remaining group reuses its launch (a step that builds nothing)."""
+@pytest.mark.parametrize("removed", ["group", "param"])
+def test_a_param_taken_out_of_the_optimizer_is_released(spy, removed):
+    """A param taken out of ``param_groups`` (its group, or it alone) and its state is freed:
+    no kept launch or side dict of the optimizer holds it, also when the remaining group
+    reuses its launch (a step that builds nothing)."""
     first = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
     second = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
-    opt = bf16opt.AdamW([{"params": [first]}, {"params": [second]}], backend="numba")
+    groups = [{"params": [first]}, {"params": [second]}] if removed == "group" else [first, second]
+    opt = bf16opt.AdamW(groups, backend="numba")
+    del groups  # (torch keeps the group dicts given)
     for _ in range(3):
         first.grad, second.grad = torch.randn(2, 8, dtype=torch.bfloat16)
         opt.step()
-    assert sorted(opt._group_launches) == [0, 1]
-    reused = spy.reused
-    opt.param_groups.pop()
+    reused, built = spy.reused, spy.built
+    if removed == "group":
+        opt.param_groups.pop()
+    else:
+        opt.param_groups[0]["params"].pop(1)  # (second)
     del opt.state[second]
     gone = weakref.ref(second)
     del second
     first.grad = torch.randn(8, dtype=torch.bfloat16)
     opt.step()
     gc.collect()
-    assert spy.reused == reused + 1 and spy.built == 2  # (the first group's launch reused)
-    assert sorted(opt._group_launches) == [0] and gone() is None
-
-
-def test_a_param_taken_out_of_its_group_is_released(spy):
-    first = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
-    second = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
-    opt = bf16opt.AdamW([first, second], backend="numba")
-    for _ in range(3):
-        first.grad, second.grad = torch.randn(2, 8, dtype=torch.bfloat16)
-        opt.step()
-    opt.param_groups[0]["params"].pop(1)  # (second)
-    del opt.state[second]
-    gone = weakref.ref(second)
-    del second
-    first.grad = torch.randn(8, dtype=torch.bfloat16)
-    opt.step()
-    gc.collect()
-    assert gone() is None
+    assert gone() is None and sorted(opt._group_launches) == [0]
+    if removed == "group":  # the first group's launch reused
+        assert (spy.reused, spy.built) == (reused + 1, built)
 
 
 def test_named_params_edit_refuses_the_kept_launch(spy):
