@@ -1,12 +1,12 @@
 """Per-step bookkeeping of the Numba backend as one compiled call each, not one numpy or
 torch call per tensor: the step counters, read and advanced through their addresses, the
 stochastic-rounding stream keys of a bucket's tensors, tensors' data addresses, and a kept
-chunk table's grad column.
+launch's step (its chunk table's grad column pointed, its stream keys made, its chunks run).
 
 What for: a step over ~150 small params would spend more time in these per-tensor calls
 (``torch._foreach_add_`` falls back to a loop on CPU) than in its update; and every call,
 compiled or numpy, costs tens of µs when the caches are cold after a kernel's stream (a step
-over one large param), so the step cache's checks are one call.  The step cache
+over one large param), so the step cache's checks are one call, and so is its kernel call.  The step cache
 (``bf16opt/step_cache.py``) checks the counters' identities and addresses before it
 passes them here.
 """

@@ -35,7 +35,9 @@ reference.
 
 Between steps: the optimizer's step cache (``bf16opt/step_cache.py``) keeps a bucket's
 kernel call as a :class:`Relaunch` -- its own copy of the chunk table, whose grad column is
-pointed at each step's grads -- and reuses it while nothing it was built from changed.
+pointed at each step's grads -- and reuses it while nothing it was built from changed; a
+reused call is one compiled call (``step_helpers.relaunch``: grads pointed, stream keys made,
+chunks run).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _chunks():
 
 
 def helpers():
-    """``cpu_src/step_helpers.py``: step counters by address, stream keys."""
+    """``cpu_src/step_helpers.py``: step counters by address, stream keys, a kept launch's call."""
     return _cpu_module("step_helpers")
 
 
