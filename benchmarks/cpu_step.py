@@ -137,7 +137,7 @@ def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str):
     """The compute-limit kernel doing one update of every element of the step's own tensors
     (the memory-limit kernel's arrays, out of cache): the unavoidable instructions together
     with the step's memory traffic, on the same memory, with nothing else in the way.
-    ``buffers``: the state's tensors, the master's companion first (``_state_buffers``)."""
+    ``buffers``: the state's tensors, the master's companion first (``state_buffers``)."""
     storage = compute_limit.FP32_PARAMS if param.dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
     threads = get_num_threads()
     if param.numel() % (2 * threads):
@@ -315,7 +315,7 @@ def _x(a, b):
     return "-" if a is None or b is None else f"{b / a:5.2f}x"
 
 
-def _state_buffers(state: dict) -> list:
+def state_buffers(state: dict) -> list:
     """An optimizer's state tensors but its step counter (bf16opt's, torch's, DeepSpeed's)."""
     return [value for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor)]
 
@@ -349,11 +349,11 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             mine = [_param(n, dtype, 0)]
             ours, opt = bf16opt_step(mine, preset, algorithm)
             state = opt.state[mine[0]]
-            contenders = {"bf16opt": ours, "memory": limit_step(mine[0], mine[0].grad, _state_buffers(state)),
+            contenders = {"bf16opt": ours, "memory": limit_step(mine[0], mine[0].grad, state_buffers(state)),
                           "compute": compute_limit_step(n, family, dtype, preset),
-                          "streamed": streamed_limit_step(mine[0], mine[0].grad, _state_buffers(state), family,
+                          "streamed": streamed_limit_step(mine[0], mine[0].grad, state_buffers(state), family,
                                                           preset)}
-            contenders["limit step"] = protocol_step(mine, contenders["streamed"], [mine[0], *_state_buffers(state)])
+            contenders["limit step"] = protocol_step(mine, contenders["streamed"], [mine[0], *state_buffers(state)])
             contenders["kernel"] = kernel_step(opt)
             contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset, algorithm=algorithm)
             keep = [opt, cache_opt]
@@ -432,8 +432,8 @@ def peer_table(n: int, repeats: int) -> list:
         if other is None:
             print(f"{label:36} {peer:24} (not installed or does not build here)")
             continue
-        limits = {"bf16opt limit": limit_step(mine[0], mine[0].grad, _state_buffers(opt.state[mine[0]])),
-                  "peer limit": limit_step(theirs[0], theirs[0].grad, _state_buffers(peer_opt.state[theirs[0]]))}
+        limits = {"bf16opt limit": limit_step(mine[0], mine[0].grad, state_buffers(opt.state[mine[0]])),
+                  "peer limit": limit_step(theirs[0], theirs[0].grad, state_buffers(peer_opt.state[theirs[0]]))}
         times = timings({"bf16opt": ours, "peer": other, **limits}, repeats)
         ratios = sorted(a / b for a, b in zip(times["bf16opt"], times["peer"]))
         of_limit = {name: statistics.median(limit / step for step, limit in zip(times[name], times[f"{name} limit"]))

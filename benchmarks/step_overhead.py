@@ -52,10 +52,11 @@ import bf16opt
 from bf16opt import _cpu
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
-    from cpu_step import ProtocolStep, captured_kernel_call, gpt2_small_shapes, kernel_step
+    from cpu_step import ProtocolStep, state_buffers, captured_kernel_call, gpt2_small_shapes, kernel_step
     from machine import cpu_name
 except ImportError:  # pragma: no cover
-    from benchmarks.cpu_step import ProtocolStep, captured_kernel_call, gpt2_small_shapes, kernel_step
+    from benchmarks.cpu_step import (ProtocolStep, state_buffers, captured_kernel_call, gpt2_small_shapes,
+                                     kernel_step)
     from benchmarks.machine import cpu_name
 
 PRESETS = ("bf16", "fp32", "bf16-sr")
@@ -250,7 +251,7 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
         for label, algorithm, shapes, preset in cases:
             opt = tiny_optimizer(shapes, preset, algorithm=algorithm)
             params = [p for group in opt.param_groups for p in group["params"]]
-            written = params + [t for p in params for key, t in opt.state[p].items() if key != "step"]
+            written = params + [t for p in params for t in state_buffers(opt.state[p])]
             floor = ProtocolStep(params, timed(kernel_step(opt)), written)
             ours, theirs = [], []
             for _ in range(repeats):

@@ -181,9 +181,10 @@ def seed_words(seed: int) -> np.ndarray:
     return np.array([seed & MASK32, seed >> 32], dtype=np.uint64)
 
 
-def _values(config: KernelConfig, scalars) -> np.ndarray:
-    """The kernels' float32 scalars: the step's, then the sign of maximize."""
-    return np.array([*scalars, _sign(config)], dtype=np.float32)
+def _values(config: KernelConfig, scalars, sign: "float | None" = None) -> np.ndarray:
+    """The kernels' float32 scalars: the step's, then the sign of maximize (``sign``, when
+    the caller keeps it: ``config.flag`` makes a dict at each call)."""
+    return np.array([*scalars, _sign(config) if sign is None else sign], dtype=np.float32)
 
 
 def _sign(config: KernelConfig) -> float:
@@ -278,7 +279,7 @@ class Relaunch:
         a scalar is not a finite float32.  ``scalars``: the algorithm's scalars unrounded
         (float64), each rounded to float32 here once, as ``f32`` rounds each in a full step;
         ``inv_grad_scale``: the step's (a float32)."""
-        values = np.array([*scalars[:-1], inv_grad_scale, self.sign], dtype=np.float32)  # (_values' layout)
+        values = _values(self.config, (*scalars[:-1], inv_grad_scale), self.sign)
         rounded = values.tolist()  # (Python floats: numpy's ufuncs cost tens of µs with cold caches)
         if not all(map(math.isfinite, rounded)):
             return None
