@@ -189,11 +189,16 @@ def test_notebook_02_plots_swallowed_updates_per_layer_and_a_precision_switch(ex
     assert set(runs) == {"fp32", "bf16", "bf16-sr", "fp32-remainder", "bf16 -> fp32"}
     for run in runs.values():  # per layer, every step
         assert run["layers"] == layers and run["per_layer_steps"] == [steps] == [run["steps"]]
-    # swallowed updates: bf16 and bf16-sr lose some late in the (decayed) schedule; an fp32 master none
+    # swallowed updates: bf16 and bf16-sr lose some late in the (decayed) schedule; an fp32 master
+    # only updates below half an fp32 spacing (weight decay and the gradient step all but
+    # cancelling: an element now and then, which of them depends on the CPU's matmul rounding)
     assert max(runs["bf16"]["total"][-steps // 10:]) > 0 and max(runs["bf16-sr"]["total"]) > 0
-    assert set(runs["fp32-remainder"]["total"]) == set(runs["fp32"]["total"]) == {0.0}
+    bf16_lost = sum(runs["bf16"]["total"])
+    for preset in ("fp32", "fp32-remainder"):
+        assert max(runs[preset]["total"]) <= 1e-3 and sum(runs[preset]["total"]) < bf16_lost / 100, preset
     switched = runs["bf16 -> fp32"]["total"]
-    assert max(switched[:switch]) > 0 and set(switched[switch:]) == {0.0}
+    assert max(switched[:switch]) > 0 and max(switched[switch:]) <= 1e-3
+    assert sum(switched[switch:]) < sum(runs["bf16"]["total"][switch:]) / 100
     # the plots: a panel per preset with a line per layer; gaps to fp32; the switch
     per_layer = [axes for axes in shown
                  if [a["title"] for a in axes] == ["bf16", "bf16-sr", "fp32-remainder"]]
