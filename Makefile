@@ -24,8 +24,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/python -m bf16opt compare --out runs/compare
 
+# worksteal: each worker starts on its own half of the suite (neighbouring tests share kernel
+# configurations, which both workers would otherwise compile at once), then takes over the
+# other's remaining tests
 test: $(VENV)/.installed-test
-	HYPOTHESIS_PROFILE=ci $(BIN)/pytest -n auto
+	HYPOTHESIS_PROFILE=ci $(BIN)/pytest -n auto --dist worksteal
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

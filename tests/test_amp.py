@@ -24,13 +24,11 @@ import torch
 
 import bf16opt
 from bf16opt.algorithms import ADAM, LION, SGD
-from bf16opt.backends import f32
 from bf16opt.precision import PRESETS, plan_for
-from buckets import ADAM_GROUPS, adam_flags, make_bucket, run_both, sgd_flags, sgd_group
+from buckets import ADAM_GROUPS, THIRD, adam_flags, make_bucket, run_both, sgd_flags, sgd_group
 from snapshots import assert_unchanged, same_bits, snapshot
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "integrations_amp.md"
-THIRD = f32(1 / 3)  # the float32 reciprocal of a scale of 3: inexact, so multiply != divide
 
 
 def params_and_state(opt) -> list:

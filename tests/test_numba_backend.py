@@ -31,8 +31,8 @@ from bf16opt.storage import encode
 pytest.importorskip("numba")
 
 from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
-                     SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, bits, make_bucket, plan_id,
-                     run_both, sgd_flags, sgd_group, sgd_plan_cases)
+                     SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, bits, make_bucket, one_variant,
+                     plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,12 +137,12 @@ def test_encode_canonical_nan_bits(codec):
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("plan", PLANS, ids=plan_id)
 def test_adam_every_configuration(plan, amsgrad, weight_decay):
-    """Three steps: minimize, maximize, minimize (maximize is a run-time sign)."""
+    """Three steps, of one of the configuration's two kernels (``one_variant``)."""
     group = ADAM_GROUPS[weight_decay]
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad),
                          seed=sum(map(ord, plan_id(plan))), layouts=SMALL_CONTIGUOUS)
-    run_both(bucket, group, steps=3, alternate_maximize=True,
-             where=f"{plan_id(plan)} {amsgrad} {weight_decay}")
+    where = f"{plan_id(plan)} {amsgrad} {weight_decay}"
+    run_both(bucket, group, steps=3, where=where, **one_variant(where))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -152,18 +152,19 @@ def test_lion_every_configuration(plan, weight_decay):
     bucket = make_bucket(LION, plan, SMALL_SHAPES, flags=dict(maximize=True), seed=7,
                          layouts=SMALL_CONTIGUOUS)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
-    run_both(bucket, group, steps=3, alternate_maximize=True,
-             where=f"{plan_id(plan)} {weight_decay}")
+    where = f"{plan_id(plan)} {weight_decay}"
+    run_both(bucket, group, steps=3, where=where, **one_variant(where))
 
 
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("plan, group, first, track", sgd_plan_cases(PLANS))
 def test_sgd_every_configuration(plan, group, first, track):
-    """Three steps: minimize, maximize, minimize; with momentum, step 1 is the buffer's
-    first step.  A channels_last tensor joins the transposed and strided ones."""
+    """Three steps (``one_variant``); with momentum, step 1 is the buffer's first step.  A
+    channels_last tensor joins the transposed and strided ones."""
     bucket = make_bucket(SGD, plan, SMALL_SHAPES_4D, flags=sgd_flags(group, first=first), track=track,
                          seed=29, layouts=SMALL_LAYOUTS_4D)
-    run_both(bucket, group, steps=3, alternate_maximize=True, where=f"{plan_id(plan)} {group} track={track}")
+    where = f"{plan_id(plan)} {group} track={track}"
+    run_both(bucket, group, steps=3, where=where, **one_variant(where, track))
 
 
 @pytest.mark.parametrize("preset", ["bf16", "fp32"])

@@ -24,7 +24,7 @@ pytest.importorskip("numba")
 
 from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
                      SMALL_SHAPES, SMALL_SHAPES_4D, WEIGHT_DECAY, adam_flags, bits, make_bucket,
-                     plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases)
+                     one_variant, plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
 from test_numba_backend import OPTIMIZER_OPTIONS, _interesting_f32_bits  # noqa: E402
 
@@ -143,8 +143,8 @@ def test_adam_quality_every_configuration(plan, amsgrad, weight_decay, track):
     group = ADAM_GROUPS[weight_decay]
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad), seed=11,
                          layouts=SMALL_CONTIGUOUS, track=track)
-    run_both(bucket, group, steps=3, alternate_maximize=True,
-             where=f"{plan_id(plan)} amsgrad={amsgrad} {weight_decay} track={track}")
+    where = f"{plan_id(plan)} amsgrad={amsgrad} {weight_decay} track={track}"
+    run_both(bucket, group, steps=3, where=where, **one_variant(where, track))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -155,19 +155,19 @@ def test_lion_quality_every_configuration(plan, weight_decay, track):
     bucket = make_bucket(LION, plan, SMALL_SHAPES, flags=dict(maximize=True), seed=13,
                          layouts=SMALL_CONTIGUOUS, track=track)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
-    run_both(bucket, group, steps=3, alternate_maximize=True,
-             where=f"{plan_id(plan)} wd={weight_decay} track={track}")
+    where = f"{plan_id(plan)} wd={weight_decay} track={track}"
+    run_both(bucket, group, steps=3, where=where, **one_variant(where, track))
 
 
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("plan, group, first, track", sgd_plan_cases(QUALITY_PLANS))
 def test_sgd_quality_every_configuration(plan, group, first, track):
-    """Three steps (minimize, maximize, minimize), transposed, strided and channels_last
+    """Three steps (``one_variant``), transposed, strided and channels_last
     tensors among contiguous ones; stochastic rounding draws a new stream each step."""
     bucket = make_bucket(SGD, plan, SMALL_SHAPES_4D, flags=sgd_flags(group, first=first, maximize=True),
                          track=track, seed=31, layouts=SMALL_LAYOUTS_4D)
-    run_both(bucket, group, steps=3, alternate_maximize=True,
-             where=f"{plan_id(plan)} {group} first={first} track={track}")
+    where = f"{plan_id(plan)} {group} first={first} track={track}"
+    run_both(bucket, group, steps=3, where=where, **one_variant(where, track))
 
 
 @pytest.mark.usefixtures("small_chunks")
