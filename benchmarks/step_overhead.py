@@ -52,11 +52,12 @@ import bf16opt
 from bf16opt import _cpu
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
-    from cpu_step import ProtocolStep, state_buffers, captured_kernel_call, gpt2_small_shapes, kernel_step
+    from cpu_step import (ProtocolStep, captured_kernel_call, driver_users, gpt2_small_shapes, kernel_step,
+                          state_buffers)
     from machine import cpu_name
 except ImportError:  # pragma: no cover
-    from benchmarks.cpu_step import (ProtocolStep, state_buffers, captured_kernel_call, gpt2_small_shapes,
-                                     kernel_step)
+    from benchmarks.cpu_step import (ProtocolStep, captured_kernel_call, driver_users, gpt2_small_shapes,
+                                     kernel_step, state_buffers)
     from benchmarks.machine import cpu_name
 
 PRESETS = ("bf16", "fp32", "bf16-sr")
@@ -94,6 +95,8 @@ def without_kernel(step):
     """``step`` with its kernel call a no-op (the Python around it alone): the parallel
     driver of a full step, a kept launch's one compiled call (``Relaunch.run``) of a reused one."""
     from bf16opt.backends import numba as backend  # noqa: PLC0415
+
+    driver_users()
 
     def run():
         driver, _cpu.chunks.run_chunks = _cpu.chunks.run_chunks, _no_kernel

@@ -133,3 +133,20 @@ def test_kernel_instructions_prints_its_table():
     assert len(rows) == 1, result.stdout
     ours, limit, ratio = re.split(r"\s{2,}", rows[0].strip())[1:4]
     assert float(ours) > 1 and float(limit) > 1 and ratio.endswith("x")
+
+
+def test_replacing_the_kernel_driver_leaves_the_step_helpers_the_real_one():
+    """cpu_step.py replaces bf16opt's parallel chunk driver while it captures a step's kernel
+    call; the step helpers, which bind the driver when imported, are imported before that:
+    imported during the capture (a first kept launch), they kept the replacement, and with a
+    fresh Numba cache the next reused step failed to compile (a fresh checkout's first run)."""
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import cpu_step; import bf16opt\n"
+            "from bf16opt import _cpu\n"
+            "assert 'bf16opt._cpu.step_helpers' not in sys.modules\n"
+            "p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16)); p.grad = torch.ones_like(p)\n"
+            "opt = bf16opt.SGD([p], lr=0.1, backend='numba'); opt.step()\n"
+            "cpu_step.captured_kernel_call(opt)\n"
+            "assert _cpu.step_helpers.run_chunks is _cpu.chunks.run_chunks\n")
+    result = subprocess.run([sys.executable, "-c", code, str(BENCHMARKS)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
