@@ -369,8 +369,10 @@ def one_variant(where: str, track: bool = False) -> dict:
     others and every tracked one (telemetry kernels always multiply) run with a grad scale
     and ``maximize`` flipped each step.  Why not both for every configuration: each compile
     costs about a second, and compiling both was a third of the suite's time; the two differ
-    in that one multiplication, compared in both forms over every storage policy by
-    ``test_kernels_without_multiplications_by_one_have_the_same_bits``."""
+    in that one multiplication, compared in both forms for each algorithm by
+    ``test_kernels_without_multiplications_by_one_have_the_same_bits`` (fp32 master, nearest,
+    stochastic and Kahan); the hash gives each storage policy both (e.g. the quality plans'
+    Adam cases: Kahan 48 / 48, remainder 12 / 12, stochastic 53 / 49)."""
     if track or zlib.crc32(where.encode()) % 2:
         return dict(alternate_maximize=True, inv_grad_scale=THIRD)
     return dict(unit=True)
