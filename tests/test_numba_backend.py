@@ -142,7 +142,8 @@ def test_adam_every_configuration(plan, amsgrad, weight_decay):
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad),
                          seed=sum(map(ord, plan_id(plan))), layouts=SMALL_CONTIGUOUS)
     where = f"{plan_id(plan)} {amsgrad} {weight_decay}"
-    run_both(bucket, group, steps=3, where=where, **one_variant(where))
+    run_both(bucket, group, steps=3, where=where,
+             **one_variant(f"{plan_id(plan)} {amsgrad} l2={weight_decay == 'l2'}"))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -153,7 +154,7 @@ def test_lion_every_configuration(plan, weight_decay):
                          layouts=SMALL_CONTIGUOUS)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
     where = f"{plan_id(plan)} {weight_decay}"
-    run_both(bucket, group, steps=3, where=where, **one_variant(where))
+    run_both(bucket, group, steps=3, where=where, **one_variant(plan_id(plan)))
 
 
 @pytest.mark.usefixtures("small_chunks")

@@ -153,7 +153,8 @@ def test_adam_quality_every_configuration(plan, amsgrad, weight_decay, track):
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad), seed=11,
                          layouts=SMALL_CONTIGUOUS, track=track)
     where = f"{plan_id(plan)} amsgrad={amsgrad} {weight_decay} track={track}"
-    run_both(bucket, group, steps=3, where=where, **one_variant(where, track))
+    run_both(bucket, group, steps=3, where=where,
+             **one_variant(f"{plan_id(plan)} amsgrad={amsgrad} l2={weight_decay == 'l2'}", track))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -165,7 +166,7 @@ def test_lion_quality_every_configuration(plan, weight_decay, track):
                          layouts=SMALL_CONTIGUOUS, track=track)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
     where = f"{plan_id(plan)} wd={weight_decay} track={track}"
-    run_both(bucket, group, steps=3, where=where, **one_variant(where, track))
+    run_both(bucket, group, steps=3, where=where, **one_variant(plan_id(plan), track))
 
 
 @pytest.mark.usefixtures("small_chunks")
