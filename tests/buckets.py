@@ -361,21 +361,23 @@ def assert_same_bits(expected: Bucket, got: Bucket, where: str, other: str = "nu
 THIRD = f32(1 / 3)  # the float32 reciprocal of a scale of 3: inexact, so multiply != divide
 
 
-def one_variant(kernel: str, track: bool = False) -> dict:
+def one_variant(bucket: Bucket) -> dict:
     """``run_both``'s arguments exercising one of the two kernels the numba backend compiles
-    for a configuration: with or without the multiplication of every grad by the unscaling
-    factor (``inv_grad_scale * sign``), chosen per call (``unit_scalars``).  Half of the
-    configurations, by a hash of ``kernel`` (what names the compiled kernel: cases that differ
-    only in run-time scalars, e.g. decoupled weight decay or none, pass the same and share
-    one compilation), run unit steps (minimize, no grad scale); the others and every tracked
-    one (telemetry kernels always multiply) run with a grad scale and ``maximize`` flipped
-    each step.  Why not both for every configuration: each compile
-    costs about a second, and compiling both was a third of the suite's time; the two differ
-    in that one multiplication, compared in both forms for each algorithm by
+    for ``bucket``'s configuration: with or without the multiplication of every grad by the
+    unscaling factor (``inv_grad_scale * sign``), chosen per call (``unit_scalars``).  Half of
+    the configurations, by a hash of what names the compiled kernel (the configuration but its
+    run-time ``maximize``: cases that differ only in scalars, e.g. decoupled weight decay or
+    none, share one compilation), run unit steps (minimize, no grad scale); the others and
+    every tracked one (telemetry kernels always multiply) run with a grad scale and
+    ``maximize`` flipped each step.  Why not both for every configuration: each compile costs
+    about a second, and compiling both was a third of the suite's time; the two differ in that
+    one multiplication, compared in both forms for each algorithm by
     ``test_kernels_without_multiplications_by_one_have_the_same_bits`` (fp32 master, nearest,
-    stochastic and Kahan); the hash gives each storage policy both (e.g. the quality plans'
-    Adam kernels, unit / scaled: Kahan 32 / 32, remainder 8 / 8, stochastic 32 / 36)."""
-    if track or zlib.crc32(kernel.encode()) % 2:
+    stochastic and Kahan), and the hash gives each storage policy both."""
+    config = bucket.config
+    kernel = " ".join([config.algorithm.name, plan_id(config.plan), str(config.grad),
+                       *(f"{name}={value}" for name, value in config.flags if name != "maximize")])
+    if config.track or zlib.crc32(kernel.encode()) % 2:
         return dict(alternate_maximize=True, inv_grad_scale=THIRD)
     return dict(unit=True)
 

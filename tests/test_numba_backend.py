@@ -141,9 +141,8 @@ def test_adam_every_configuration(plan, amsgrad, weight_decay):
     group = ADAM_GROUPS[weight_decay]
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad),
                          seed=sum(map(ord, plan_id(plan))), layouts=SMALL_CONTIGUOUS)
-    where = f"{plan_id(plan)} {amsgrad} {weight_decay}"
-    run_both(bucket, group, steps=3, where=where,
-             **one_variant(f"{plan_id(plan)} {amsgrad} l2={weight_decay == 'l2'}"))
+    run_both(bucket, group, steps=3, where=f"{plan_id(plan)} {amsgrad} {weight_decay}",
+             **one_variant(bucket))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -153,8 +152,8 @@ def test_lion_every_configuration(plan, weight_decay):
     bucket = make_bucket(LION, plan, SMALL_SHAPES, flags=dict(maximize=True), seed=7,
                          layouts=SMALL_CONTIGUOUS)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
-    where = f"{plan_id(plan)} {weight_decay}"
-    run_both(bucket, group, steps=3, where=where, **one_variant(plan_id(plan)))
+    run_both(bucket, group, steps=3, where=f"{plan_id(plan)} {weight_decay}",
+             **one_variant(bucket))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -164,8 +163,8 @@ def test_sgd_every_configuration(plan, group, first, track):
     channels_last tensor joins the transposed and strided ones."""
     bucket = make_bucket(SGD, plan, SMALL_SHAPES_4D, flags=sgd_flags(group, first=first), track=track,
                          seed=29, layouts=SMALL_LAYOUTS_4D)
-    where = f"{plan_id(plan)} {group} track={track}"
-    run_both(bucket, group, steps=3, where=where, **one_variant(where, track))
+    run_both(bucket, group, steps=3, where=f"{plan_id(plan)} {group} track={track}",
+             **one_variant(bucket))
 
 
 @pytest.mark.parametrize("preset", ["bf16", "fp32"])

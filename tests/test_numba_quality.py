@@ -152,9 +152,8 @@ def test_adam_quality_every_configuration(plan, amsgrad, weight_decay, track):
     group = ADAM_GROUPS[weight_decay]
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad), seed=11,
                          layouts=SMALL_CONTIGUOUS, track=track)
-    where = f"{plan_id(plan)} amsgrad={amsgrad} {weight_decay} track={track}"
-    run_both(bucket, group, steps=3, where=where,
-             **one_variant(f"{plan_id(plan)} amsgrad={amsgrad} l2={weight_decay == 'l2'}", track))
+    run_both(bucket, group, steps=3, where=f"{plan_id(plan)} amsgrad={amsgrad} {weight_decay} track={track}",
+             **one_variant(bucket))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -165,8 +164,8 @@ def test_lion_quality_every_configuration(plan, weight_decay, track):
     bucket = make_bucket(LION, plan, SMALL_SHAPES, flags=dict(maximize=True), seed=13,
                          layouts=SMALL_CONTIGUOUS, track=track)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)
-    where = f"{plan_id(plan)} wd={weight_decay} track={track}"
-    run_both(bucket, group, steps=3, where=where, **one_variant(plan_id(plan), track))
+    run_both(bucket, group, steps=3, where=f"{plan_id(plan)} wd={weight_decay} track={track}",
+             **one_variant(bucket))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -176,8 +175,8 @@ def test_sgd_quality_every_configuration(plan, group, first, track):
     tensors among contiguous ones; stochastic rounding draws a new stream each step."""
     bucket = make_bucket(SGD, plan, SMALL_SHAPES_4D, flags=sgd_flags(group, first=first, maximize=True),
                          track=track, seed=31, layouts=SMALL_LAYOUTS_4D)
-    where = f"{plan_id(plan)} {group} first={first} track={track}"
-    run_both(bucket, group, steps=3, where=where, **one_variant(where, track))
+    run_both(bucket, group, steps=3, where=f"{plan_id(plan)} {group} first={first} track={track}",
+             **one_variant(bucket))
 
 
 @pytest.mark.usefixtures("small_chunks")
