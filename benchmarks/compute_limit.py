@@ -32,9 +32,9 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from numba import cfunc, njit
 
-from bf16opt._cpu.chunks import COUNTERS, KEYS, chunk_compiler, run_chunks, run_chunks_serial
+from bf16opt._cpu.chunks import CHUNK_SIGNATURE, COUNTERS, KEYS, chunk_compiler, run_chunks, run_chunks_serial
 from bf16opt._cpu.storage import (bits_to_f32, element_index, f32_to_bits, high_half, low_half, pair_word,
                                   pointer_to, random_bits)
 
@@ -106,7 +106,7 @@ def _sr(x, key, element):
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_function(algorithm: str, storage: Storage):
+def chunk_function(algorithm: str, storage: Storage, contract: bool = False):
     """The compute-limit work as a chunk function (``cpu_src/chunks.py``'s CHUNK_SIGNATURE),
     run by the same driver as bf16opt's: so its loop is compiled on its own, as theirs is.
 
@@ -114,7 +114,12 @@ def chunk_function(algorithm: str, storage: Storage):
     remainder or the bf16 compensation; ``v`` used by Adam only), then the length, the first
     element's index (the hash's counter) and the thread's index (its row of ``keys``).  When
     every array is 16-bit, two elements at a time from one 32-bit word of each array (one
-    shift or mask to decode, one merge per pair to encode)."""
+    shift or mask to decode, one merge per pair to encode).
+
+    ``contract``: not a limit -- the same source with LLVM free to fuse a multiplication and
+    the addition of its product into one fused multiply-add (``fastmath={"contract"}``, one
+    rounding instead of two: not bit-identical to the reference), as a C compiler building a
+    peer's kernel may.  It measures what the fusing gains on the machine at hand."""
     param16, master, moments16 = storage.param16, storage.master, storage.moments16
     stochastic, kahan = storage.stochastic, storage.kahan
     moments = MOMENTS[algorithm]
@@ -126,7 +131,10 @@ def chunk_function(algorithm: str, storage: Storage):
     w_format = thirty_two if master == "copy" else sixteen
     moment_format = sixteen if moments16 else thirty_two
 
-    @chunk_compiler((algorithm, storage))
+    compile_chunk = cfunc(CHUNK_SIGNATURE, error_model="numpy", fastmath={"contract"}) if contract \
+        else chunk_compiler((algorithm, storage))
+
+    @compile_chunk
     def chunk(row, scalars, keys, counts):
         p = pointer_to(row[0], param_format)
         g = pointer_to(row[1], param_format)
@@ -272,10 +280,12 @@ def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int
     return Operands(g, p, w, m, v, np.array(SCALARS[algorithm], dtype=np.float32), keys)
 
 
-def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, serial: bool = False):
+def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, serial: bool = False,
+           contract: bool = False):
     """A call updating each thread's block of ``operands`` ``passes`` times through bf16opt's
-    chunk driver (``run_chunks``, one thread per block; ``serial``: ``run_chunks_serial``)."""
-    chunk = chunk_function(algorithm, storage)
+    chunk driver (``run_chunks``, one thread per block; ``serial``: ``run_chunks_serial``;
+    ``contract``: see :func:`chunk_function`)."""
+    chunk = chunk_function(algorithm, storage, contract)
     threads, block = operands.p.shape
     addresses = np.array([[a[t].ctypes.data if a.shape[1] else 0 for a in
                            (operands.p, operands.g, operands.w, operands.m, operands.v)]

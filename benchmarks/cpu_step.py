@@ -38,6 +38,9 @@ medians are reported):
 
 ``--peers``: only bf16opt against each peer with the same storage, as the median of paired
 per-repetition ratios (the robust figure for "never slower than a peer").
+``--same-arrays``: AdamW with fp32 params and states, bf16opt and both peers stepping one set
+of arrays, beside the memory limit and the streamed limit, exact and with fused multiply-adds
+(what the fusing a peer's C compiler does is worth here; ``same_array_table``).
 
 Then the multi-tensor check: the step for a GPT-2-small-shaped param list (~124M params in
 ~150 tensors) against one flat tensor of the same size.
@@ -133,11 +136,12 @@ def compute_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str, 
     return compute_limit.runner(algorithm, storage, operands, max(1, n // (threads * block)))
 
 
-def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str):
+def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str, contract: bool = False):
     """The compute-limit kernel doing one update of every element of the step's own tensors
     (the memory-limit kernel's arrays, out of cache): the unavoidable instructions together
     with the step's memory traffic, on the same memory, with nothing else in the way.
-    ``buffers``: the state's tensors, the master's companion first (``state_buffers``)."""
+    ``buffers``: the state's tensors, the master's companion first (``state_buffers``);
+    ``contract``: its multiply-adds fused (``compute_limit.chunk_function``; not a limit)."""
     storage = compute_limit.FP32_PARAMS if param.dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
     threads = get_num_threads()
     if param.numel() % (2 * threads):
@@ -461,6 +465,53 @@ def peer_table(n: int, repeats: int) -> list:
     return rows
 
 
+def same_array_table(n: int, repeats: int) -> list:
+    """AdamW with fp32 params and fp32 states, every contender stepping the very same four
+    arrays (param, grad, exp_avg, exp_avg_sq): bf16opt, ``torch.optim.AdamW(fused=True)`` and
+    ``DeepSpeedCPUAdam`` (each given bf16opt's moment tensors as its state), the memory-limit
+    kernel, and the streamed compute-limit kernel over them, exact and with its multiply-adds
+    fused (``contract``: what fusing, which DeepSpeed's compiled kernel does and bf16opt's
+    numerics contract forbids, gains on this machine).  On one set of arrays, placement
+    (which moves a memory-bound step by up to 1.5x on a VM) cannot favour one contender.
+    Prints medians and each contender's median paired ratio to bf16opt; returns the rows."""
+    param = _param(n, torch.float32, 0)
+    ours, opt = bf16opt_step([param], "fp32")
+    state = opt.state[param]
+    moments = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    contenders = {"bf16opt": ours}
+    peers = [("torch AdamW(fused=True)", torch_fused_step), ("DeepSpeedCPUAdam fp32", lambda p: deepspeed_step(p, True))]
+    keep = [opt]
+    for name, make in peers:
+        step, peer_opt = make([param])
+        if step is None:
+            continue
+        peer_opt.state[param].update(moments)  # (made by its first step: same dtype and shape)
+        contenders[name] = step
+        keep.append(peer_opt)
+    buffers = list(moments.values())
+    contenders["memory limit"] = limit_step(param, param.grad, buffers)
+    contenders["streamed limit"] = streamed_limit_step(param, param.grad, buffers, "adam", "fp32")
+    contenders["streamed limit, fused"] = streamed_limit_step(param, param.grad, buffers, "adam", "fp32",
+                                                               contract=True)
+    runs = timings(contenders, repeats)
+    print(f"\nAdamW, fp32 params and states, all contenders on the same four arrays (2^{n.bit_length() - 1} params), "
+          f"{get_num_threads()} Numba threads, {cpu_name()}; {repeats} interleaved repetitions; ms (medians); "
+          f"bf16opt / it: the median of the paired ratios (above 1: bf16opt slower)")
+    header = f"{'contender':26} {'ms':>8} {'bf16opt / it':>12} {'range':>11}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for name, times in runs.items():
+        ratios = sorted(a / b for a, b in zip(runs["bf16opt"], times))
+        row = dict(contender=name, time=statistics.median(times), ratio=statistics.median(ratios))
+        rows.append(row)
+        quartiles = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
+        print(f"{name:26} {_ms(row['time'])} {row['ratio']:12.3f} {quartiles:>11}", flush=True)
+    del contenders, keep
+    gc.collect()
+    return rows
+
+
 def gpt2_small_shapes() -> list:
     d, vocab, ctx, layers = 768, 50257, 1024, 12
     shapes = [(vocab, d), (ctx, d)]
@@ -503,9 +554,14 @@ def main() -> None:
     parser.add_argument("--skip-multi-tensor", action="store_true")
     parser.add_argument("--peers", action="store_true",
                         help="only the paired comparison with the peers (AdamW), --repeats repetitions")
+    parser.add_argument("--same-arrays", action="store_true",
+                        help="only AdamW fp32 params: bf16opt, the peers and the limits on the same arrays")
     args = parser.parse_args()
-    if args.peers:
-        peer_table(1 << args.log2_params, args.repeats)
+    if args.peers or args.same_arrays:
+        if args.peers:
+            peer_table(1 << args.log2_params, args.repeats)
+        if args.same_arrays:
+            same_array_table(1 << args.log2_params, args.repeats)
         return
     preset_table(1 << args.log2_params, args.repeats,
                  set(args.presets.split(",")) if args.presets else None, tuple(args.algorithms.split(",")))

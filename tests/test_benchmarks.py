@@ -46,12 +46,21 @@ def test_cpu_benchmark_prints_its_table():
 
 def test_cpu_benchmark_compares_with_peers():
     """``--peers``: one row per (configuration, peer); torch's fused AdamW is always there, so
-    its rows carry both times and a paired ratio (DeepSpeed's say when it is missing)."""
+    its rows carry both times and a paired ratio (DeepSpeed's say when it is missing).
+    ``--same-arrays`` (same run): a row per contender on one set of arrays."""
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    result = subprocess.run([sys.executable, str(BENCHMARK), "--peers", "--log2-params", "12", "--repeats", "3"],
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--peers", "--same-arrays", "--log2-params", "12",
+                             "--repeats", "3"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr
-    rows = [line for line in result.stdout.splitlines() if "torch AdamW(fused=True)" in line]
+    peers, same = result.stdout.split("all contenders on the same four arrays")
+    same_rows = {line[:26].strip(): line[26:].split() for line in same.splitlines()[3:] if line.strip()}
+    expected = {"bf16opt", "torch AdamW(fused=True)", "memory limit", "streamed limit", "streamed limit, fused"}
+    assert expected <= set(same_rows) <= expected | {"DeepSpeedCPUAdam fp32"}, same
+    assert same_rows["bf16opt"][1] == "1.000", same  # (its ratio to itself)
+    for name, (ms, ratio, _) in same_rows.items():
+        assert float(ms) >= 0 and float(ratio) > 0, name
+    rows = [line for line in peers.splitlines() if "torch AdamW(fused=True)" in line]
     assert len(rows) == 2, result.stdout  # bf16 params with bf16 states, fp32 params with fp32 states
     for row in rows:
         # times, their paired ratio and its range, each step's share of its own memory limit
@@ -60,7 +69,27 @@ def test_cpu_benchmark_compares_with_peers():
         assert ours_of_limit.endswith("%") and theirs_of_limit.endswith("%")
         # (whole percents; at this size and on a loaded machine a share can round to 0)
         assert int(ours_of_limit[:-1]) >= 0 and int(theirs_of_limit[:-1]) >= 0
-    assert sum("DeepSpeedCPUAdam" in line for line in result.stdout.splitlines()) == 3, result.stdout
+    assert sum("DeepSpeedCPUAdam" in line for line in peers.splitlines()) == 3, result.stdout
+
+
+def test_fused_limit_kernel_fuses():
+    """The ``contract`` variant of the compute-limit kernel (``--same-arrays``' fused row) really
+    fuses multiply-adds: from the same operands its float32 results differ from the exact
+    kernel's in some elements (one rounding instead of two), and only slightly."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import compute_limit
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    storage = compute_limit.FP32_PARAMS
+    results = []
+    for contract in (False, True):
+        operands = compute_limit.arrays(1, 256, "adam", storage)
+        compute_limit.runner("adam", storage, operands, 1, contract=contract)()
+        results.append(np.stack([operands.p, operands.m, operands.v]))
+    exact, fused = results
+    assert not np.array_equal(exact, fused)
+    np.testing.assert_allclose(fused, exact, rtol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["bf16-sr", "bf16-kahan", "fp32-remainder"])
