@@ -15,7 +15,11 @@ all rows (medians reported, in ms per step):
   of the calling thread: what the step spends in Python around its kernel call.  On a
   shared machine this is the robust figure: when another process keeps a core busy, the
   wake-up of Numba's worker threads takes milliseconds, and those threads' spinning after
-  a kernel call competes with the Python of the next one for the cores (wall clock).
+  a kernel call competes with the Python of the next one for the cores (wall clock);
+* ``floor``: the same no-op kernel inside the least Python a drop-in optimizer's step runs
+  (``cpu_step.ProtocolStep``: torch's hooks and profiler scope, the grads fetched, the
+  version counters of params and state buffers bumped), in the same CPU time; ``excess``:
+  ``Python`` minus ``floor``, what bf16opt's checks and bookkeeping cost over any step.
 
 The param lists: 150 params of 64 elements, and GPT-2 small's 148 shapes with every
 dimension divided by 64 (same count and mix of matrices and vectors, tiny sizes).
@@ -150,18 +154,26 @@ def overhead_table(repeats: int, steps: int) -> None:
             contenders[row + ("empty",)] = repeated(lambda a=empty: _cpu.chunks.run_chunks(*a), steps)
             contenders[row + ("Python",)] = without_kernel(repeated(opt.step, steps))
             clocks[row + ("Python",)] = time.thread_time
+            # the floor: the least Python a drop-in step runs, around the same no-op kernel
+            params = opt.param_groups[0]["params"]
+            written = params + [b for p in params for b in state_buffers(opt.state[p])]
+            contenders[row + ("floor",)] = repeated(ProtocolStep(params, _no_kernel, written).step, steps)
+            clocks[row + ("floor",)] = time.thread_time
             rows.append(row)
             keep.append(opt)
     t = measure(contenders, repeats, steps, clocks)
     print(f"Python overhead of an AdamW step (bf16 params, numba backend), {get_num_threads()} Numba threads, "
           f"{cpu_name()}; median of {repeats} interleaved repetitions of {steps} steps; ms per step")
-    header = f"{'param list':26} {'preset':8} {'step':>7} {'kernel':>7} {'empty':>7} {'step-empty':>10} {'Python CPU':>10}"
+    header = (f"{'param list':26} {'preset':8} {'step':>7} {'kernel':>7} {'empty':>7} {'step-empty':>10} "
+              f"{'Python CPU':>10} {'floor CPU':>9} {'excess':>7}")
     print(header)
     print("-" * len(header))
     for row in rows:
-        step, kernel, empty, python = (t[row + (what,)] for what in ("step", "kernel", "empty", "Python"))
+        step, kernel, empty, python, floor = (t[row + (what,)] for what in ("step", "kernel", "empty", "Python",
+                                                                             "floor"))
         print(f"{row[0]:26} {row[1]:8} {1e3 * step:7.3f} {1e3 * kernel:7.3f} {1e3 * empty:7.3f} "
-              f"{1e3 * (step - empty):10.3f} {1e3 * python:10.3f}", flush=True)
+              f"{1e3 * (step - empty):10.3f} {1e3 * python:10.3f} {1e3 * floor:9.3f} {1e3 * (python - floor):7.3f}",
+              flush=True)
 
 
 def list_vs_flat(repeats: int, instances: int = 1) -> None:

@@ -130,7 +130,7 @@ def test_offload_benchmark_prints_its_tables():
 
 def test_step_overhead_benchmark_prints_its_table():
     """benchmarks/step_overhead.py runs and measures every row (figures mean nothing here),
-    with --cold: the Python before and after each step's kernel call, for SGD and AdamW, and
+    with the floor of each (ProtocolStep's Python CPU) and bf16opt's excess over it; with --cold: the Python before and after each step's kernel call, for SGD and AdamW, and
     the floor (the same call inside cpu_step.ProtocolStep)."""
     result = subprocess.run([sys.executable, str(BENCHMARKS / "step_overhead.py"), "--repeats", "1", "--steps", "1",
                              "--cold", "--cold-log2-params", "12", "--multi-tensor-repeats", "2"],
@@ -139,8 +139,9 @@ def test_step_overhead_benchmark_prints_its_table():
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("150 x 64", "GPT-2 small / 64"))]
     assert len(rows) == 6, result.stdout
     for row in rows:
-        step, kernel, empty, _, python = map(float, row[-5:])
-        assert step > 0 and kernel > 0 and empty > 0 and python >= 0
+        step, kernel, empty, _, python, floor, excess = map(float, row[-7:])
+        assert step > 0 and kernel > 0 and empty > 0 and python >= 0 and floor > 0
+        assert excess == pytest.approx(python - floor, abs=2e-3)  # (each printed to the µs)
     cold = [line.split() for line in result.stdout.splitlines() if line.startswith("1 param of 2^12")]
     assert [row[5] for row in cold] == ["SGD", "AdamW"], result.stdout
     for row in cold:
