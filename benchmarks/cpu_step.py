@@ -40,7 +40,9 @@ medians are reported):
 per-repetition ratios (the robust figure for "never slower than a peer").
 ``--same-arrays``: AdamW with fp32 params and states, bf16opt and both peers stepping one set
 of arrays, beside the memory limit and the streamed limit, exact and with fused multiply-adds
-(what the fusing a peer's C compiler does is worth here; ``same_array_table``).
+(what the fusing a peer's C compiler does is worth here), and the streamed limit's exact work
+hand-written in C (``exact_adamw.c``, built with the system's compiler: what the loop's form is
+worth apart from the numerics; ``same_array_table``).
 
 Then the multi-tensor check: the step for a GPT-2-small-shaped param list (~124M params in
 ~150 tensors) against one flat tensor of the same size.
@@ -465,13 +467,68 @@ def peer_table(n: int, repeats: int) -> list:
     return rows
 
 
+_EXACT_C = None  # exact_adamw.c's kernels once built (exact_c_kernels())
+
+
+def exact_c_kernels() -> dict:
+    """``exact_adamw.c``'s kernels this CPU runs, built with the system's C compiler into a
+    temporary directory (name -> ctypes function of (p, g, m, v, scalars, n), float32 arrays,
+    n a multiple of 128); empty when there is no C compiler or OpenMP."""
+    global _EXACT_C
+    if _EXACT_C is None:
+        import ctypes  # noqa: PLC0415
+        import pathlib  # noqa: PLC0415
+        import shutil  # noqa: PLC0415
+        import subprocess  # noqa: PLC0415
+        import tempfile  # noqa: PLC0415
+
+        from llvmlite import binding as llvm  # noqa: PLC0415
+
+        _EXACT_C = {}
+        compiler = shutil.which(os.environ.get("CC", "cc"))
+        if compiler is None:
+            return _EXACT_C
+        source = pathlib.Path(__file__).resolve().parent / "exact_adamw.c"
+        library = pathlib.Path(tempfile.mkdtemp(prefix="bf16opt-exact-")) / "exact_adamw.so"
+        built = subprocess.run([compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared",
+                                "-fPIC", str(source), "-o", str(library)], capture_output=True, text=True)
+        if built.returncode != 0:
+            return _EXACT_C
+        loaded = ctypes.CDLL(str(library))
+        features = llvm.get_host_cpu_features()
+        for name, feature in (("exact_avx2", "avx2"), ("exact_avx512_x8", "avx512f")):
+            if features.get(feature):
+                function = getattr(loaded, name)
+                function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long]
+                _EXACT_C[name] = function
+    return _EXACT_C
+
+
+def exact_c_step(name: str, param, grad, buffers):
+    """One of :func:`exact_c_kernels` over an fp32 param, its grad and ``buffers`` (exp_avg,
+    exp_avg_sq), with ``compute_limit``'s Adam scalars."""
+    function = exact_c_kernels()[name]
+    scalars = np.array(compute_limit.SCALARS["adam"], dtype=np.float32)
+    tensors = [param, grad, *buffers]
+    if param.numel() % 128 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        raise ValueError("exact_adamw.c takes contiguous float32 tensors of a multiple of 128 elements")
+    arguments = [t.data_ptr() for t in tensors] + [scalars.ctypes.data, param.numel()]
+
+    def call():
+        function(*arguments)
+    call.keep = scalars
+    return call
+
+
 def same_array_table(n: int, repeats: int) -> list:
     """AdamW with fp32 params and fp32 states, every contender stepping the very same four
     arrays (param, grad, exp_avg, exp_avg_sq): bf16opt, ``torch.optim.AdamW(fused=True)`` and
     ``DeepSpeedCPUAdam`` (each given bf16opt's moment tensors as its state), the memory-limit
     kernel, and the streamed compute-limit kernel over them, exact and with its multiply-adds
     fused (``contract``: what fusing, which DeepSpeed's compiled kernel does and bf16opt's
-    numerics contract forbids, gains on this machine).  On one set of arrays, placement
+    numerics contract forbids, gains on this machine), and ``exact_adamw.c``'s hand-written
+    kernels doing the streamed limit's exact work (its bits; when a C compiler is there: what
+    the loop's form is worth, apart from the numerics).  On one set of arrays, placement
     (which moves a memory-bound step by up to 1.5x on a VM) cannot favour one contender.
     Prints medians and each contender's median paired ratio to bf16opt; returns the rows."""
     param = _param(n, torch.float32, 0)
@@ -493,6 +550,8 @@ def same_array_table(n: int, repeats: int) -> list:
     contenders["streamed limit"] = streamed_limit_step(param, param.grad, buffers, "adam", "fp32")
     contenders["streamed limit, fused"] = streamed_limit_step(param, param.grad, buffers, "adam", "fp32",
                                                                contract=True)
+    for name in exact_c_kernels():  # the same exact work written in C (exact_adamw.c)
+        contenders[f"C {name}"] = exact_c_step(name, param, param.grad, buffers)
     runs = timings(contenders, repeats)
     print(f"\nAdamW, fp32 params and states, all contenders on the same four arrays (2^{n.bit_length() - 1} params), "
           f"{get_num_threads()} Numba threads, {cpu_name()}; {repeats} interleaved repetitions; ms (medians); "

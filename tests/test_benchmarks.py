@@ -56,7 +56,8 @@ def test_cpu_benchmark_compares_with_peers():
     peers, same = result.stdout.split("all contenders on the same four arrays")
     same_rows = {line[:26].strip(): line[26:].split() for line in same.splitlines()[3:] if line.strip()}
     expected = {"bf16opt", "torch AdamW(fused=True)", "memory limit", "streamed limit", "streamed limit, fused"}
-    assert expected <= set(same_rows) <= expected | {"DeepSpeedCPUAdam fp32"}, same
+    optional = {"DeepSpeedCPUAdam fp32", "C exact_avx2", "C exact_avx512_x8"}  # (installed; this CPU runs)
+    assert expected <= set(same_rows) <= expected | optional, same
     assert same_rows["bf16opt"][1] == "1.000", same  # (its ratio to itself)
     for name, (ms, ratio, _) in same_rows.items():
         assert float(ms) >= 0 and float(ratio) > 0, name
@@ -90,6 +91,35 @@ def test_fused_limit_kernel_fuses():
     exact, fused = results
     assert not np.array_equal(exact, fused)
     np.testing.assert_allclose(fused, exact, rtol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler (cc) with OpenMP")
+def test_exact_c_kernels_give_the_compute_limit_bits():
+    """``exact_adamw.c``'s hand-written kernels (``--same-arrays``' C rows) do the exact work of
+    the compute-limit kernel: the same bits from the same operands, NaN and infinity included."""
+    import torch
+    from llvmlite import binding as llvm
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import compute_limit
+        import cpu_step
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    kernels = cpu_step.exact_c_kernels()
+    assert ("exact_avx2" in kernels) == bool(llvm.get_host_cpu_features().get("avx2"))
+    storage = compute_limit.FP32_PARAMS
+    operands = compute_limit.arrays(1, 512, "adam", storage)
+    operands.g[0, :3] = [np.nan, np.inf, -np.inf]
+    operands.v[0, 3] = -1.0  # (a negative second moment: NaN from the square root)
+    before = [a.copy() for a in (operands.p, operands.m, operands.v)]
+    compute_limit.runner("adam", storage, operands, 1)()
+    assert np.isnan(operands.p[0, :4]).all()
+    for name in kernels:
+        p, m, v = (torch.from_numpy(a.copy()) for a in before)
+        cpu_step.exact_c_step(name, p, torch.from_numpy(operands.g), [m, v])()
+        for got, want in zip((p, m, v), (operands.p, operands.m, operands.v)):
+            np.testing.assert_array_equal(got.numpy().view(np.int32), want.view(np.int32), err_msg=name)
 
 
 @pytest.mark.parametrize("preset", ["bf16-sr", "bf16-kahan", "fp32-remainder"])
