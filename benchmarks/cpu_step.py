@@ -471,9 +471,9 @@ _EXACT_C = None  # exact_adamw.c's kernels once built (exact_c_kernels())
 
 
 def exact_c_kernels() -> dict:
-    """``exact_adamw.c``'s kernels this CPU runs, built with the system's C compiler into a
-    temporary directory (name -> ctypes function of (p, g, m, v, scalars, n), float32 arrays,
-    n a multiple of 128); empty when there is no C compiler or OpenMP."""
+    """``exact_adamw.c``'s kernels this CPU runs, built with the system's C compiler (name ->
+    ctypes function of (p, g, m, v, scalars, n), float32 arrays, n a multiple of 128; as many
+    OpenMP threads as Numba's); empty when there is no C compiler or OpenMP."""
     global _EXACT_C
     if _EXACT_C is None:
         import ctypes  # noqa: PLC0415
@@ -489,12 +489,14 @@ def exact_c_kernels() -> dict:
         if compiler is None:
             return _EXACT_C
         source = pathlib.Path(__file__).resolve().parent / "exact_adamw.c"
-        library = pathlib.Path(tempfile.mkdtemp(prefix="bf16opt-exact-")) / "exact_adamw.so"
-        built = subprocess.run([compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared",
-                                "-fPIC", str(source), "-o", str(library)], capture_output=True, text=True)
-        if built.returncode != 0:
-            return _EXACT_C
-        loaded = ctypes.CDLL(str(library))
+        with tempfile.TemporaryDirectory(prefix="bf16opt-exact-") as build:
+            library = pathlib.Path(build) / "exact_adamw.so"
+            built = subprocess.run([compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared",
+                                    "-fPIC", str(source), "-o", str(library)], capture_output=True, text=True)
+            if built.returncode != 0:
+                return _EXACT_C
+            loaded = ctypes.CDLL(str(library))  # (mapped: the file may go)
+        loaded.exact_threads(get_num_threads())
         features = llvm.get_host_cpu_features()
         for name, feature in (("exact_avx2", "avx2"), ("exact_avx512_x8", "avx512f")):
             if features.get(feature):

@@ -15,8 +15,12 @@
  * n must be a multiple of 128 (the benchmark's sizes are powers of two).  scalars: beta1, beta2,
  * 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias correction 2), eps, 1 - lr * weight decay. */
 #include <immintrin.h>
+#include <omp.h>
 
 #define CANONICAL 0x7FC00000
+
+/* the kernels' thread count (the benchmark gives them Numba's) */
+void exact_threads(int threads) { omp_set_num_threads(threads); }
 
 __attribute__((target("avx2")))
 void exact_avx2(float *p, const float *g, float *m, float *v, const float *s, long n)
