@@ -25,12 +25,13 @@ from bf16opt.algorithms import ADAM, LION, SGD, kernel_config
 from bf16opt.backends import Bucket, resolve_backend
 from bf16opt.backends import numba as numba_backend
 from bf16opt.backends import staging
+from bf16opt._cpu import vector_adam
 from bf16opt.precision import PRESETS, StoragePlan, all_plans, plan_for
 from bf16opt.storage import encode
 
 pytest.importorskip("numba")
 
-from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
+from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D, THIRD,  # noqa: E402
                      SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, bits, make_bucket, one_variant,
                      plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
@@ -176,6 +177,34 @@ def test_vector_tail_sizes_large(preset, param_dtype):
     group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  decoupled_weight_decay=True)
     run_both(bucket, group, steps=2, where=f"{preset} {param_dtype}")
+
+
+VECTORISED = [  # (preset, param dtype, grad dtype): each master form vector_adam.py writes
+    ("fp32", torch.float32, torch.float32),          # float32 param, its own master
+    ("bf16-master", torch.bfloat16, torch.bfloat16),  # bfloat16 param, its own master
+    ("bf16-master", torch.bfloat16, torch.float32),   # ... with float32-accumulated grads
+    ("fp32", torch.bfloat16, torch.bfloat16),         # bfloat16 param, float32 master copy
+]
+
+
+@pytest.mark.skipif(not vector_adam.available(), reason="needs a CPU with AVX-512 (the hand-vectorised Adam blocks)")
+@pytest.mark.parametrize("wd_mode", ["l2", "decoupled"])
+@pytest.mark.parametrize("case", range(len(VECTORISED)),
+                         ids=[f"{p}-{str(d)[6:]}-grad-{str(g)[6:]}" for p, d, g in VECTORISED])
+def test_vectorised_adam_blocks_match_the_reference(case, wd_mode):
+    """float32 moments: ``vector_adam.py``'s blocks of 128 elements, then the element loop --
+    whole and partial blocks, tensors placed off their alignment, NaN, infinities, subnormals
+    and ties in the grads -- against the reference bit for bit; with the unscaling
+    multiplication (a grad scale, maximize flipped each step) or without it, each in half of
+    the cases."""
+    preset, dtype, grad = VECTORISED[case]
+    group = ADAM_GROUPS[wd_mode]
+    bucket = make_bucket(ADAM, plan_for(PRESETS[preset], dtype), [(1000,), (128,), (255,), (3, 129), (7,)],
+                         flags=adam_flags(group, amsgrad=False), seed=41 + case, misalign=0.5, grad=grad)
+    unit = (case + (wd_mode == "l2")) % 2 == 0
+    assert numba_backend.chunk_function(bucket.config, unit).vectorised
+    variant = dict(unit=True) if unit else dict(alternate_maximize=True, inv_grad_scale=THIRD)
+    run_both(bucket, group, steps=3, where=f"{VECTORISED[case]} {wd_mode} unit={unit}", **variant)
 
 
 # ---------------------------------------------------------------- property tests
