@@ -42,8 +42,8 @@ per-repetition ratios (the robust figure for "never slower than a peer").
 of arrays, beside the memory limit and the streamed limit, exact and with fused multiply-adds
 (what the fusing a peer's C compiler does is worth here), and the streamed limit's exact work
 hand-written in C (``exact_adamw.c``, built with the system's compiler: what the loop's form is
-worth apart from the numerics) and hand-vectorised in Numba (``vector_adam.py``: that form within
-bf16opt's toolchain; ``same_array_table``).
+worth apart from the numerics), and bf16opt's hand-vectorised Adam blocks without its chunk
+driver (``vector_adam.py``; ``same_array_table``).
 
 Then the multi-tensor check: the step for a GPT-2-small-shaped param list (~124M params in
 ~150 tensors) against one flat tensor of the same size.
@@ -524,24 +524,15 @@ def exact_c_step(name: str, param, grad, buffers):
     return call
 
 
-def vector_form() -> tuple:
-    """(lanes, vectors per block) of ``vector_adam.py``'s kernel here: 16 x 8 (eight 512-bit
-    registers per array) where AVX-512 is there, else 8 x 8."""
-    from llvmlite import binding as llvm  # noqa: PLC0415
-
-    return (16, 8) if llvm.get_host_cpu_features().get("avx512f") else (8, 8)
-
-
 def vector_step(param, grad, buffers):
-    """``vector_adam.py``'s hand-vectorised Numba kernel (:func:`vector_form`) over an fp32
-    param, its grad and ``buffers`` (exp_avg, exp_avg_sq), with ``compute_limit``'s Adam scalars."""
-    lanes, span = vector_form()
+    """bf16opt's hand-vectorised Adam blocks alone (``vector_adam.py``) over an fp32 param,
+    its grad and ``buffers`` (exp_avg, exp_avg_sq), with ``compute_limit``'s Adam scalars."""
     parts = get_num_threads()
     arrays = [t.numpy() for t in (param.detach(), grad, *buffers)]
-    if param.numel() % (parts * lanes * span) or any(a.dtype != np.float32 for a in arrays):
-        raise ValueError(f"vector_adam.py takes float32 arrays of a multiple of {parts * lanes * span} elements")
-    scalars = np.array(compute_limit.SCALARS["adam"], dtype=np.float32)
-    run = vector_adam.kernel(lanes, span)
+    if param.numel() % (parts * vector_adam.BLOCK) or any(a.dtype != np.float32 for a in arrays):
+        raise ValueError(f"vector_adam.py takes float32 arrays of a multiple of {parts * vector_adam.BLOCK} elements")
+    scalars = vector_adam.scalars(compute_limit.SCALARS["adam"])
+    run = vector_adam.kernel()
 
     def call():
         run(*arrays, scalars, parts)
@@ -556,8 +547,8 @@ def same_array_table(n: int, repeats: int) -> list:
     fused (``contract``: what fusing, which DeepSpeed's compiled kernel does and bf16opt's
     numerics contract forbids, gains on this machine), and ``exact_adamw.c``'s hand-written
     kernels doing the streamed limit's exact work (its bits; when a C compiler is there: what
-    the loop's form is worth, apart from the numerics), and ``vector_adam.py``'s Numba kernel
-    of DeepSpeed's loop form (its bits too).  On one set of arrays, placement
+    the loop's form is worth, apart from the numerics), and bf16opt's hand-vectorised Adam
+    blocks alone (``vector_adam.py``, its bits too).  On one set of arrays, placement
     (which moves a memory-bound step by up to 1.5x on a VM) cannot favour one contender.
     Prints medians and each contender's median paired ratio to bf16opt; returns the rows."""
     param = _param(n, torch.float32, 0)
@@ -581,7 +572,7 @@ def same_array_table(n: int, repeats: int) -> list:
                                                                contract=True)
     for name in exact_c_kernels():  # the same exact work written in C (exact_adamw.c)
         contenders[f"C {name}"] = exact_c_step(name, param, param.grad, buffers)
-    contenders["Numba vector IR {}x{}".format(*vector_form())] = vector_step(param, param.grad, buffers)
+    contenders["vector blocks alone"] = vector_step(param, param.grad, buffers)
     runs = timings(contenders, repeats)
     print(f"\nAdamW, fp32 params and states, all contenders on the same four arrays (2^{n.bit_length() - 1} params), "
           f"{get_num_threads()} Numba threads, {cpu_name()}; {repeats} interleaved repetitions; ms (medians); "
