@@ -179,32 +179,48 @@ def test_vector_tail_sizes_large(preset, param_dtype):
     run_both(bucket, group, steps=2, where=f"{preset} {param_dtype}")
 
 
-VECTORISED = [  # (preset, param dtype, grad dtype): each master form vector_adam.py writes
-    ("fp32", torch.float32, torch.float32),          # float32 param, its own master
-    ("bf16-master", torch.bfloat16, torch.bfloat16),  # bfloat16 param, its own master
-    ("bf16-master", torch.bfloat16, torch.float32),   # ... with float32-accumulated grads
-    ("fp32", torch.bfloat16, torch.bfloat16),         # bfloat16 param, float32 master copy
+VECTORISED = [  # (preset, param dtype, grad dtype, weight decay, unit): each master form
+    # vector_adam.py writes, L2 and decoupled decay, with and without the unscaling
+    # multiplication, each twice (one compile a case)
+    ("fp32", torch.float32, torch.float32, "l2", False),          # float32 param, its own master
+    ("bf16-master", torch.bfloat16, torch.bfloat16, "decoupled", False),  # bfloat16 param, its own
+    ("bf16-master", torch.bfloat16, torch.float32, "l2", True),   # ... float32-accumulated grads
+    ("fp32", torch.bfloat16, torch.bfloat16, "decoupled", True),  # bfloat16 param, float32 copy
 ]
 
 
 @pytest.mark.skipif(not vector_adam.available(), reason="needs a CPU with AVX-512 (the hand-vectorised Adam blocks)")
-@pytest.mark.parametrize("wd_mode", ["l2", "decoupled"])
-@pytest.mark.parametrize("case", range(len(VECTORISED)),
-                         ids=[f"{p}-{str(d)[6:]}-grad-{str(g)[6:]}" for p, d, g in VECTORISED])
-def test_vectorised_adam_blocks_match_the_reference(case, wd_mode):
+@pytest.mark.parametrize("preset, dtype, grad, wd_mode, unit", VECTORISED,
+                         ids=[f"{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
+                              for p, d, g, w, u in VECTORISED])
+def test_vectorised_adam_blocks_match_the_reference(preset, dtype, grad, wd_mode, unit):
     """float32 moments: ``vector_adam.py``'s blocks of 128 elements, then the element loop --
     whole and partial blocks, tensors placed off their alignment, NaN, infinities, subnormals
-    and ties in the grads -- against the reference bit for bit; with the unscaling
-    multiplication (a grad scale, maximize flipped each step) or without it, each in half of
-    the cases."""
-    preset, dtype, grad = VECTORISED[case]
+    and ties in the grads -- against the reference bit for bit; ``unit``: without the
+    unscaling multiplication, else with a grad scale and maximize flipped each step."""
     group = ADAM_GROUPS[wd_mode]
     bucket = make_bucket(ADAM, plan_for(PRESETS[preset], dtype), [(1000,), (128,), (255,), (3, 129), (7,)],
-                         flags=adam_flags(group, amsgrad=False), seed=41 + case, misalign=0.5, grad=grad)
-    unit = (case + (wd_mode == "l2")) % 2 == 0
+                         flags=adam_flags(group, amsgrad=False), seed=41, misalign=0.5, grad=grad)
     assert numba_backend.chunk_function(bucket.config, unit).vectorised
     variant = dict(unit=True) if unit else dict(alternate_maximize=True, inv_grad_scale=THIRD)
-    run_both(bucket, group, steps=3, where=f"{VECTORISED[case]} {wd_mode} unit={unit}", **variant)
+    run_both(bucket, group, steps=3, where=f"{preset} {dtype} grad {grad} {wd_mode} unit={unit}", **variant)
+
+
+@pytest.mark.skipif(not vector_adam.available(), reason="needs a CPU with AVX-512 (the hand-vectorised Adam blocks)")
+def test_vectorised_adam_blocks_round_ties_to_even():
+    """The bfloat16 param of a float32 master copy is the master rounded to nearest even: with a
+    learning rate of 0 the master keeps its value, and masters exactly halfway between two
+    bfloat16 values (even and odd below) must round like the reference (the last case of
+    VECTORISED: the same kernel)."""
+    preset, dtype, grad, wd_mode, unit = VECTORISED[-1]
+    group = dict(ADAM_GROUPS[wd_mode], lr=0.0)
+    bucket = make_bucket(ADAM, plan_for(PRESETS[preset], dtype), [(1000,), (300,)],
+                         flags=adam_flags(group, amsgrad=False), seed=43, specials=False, grad=grad)
+    for master in bucket["companion"]:
+        halfway = torch.arange(master.numel(), dtype=torch.int32) * 0x10000 % 0x3F800000 + 0x3C008000
+        master.copy_(halfway.view(torch.float32).reshape(master.shape))  # 2^-7 .. 1, lower half 0x8000
+    assert numba_backend.chunk_function(bucket.config, unit).vectorised
+    run_both(bucket, group, steps=1, where="ties", unit=unit)
 
 
 # ---------------------------------------------------------------- property tests
