@@ -38,8 +38,8 @@ medians are reported):
 
 ``--peers``: only bf16opt against each peer with the same storage, as the median of paired
 per-repetition ratios (the robust figure for "never slower than a peer").
-``--same-arrays``: AdamW with fp32 params and states, bf16opt and both peers stepping one set
-of arrays, beside the memory limit and the streamed limit, exact and with fused multiply-adds
+``--same-arrays``: AdamW with fp32 params and states (then bf16 params with fp32 states, against
+DeepSpeed), bf16opt and the peers stepping one set of arrays, beside the memory limit and the streamed limit, exact and with fused multiply-adds
 (what the fusing a peer's C compiler does is worth here), and the streamed limit's exact work
 hand-written in C (``exact_adamw.c``, built with the system's compiler: what the loop's form is
 worth apart from the numerics), and bf16opt's hand-vectorised Adam blocks without its chunk
@@ -539,9 +539,10 @@ def vector_step(param, grad, buffers):
     return call
 
 
-def same_array_table(n: int, repeats: int) -> list:
-    """AdamW with fp32 params and fp32 states, every contender stepping the very same four
-    arrays (param, grad, exp_avg, exp_avg_sq): bf16opt, ``torch.optim.AdamW(fused=True)`` and
+def same_array_table(n: int, repeats: int, preset: str = "fp32") -> list:
+    """AdamW with fp32 states, every contender stepping the very same four arrays (param,
+    grad, exp_avg, exp_avg_sq).  ``preset`` "fp32" (fp32 params): bf16opt,
+    ``torch.optim.AdamW(fused=True)`` and
     ``DeepSpeedCPUAdam`` (each given bf16opt's moment tensors as its state), the memory-limit
     kernel, and the streamed compute-limit kernel over them, exact and with its multiply-adds
     fused (``contract``: what fusing, which DeepSpeed's compiled kernel does and bf16opt's
@@ -550,13 +551,20 @@ def same_array_table(n: int, repeats: int) -> list:
     the loop's form is worth, apart from the numerics), and bf16opt's hand-vectorised Adam
     blocks alone (``vector_adam.py``, its bits too).  On one set of arrays, placement
     (which moves a memory-bound step by up to 1.5x on a VM) cannot favour one contender.
-    Prints medians and each contender's median paired ratio to bf16opt; returns the rows."""
-    param = _param(n, torch.float32, 0)
-    ours, opt = bf16opt_step([param], "fp32")
+    ``preset`` "bf16-master" (bf16 params, their own master): bf16opt, DeepSpeedCPUAdam with
+    fp32 states, the memory limit and the streamed limit (torch's fused AdamW keeps bf16 states
+    for bf16 params: not the same storage).  Prints medians and each contender's median paired
+    ratio to bf16opt; returns the rows."""
+    fp32_params = preset == "fp32"
+    if preset not in ("fp32", "bf16-master"):
+        raise ValueError(f"same_array_table: preset 'fp32' or 'bf16-master', got {preset!r}")
+    param = _param(n, torch.float32 if fp32_params else torch.bfloat16, 0)
+    ours, opt = bf16opt_step([param], preset)
     state = opt.state[param]
     moments = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
     contenders = {"bf16opt": ours}
-    peers = [("torch AdamW(fused=True)", torch_fused_step), ("DeepSpeedCPUAdam fp32", lambda p: deepspeed_step(p, True))]
+    peers = [("torch AdamW(fused=True)", torch_fused_step)] if fp32_params else []
+    peers.append(("DeepSpeedCPUAdam fp32", lambda p: deepspeed_step(p, True)))
     keep = [opt]
     for name, make in peers:
         step, peer_opt = make([param])
@@ -567,14 +575,16 @@ def same_array_table(n: int, repeats: int) -> list:
         keep.append(peer_opt)
     buffers = list(moments.values())
     contenders["memory limit"] = limit_step(param, param.grad, buffers)
-    contenders["streamed limit"] = streamed_limit_step(param, param.grad, buffers, "adam", "fp32")
-    contenders["streamed limit, fused"] = streamed_limit_step(param, param.grad, buffers, "adam", "fp32",
-                                                               contract=True)
-    for name in exact_c_kernels():  # the same exact work written in C (exact_adamw.c)
-        contenders[f"C {name}"] = exact_c_step(name, param, param.grad, buffers)
-    contenders["vector blocks alone"] = vector_step(param, param.grad, buffers)
+    contenders["streamed limit"] = streamed_limit_step(param, param.grad, buffers, "adam", preset)
+    if fp32_params:
+        contenders["streamed limit, fused"] = streamed_limit_step(param, param.grad, buffers, "adam", "fp32",
+                                                                   contract=True)
+        for name in exact_c_kernels():  # the same exact work written in C (exact_adamw.c)
+            contenders[f"C {name}"] = exact_c_step(name, param, param.grad, buffers)
+        contenders["vector blocks alone"] = vector_step(param, param.grad, buffers)
     runs = timings(contenders, repeats)
-    print(f"\nAdamW, fp32 params and states, all contenders on the same four arrays (2^{n.bit_length() - 1} params), "
+    params = "fp32 params" if fp32_params else "bf16 params (bf16-master)"
+    print(f"\nAdamW, {params}, fp32 states, all contenders on the same four arrays (2^{n.bit_length() - 1} params), "
           f"{get_num_threads()} Numba threads, {cpu_name()}; {repeats} interleaved repetitions; ms (medians); "
           f"bf16opt / it: the median of the paired ratios (above 1: bf16opt slower)")
     header = f"{'contender':26} {'ms':>8} {'bf16opt / it':>12} {'range':>11}"
@@ -635,13 +645,15 @@ def main() -> None:
     parser.add_argument("--peers", action="store_true",
                         help="only the paired comparison with the peers (AdamW), --repeats repetitions")
     parser.add_argument("--same-arrays", action="store_true",
-                        help="only AdamW fp32 params: bf16opt, the peers and the limits on the same arrays")
+                        help="only AdamW with fp32 states (fp32 params, then bf16-master): bf16opt, the peers "
+                             "and the limits on the same arrays")
     args = parser.parse_args()
     if args.peers or args.same_arrays:
         if args.peers:
             peer_table(1 << args.log2_params, args.repeats)
         if args.same_arrays:
-            same_array_table(1 << args.log2_params, args.repeats)
+            for preset in ("fp32", "bf16-master"):
+                same_array_table(1 << args.log2_params, args.repeats, preset)
         return
     preset_table(1 << args.log2_params, args.repeats,
                  set(args.presets.split(",")) if args.presets else None, tuple(args.algorithms.split(",")))
