@@ -22,7 +22,9 @@ store) runs in the loop over the row's elements, or, when every array of the
 configuration is 16-bit and 4-byte aligned, in the paired loop: one uint32 word of each
 array holds two elements, so decoding is one shift or mask and encoding one merge per pair
 (cheaper than widening and narrowing 16-bit lanes); an odd last element goes through the
-element loop.
+element loop.  With float32 moments (and a master ``vector_adam.py`` covers, no amsgrad, no
+telemetry) on a CPU with AVX-512, whole blocks of 128 elements go through ``vector_adam.py``'s
+hand-vectorised update (the same operations, the same bits), the rest through the element loop.
 """
 
 from __future__ import annotations
