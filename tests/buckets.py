@@ -361,6 +361,14 @@ def assert_same_bits(expected: Bucket, got: Bucket, where: str, other: str = "nu
 THIRD = f32(1 / 3)  # the float32 reciprocal of a scale of 3: inexact, so multiply != divide
 
 
+def variant(unit: bool) -> dict:
+    """``run_both``'s arguments for one of the two kernels the numba backend compiles for a
+    configuration: ``unit`` steps (minimize, no grad scale: the kernel without the
+    multiplication by the unscaling factor), else a grad scale with ``maximize`` flipped
+    each step."""
+    return dict(unit=True) if unit else dict(alternate_maximize=True, inv_grad_scale=THIRD)
+
+
 def one_variant(bucket: Bucket) -> dict:
     """``run_both``'s arguments exercising one of the two kernels the numba backend compiles
     for ``bucket``'s configuration: with or without the multiplication of every grad by the
@@ -377,9 +385,7 @@ def one_variant(bucket: Bucket) -> dict:
     config = bucket.config
     kernel = " ".join([config.algorithm.name, plan_id(config.plan), str(config.grad),
                        *(f"{name}={value}" for name, value in config.flags if name != "maximize")])
-    if config.track or zlib.crc32(kernel.encode()) % 2:
-        return dict(alternate_maximize=True, inv_grad_scale=THIRD)
-    return dict(unit=True)
+    return variant(not (config.track or zlib.crc32(kernel.encode()) % 2))
 
 
 def run_both(bucket: Bucket, group: dict, steps: int, where: str, *, run=None, other: Bucket = None,

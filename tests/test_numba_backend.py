@@ -31,9 +31,9 @@ from bf16opt.storage import encode
 
 pytest.importorskip("numba")
 
-from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D, THIRD,  # noqa: E402
+from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
                      SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, bits, make_bucket, one_variant,
-                     plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases)
+                     plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases, variant)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,8 +188,11 @@ VECTORISED = [  # (preset, param dtype, grad dtype, weight decay, unit): each ma
     ("fp32", torch.bfloat16, torch.bfloat16, "decoupled", True),  # bfloat16 param, float32 copy
 ]
 
+needs_avx512 = pytest.mark.skipif(not vector_adam.available(),
+                                  reason="needs a CPU with AVX-512 (the hand-vectorised Adam blocks)")
 
-@pytest.mark.skipif(not vector_adam.available(), reason="needs a CPU with AVX-512 (the hand-vectorised Adam blocks)")
+
+@needs_avx512
 @pytest.mark.parametrize("preset, dtype, grad, wd_mode, unit", VECTORISED,
                          ids=[f"{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
                               for p, d, g, w, u in VECTORISED])
@@ -202,11 +205,10 @@ def test_vectorised_adam_blocks_match_the_reference(preset, dtype, grad, wd_mode
     bucket = make_bucket(ADAM, plan_for(PRESETS[preset], dtype), [(1000,), (128,), (255,), (3, 129), (7,)],
                          flags=adam_flags(group, amsgrad=False), seed=41, misalign=0.5, grad=grad)
     assert numba_backend.chunk_function(bucket.config, unit).vectorised
-    variant = dict(unit=True) if unit else dict(alternate_maximize=True, inv_grad_scale=THIRD)
-    run_both(bucket, group, steps=3, where=f"{preset} {dtype} grad {grad} {wd_mode} unit={unit}", **variant)
+    run_both(bucket, group, steps=3, where=f"{preset} {dtype} grad {grad} {wd_mode} unit={unit}", **variant(unit))
 
 
-@pytest.mark.skipif(not vector_adam.available(), reason="needs a CPU with AVX-512 (the hand-vectorised Adam blocks)")
+@needs_avx512
 def test_vectorised_adam_blocks_round_ties_to_even():
     """The bfloat16 param of a float32 master copy is the master rounded to nearest even: with a
     learning rate of 0 the master keeps its value, and masters exactly halfway between two
