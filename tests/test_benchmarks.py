@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
 import platform
@@ -18,6 +19,29 @@ import pytest
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 BENCHMARK = BENCHMARKS / "cpu_step.py"
+
+
+def benchmark_modules(*names: str) -> list:
+    """The benchmarks' modules of these names (benchmarks/ is a directory of scripts)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def limit_adam_bits(size: int) -> tuple:
+    """The compute-limit kernel's fp32-params Adam operands (one row of ``size``) with NaN and
+    infinities in the grad and a negative second moment (NaN from the square root): the
+    operands after one update, and copies of param, exp_avg and exp_avg_sq before it."""
+    compute_limit, = benchmark_modules("compute_limit")
+    operands = compute_limit.arrays(1, size, "adam", compute_limit.FP32_PARAMS)
+    operands.g[0, :3] = [np.nan, np.inf, -np.inf]
+    operands.v[0, 3] = -1.0
+    before = [a.copy() for a in (operands.p, operands.m, operands.v)]
+    compute_limit.runner("adam", compute_limit.FP32_PARAMS, operands, 1)()
+    assert np.isnan(operands.p[0, :4]).all()
+    return operands, before
 
 
 def test_cpu_benchmark_prints_its_table():
@@ -86,11 +110,7 @@ def test_fused_limit_kernel_fuses():
     """The ``contract`` variant of the compute-limit kernel (``--same-arrays``' fused row) really
     fuses multiply-adds: from the same operands its float32 results differ from the exact
     kernel's in some elements (one rounding instead of two), and only slightly."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import compute_limit
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    compute_limit, = benchmark_modules("compute_limit")
     storage = compute_limit.FP32_PARAMS
     results = []
     for contract in (False, True):
@@ -109,21 +129,10 @@ def test_exact_c_kernels_give_the_compute_limit_bits():
     import torch
     from llvmlite import binding as llvm
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import compute_limit
-        import cpu_step
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    cpu_step, = benchmark_modules("cpu_step")
     kernels = cpu_step.exact_c_kernels()
     assert ("exact_avx2" in kernels) == bool(llvm.get_host_cpu_features().get("avx2"))
-    storage = compute_limit.FP32_PARAMS
-    operands = compute_limit.arrays(1, 512, "adam", storage)
-    operands.g[0, :3] = [np.nan, np.inf, -np.inf]
-    operands.v[0, 3] = -1.0  # (a negative second moment: NaN from the square root)
-    before = [a.copy() for a in (operands.p, operands.m, operands.v)]
-    compute_limit.runner("adam", storage, operands, 1)()
-    assert np.isnan(operands.p[0, :4]).all()
+    operands, before = limit_adam_bits(512)
     for name in kernels:
         p, m, v = (torch.from_numpy(a.copy()) for a in before)
         cpu_step.exact_c_step(name, p, torch.from_numpy(operands.g), [m, v])()
@@ -135,19 +144,9 @@ def test_vector_blocks_alone_give_the_compute_limit_bits():
     """``vector_adam.py``'s bare loop of bf16opt's hand-vectorised Adam blocks (``--same-arrays``'
     row) does the exact work of the compute-limit kernel: the same bits from the same operands,
     NaN and infinity included (16 lanes are split in two where the CPU has no 512-bit registers)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import compute_limit
-        import vector_adam
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    storage = compute_limit.FP32_PARAMS
-    operands = compute_limit.arrays(1, 1024, "adam", storage)
-    operands.g[0, :3] = [np.nan, np.inf, -np.inf]
-    operands.v[0, 3] = -1.0
-    before = [a.ravel().copy() for a in (operands.p, operands.m, operands.v)]
-    compute_limit.runner("adam", storage, operands, 1)()
-    p, m, v = before
+    vector_adam, = benchmark_modules("vector_adam")
+    operands, before = limit_adam_bits(1024)
+    p, m, v = (a.ravel() for a in before)
     vector_adam.kernel()(p, operands.g.ravel().copy(), m, v, vector_adam.scalars(operands.scalars), 2)
     for got, want in zip((p, m, v), (operands.p, operands.m, operands.v)):
         np.testing.assert_array_equal(got.view(np.int32), want.ravel().view(np.int32))
@@ -157,11 +156,7 @@ def test_vector_blocks_alone_give_the_compute_limit_bits():
 def test_compute_limit_kernel_does_the_work(preset):
     """The compute-limit kernel is not dead code: it rewrites every stored operand, and its
     16-bit encodes are real roundings of the float32 results (bf16 bits of a value near 0.02)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import compute_limit
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    compute_limit, = benchmark_modules("compute_limit")
     storage = compute_limit.PRESET_STORAGE[preset]
     operands = compute_limit.arrays(1, 64, "adam", storage)
     before = [a.copy() for a in (operands.p, operands.w, operands.m, operands.v)]
