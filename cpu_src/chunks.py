@@ -27,14 +27,16 @@ counters, so results do not depend on the chunk size or the number of threads.
 from __future__ import annotations
 
 import hashlib
+import pathlib
 
 import numpy as np
 from llvmlite import ir
 from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic
 
-__all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KEYS", "balanced_bounds", "build_chunk_table",
-           "chunk_compiler", "run_chunks", "run_chunks_serial", "tensor_counts"]
+__all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KERNEL_SOURCES", "KEYS", "balanced_bounds",
+           "build_chunk_table", "cached_njit", "chunk_compiler", "run_chunks", "run_chunks_serial",
+           "tensor_counts"]
 
 #: elements per chunk: large enough for long vector loops, small enough to balance threads
 CHUNK = 1 << 15
@@ -44,6 +46,33 @@ TRAILING_COLUMNS = 3
 KEYS = 4
 #: telemetry counters per row (swallowed, exp_avg underflow, exp_avg_sq underflow)
 COUNTERS = 3
+
+
+def sources_digest(directory: pathlib.Path) -> str:
+    """Digest of the kernel sources in ``directory`` (every ``.py`` file, by name and content)."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+#: digest of this package's sources, part of the name each kernel is cached under
+KERNEL_SOURCES = sources_digest(pathlib.Path(__file__).resolve().parent)
+
+
+def _source_named(function):
+    """``function`` renamed to hold :data:`KERNEL_SOURCES`, the name Numba caches it under:
+    Numba checks a cached compilation against the file defining the function only, not the
+    functions it inlines or links from other files (``storage.py``, ``vector_adam.py``,
+    this file's drivers), so after an edit of any kernel source no cached kernel is loaded."""
+    function.__qualname__ = f"{function.__qualname__}_{KERNEL_SOURCES[:16]}"
+    return function
+
+
+def cached_njit(**options):
+    """``numba.njit(cache=True, **options)``, cached under a name holding the kernel sources'
+    digest (:func:`_source_named`)."""
+    return lambda function: njit(cache=True, **options)(_source_named(function))
 
 CHUNK_SIGNATURE = types.void(types.CPointer(types.int64), types.CPointer(types.float32),
                              types.CPointer(types.uint32), types.CPointer(types.int64))
@@ -61,12 +90,13 @@ def chunk_compiler(configuration: tuple):
     the same number, so one configuration's entry ends up naming the other's machine code
     -- a wrong update or a crash in every later process (numba issue 4807).  With one index
     per configuration, processes writing one index at once write the same compilation.
+    The name also holds the kernel sources' digest (:func:`_source_named`).
     """
     digest = hashlib.sha256(repr(configuration).encode()).hexdigest()[:16]
 
     def compile_chunk(function):
         function.__qualname__ = f"{function.__qualname__}_{digest}"
-        return cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")(function)
+        return cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")(_source_named(function))
 
     return compile_chunk
 
@@ -143,7 +173,7 @@ def _call_chunk(typingctx, address, row, scalars, keys, counts):
     return types.void(address, row, scalars, keys, counts), codegen
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@cached_njit(parallel=True, nogil=True)
 def run_chunks(address, table, scalars, keys, row_counts, bounds):
     """Run the chunk function at ``address`` on every row of ``table``: the rows
     ``bounds[k]:bounds[k + 1]`` in order, the ranges ``k`` in parallel (one per thread).
@@ -160,7 +190,7 @@ def run_chunks(address, table, scalars, keys, row_counts, bounds):
                         _element_pointer(row_counts, row * COUNTERS))
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def run_chunks_serial(address, table, scalars, keys, row_counts, bounds):
     """:func:`run_chunks` on the calling thread only: for forked children, where the parent's
     OpenMP thread pool (Numba's ``omp`` layer) is not usable.  Same rows, same bits."""

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .chunks import run_chunks, run_chunks_serial
+from .chunks import cached_njit, run_chunks, run_chunks_serial
 from .storage import pointer_to
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B9)  # storage.GOLDEN
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def counters_equal(addresses, expected):
     """True when the float64 at each ``addresses[i]`` is ``expected[i]``."""
     for i in range(addresses.size):
@@ -35,7 +35,7 @@ def counters_equal(addresses, expected):
     return True
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def advance_counters(addresses, steps):
     """Add 1 to the float64 at each of ``addresses`` and to each of ``steps`` (the kept copy
     of the counters; one call, not a numpy call more)."""
@@ -45,7 +45,7 @@ def advance_counters(addresses, steps):
         steps[i] += 1.0
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def point_grads(table, column, grad_of_row, row_bytes, grad_addresses):
     """``table[r, column]``: the address of row ``r``'s first grad element, at byte
     ``row_bytes[r]`` of the grad at ``grad_addresses[grad_of_row[r]]``."""
@@ -53,7 +53,7 @@ def point_grads(table, column, grad_of_row, row_bytes, grad_addresses):
         table[r, column] = grad_addresses[grad_of_row[r]] + row_bytes[r]
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _fmix32(h):
     """MurmurHash3 fmix32 (storage.fmix32_int) on a uint64 holding a uint32."""
     h ^= h >> np.uint64(16)
@@ -63,7 +63,7 @@ def _fmix32(h):
     return h ^ (h >> np.uint64(16))
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def stream_keys(key, tensors, keys):
     """``keys[i, b]``: storage.stream_key's hash chain continued from ``key`` (the seed's
     and step's words hashed) with the words ``tensors[i]`` (int64, the low 32 bits are
@@ -74,7 +74,7 @@ def stream_keys(key, tensors, keys):
             keys[i, buffer] = _fmix32(((tensor ^ np.uint64(buffer)) + _GOLDEN) & _MASK32)
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def step_key(seed_words, step):
     """storage.stream_key's hash chain over the seed's and the step's words (``stream_keys``'
     ``key``); ``seed_words``: uint64 (seed & MASK32, seed >> 32)."""
@@ -85,7 +85,7 @@ def step_key(seed_words, step):
     return key
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def relaunch(serial, address, table, scalars, keys, row_counts, bounds, grad_column, grad_of_row, row_bytes,
              grad_addresses, seed_words, step, streams):
     """A kept launch's step in one compiled call (each costs tens of µs with cold caches):
@@ -134,7 +134,7 @@ def _thread_count(typingctx):
 
 
 # (the two below keep the GIL: ``reader`` reads Python objects)
-@njit(cache=True)
+@cached_njit()
 def read_addresses(reader, tensors, out):
     """``out[i]``: the data address of the tensor whose ``id`` is ``tensors[i]``, read by
     ``reader`` (torch's C function, see ``bf16opt/step_cache.py``'s ``address_reader``).
@@ -143,7 +143,7 @@ def read_addresses(reader, tensors, out):
         out[i] = _address_of(reader, tensors[i])
 
 
-@njit(cache=True)
+@cached_njit()
 def launch_holds(reader, tensors, expected, counters, steps, grads, grad_addresses, sized, threads):
     """The step cache's checks of a kept launch in one call (each compiled call costs tens of
     µs when the caches are cold, as they are after a backward pass): True when Numba's
