@@ -1,4 +1,4 @@
-"""bf16opt's hand-vectorised Adam blocks (``cpu_src/vector_adam.py``) over the compute-limit
+"""bf16opt's hand-vectorised Adam blocks (``cpu_src/vector_blocks.py``) over the compute-limit
 kernel's arrays, without bf16opt's chunk table and driver: the bare loop of DeepSpeed's form
 (``cpu_step.py --same-arrays``' vector row; a benchmark).
 
@@ -15,10 +15,10 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from bf16opt._cpu import vector_adam
+from bf16opt._cpu import vector_blocks
 from bf16opt._cpu.storage import pointer_to
 
-BLOCK = vector_adam.BLOCK
+BLOCK = vector_blocks.BLOCK
 
 
 def scalars(limit_scalars) -> np.ndarray:
@@ -33,7 +33,7 @@ def kernel():
     """``run(p, g, m, v, scalars, parts)``: float32 arrays of one size, a multiple of
     ``parts * BLOCK``; ``scalars`` from :func:`scalars`; ``parts`` contiguous ranges, one per
     parallel task."""
-    form = vector_adam.UNIT
+    form = vector_blocks.UNIT
 
     @njit(parallel=True, nogil=True)
     def run(p, g, m, v, scalars, parts):
@@ -43,7 +43,7 @@ def kernel():
         for t in prange(parts):
             for j in range(t * per, (t + 1) * per, BLOCK):
                 at = 4 * j
-                vector_adam.block(form, p.ctypes.data + at, g.ctypes.data + at, 0, m.ctypes.data + at,
-                                  v.ctypes.data + at, values, scale)
+                vector_blocks.adam_block(form, p.ctypes.data + at, g.ctypes.data + at, 0, m.ctypes.data + at,
+                                       v.ctypes.data + at, values, scale)
 
     return run

@@ -22,8 +22,8 @@ store) runs in the loop over the row's elements, or, when every array of the
 configuration is 16-bit and 4-byte aligned, in the paired loop: one uint32 word of each
 array holds two elements, so decoding is one shift or mask and encoding one merge per pair
 (cheaper than widening and narrowing 16-bit lanes); an odd last element goes through the
-element loop.  With float32 moments (and a master ``vector_adam.py`` covers, no amsgrad, no
-telemetry) on a CPU with AVX-512, whole blocks of 128 elements go through ``vector_adam.py``'s
+element loop.  With float32 moments (and a master ``vector_blocks.py`` covers, no amsgrad, no
+telemetry) on a CPU with AVX-512, whole blocks of 128 elements go through ``vector_blocks.py``'s
 hand-vectorised update (the same operations, the same bits), the rest through the element loop.
 """
 
@@ -34,7 +34,7 @@ import functools
 import numpy as np
 from numba import njit
 
-from . import vector_adam
+from . import vector_blocks
 from .chunks import chunk_compiler
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
                       encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
@@ -96,17 +96,12 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     present = (param_format, grad_format, exp_avg_format, exp_avg_sq_format) + \
         ((companion_format,) if has_companion else ())
     paired = all(f in SIXTEEN_BITS for f in present)
-    # float32 moments, a master of the forms vector_adam.py writes by hand, nothing counted:
-    # whole blocks hand-vectorised where the CPU has AVX-512, the rest in the loop below
-    vector = moments == "nearest" and not (amsgrad or track) \
-        and exp_avg_format is np.float32 and exp_avg_sq_format is np.float32 \
-        and grad_format in (np.float32, np.int16) \
-        and ((weights == "param" and param_format in (np.float32, np.int16))
-             or (weights == "copy" and param_format is np.int16 and companion_format is np.float32)) \
-        and vector_adam.available()
-    form = (vector_adam.L2 * l2 | vector_adam.UNIT * unit | vector_adam.PARAM16 * (param_format is np.int16)
-            | vector_adam.GRAD16 * (grad_format is np.int16) | vector_adam.COPY * (weights == "copy"))
-    block = vector_adam.BLOCK if vector else 0
+    # whole blocks hand-vectorised where vector_blocks.py covers the configuration, the rest
+    # in the element loop below
+    form = None if amsgrad else vector_blocks.form(weights, param_format, grad_format, companion_format,
+                                                   (exp_avg_format, exp_avg_sq_format), moments, track, unit, l2)
+    vector = form is not None
+    block = vector_blocks.BLOCK if vector else 0
     param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
 
     @chunk_compiler((formats, weights, moments, track, amsgrad, l2, unit) + ((("vector", block, form),) if vector else ()))
@@ -191,7 +186,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         if vector:
             first = n - n % block
             for j in range(0, first, block):
-                vector_adam.block(form, row[0] + param_size * j, row[1] + grad_size * j, row[2] + 4 * j,
+                vector_blocks.adam_block(form, row[0] + param_size * j, row[1] + grad_size * j, row[2] + 4 * j,
                                   row[3] + 4 * j, row[4] + 4 * j, scalars, scale)
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),

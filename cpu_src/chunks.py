@@ -63,7 +63,7 @@ KERNEL_SOURCES = sources_digest(pathlib.Path(__file__).resolve().parent)
 def _source_named(function):
     """``function`` renamed to hold :data:`KERNEL_SOURCES`, the name Numba caches it under:
     Numba checks a cached compilation against the file defining the function only, not the
-    functions it inlines or links from other files (``storage.py``, ``vector_adam.py``,
+    functions it inlines or links from other files (``storage.py``, ``vector_blocks.py``,
     this file's drivers), so after an edit of any kernel source no cached kernel is loaded."""
     function.__qualname__ = f"{function.__qualname__}_{KERNEL_SOURCES[:16]}"
     return function

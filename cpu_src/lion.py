@@ -1,5 +1,6 @@
 """Numba chunk functions for Lion (Chen et al. 2023), same conventions as ``adam.py`` (the
-update of one element, run by the element loop or the paired loop)."""
+update of one element, run by the element loop, the paired loop or
+``vector_blocks.py``'s blocks)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import functools
 
 import numpy as np
 
+from . import vector_blocks
 from .adam import SIXTEEN_BITS
 from .chunks import chunk_compiler
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
@@ -31,8 +33,14 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     reads_param, has_companion = WEIGHT_ARRAYS[weights]
     present = (param_format, grad_format, exp_avg_format) + ((companion_format,) if has_companion else ())
     paired = all(f in SIXTEEN_BITS for f in present)
+    # whole blocks hand-vectorised where vector_blocks.py covers the configuration (adam.py)
+    form = vector_blocks.form(weights, param_format, grad_format, companion_format, (exp_avg_format,), moments,
+                              track, unit)
+    vector = form is not None
+    block = vector_blocks.BLOCK if vector else 0
+    param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
 
-    @chunk_compiler((formats, weights, moments, track, unit))
+    @chunk_compiler((formats, weights, moments, track, unit) + ((("vector", block, form),) if vector else ()))
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
@@ -95,6 +103,11 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
                     swallowed += low[3] + high[3]
                     m_underflow += low[4] + high[4]
             first = n - (n & 1)
+        if vector:
+            first = n - n % block
+            for j in range(0, first, block):
+                vector_blocks.lion_block(form, row[0] + param_size * j, row[1] + grad_size * j, row[2] + 4 * j,
+                                         row[3] + 4 * j, scalars, scale)
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0), exp_avg[i],
@@ -110,4 +123,5 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
             counts[0] = swallowed
             counts[1] = m_underflow
 
+    chunk.vectorised = vector  # (the tests check which loop a configuration got)
     return chunk

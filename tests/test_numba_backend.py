@@ -25,7 +25,7 @@ from bf16opt.algorithms import ADAM, LION, SGD, kernel_config
 from bf16opt.backends import Bucket, resolve_backend
 from bf16opt.backends import numba as numba_backend
 from bf16opt.backends import staging
-from bf16opt._cpu import vector_adam
+from bf16opt._cpu import vector_blocks
 from bf16opt.precision import PRESETS, StoragePlan, all_plans, plan_for
 from bf16opt.storage import encode
 
@@ -179,42 +179,48 @@ def test_vector_tail_sizes_large(preset, param_dtype):
     run_both(bucket, group, steps=2, where=f"{preset} {param_dtype}")
 
 
-VECTORISED = [  # (preset, param dtype, grad dtype, weight decay, unit): each master form
-    # vector_adam.py writes, L2 and decoupled decay, with and without the unscaling
-    # multiplication, each twice (one compile a case)
-    ("fp32", torch.float32, torch.float32, "l2", False),          # float32 param, its own master
-    ("bf16-master", torch.bfloat16, torch.bfloat16, "decoupled", False),  # bfloat16 param, its own
-    ("bf16-master", torch.bfloat16, torch.float32, "l2", True),   # ... float32-accumulated grads
-    ("fp32", torch.bfloat16, torch.bfloat16, "decoupled", True),  # bfloat16 param, float32 copy
+VECTORISED = [  # (algorithm, preset, param dtype, grad dtype, weight decay, unit): each master
+    # form vector_blocks.py writes, Adam's L2 and decoupled decay, with and without the
+    # unscaling multiplication (one compile a case)
+    (ADAM, "fp32", torch.float32, torch.float32, "l2", False),          # float32 param, its own master
+    (ADAM, "bf16-master", torch.bfloat16, torch.bfloat16, "decoupled", False),  # bfloat16 param, its own
+    (ADAM, "bf16-master", torch.bfloat16, torch.float32, "l2", True),   # ... float32-accumulated grads
+    (ADAM, "fp32", torch.bfloat16, torch.bfloat16, "decoupled", True),  # bfloat16 param, float32 copy
+    (LION, "fp32", torch.float32, torch.float32, "decoupled", True),
+    (LION, "bf16-master", torch.bfloat16, torch.bfloat16, "decoupled", False),
+    (LION, "fp32", torch.bfloat16, torch.float32, "decoupled", False),
 ]
+LION_GROUP = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
 
-needs_avx512 = pytest.mark.skipif(not vector_adam.available(),
-                                  reason="needs a CPU with AVX-512 (the hand-vectorised Adam blocks)")
+needs_avx512 = pytest.mark.skipif(not vector_blocks.available(),
+                                  reason="needs a CPU with AVX-512 (the hand-vectorised blocks)")
 
 
 @needs_avx512
-@pytest.mark.parametrize("preset, dtype, grad, wd_mode, unit", VECTORISED,
-                         ids=[f"{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
-                              for p, d, g, w, u in VECTORISED])
-def test_vectorised_adam_blocks_match_the_reference(preset, dtype, grad, wd_mode, unit):
-    """float32 moments: ``vector_adam.py``'s blocks of 128 elements, then the element loop --
+@pytest.mark.parametrize("algorithm, preset, dtype, grad, wd_mode, unit", VECTORISED,
+                         ids=[f"{a.name}-{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
+                              for a, p, d, g, w, u in VECTORISED])
+def test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, wd_mode, unit):
+    """float32 moments: ``vector_blocks.py``'s blocks of 128 elements, then the element loop --
     whole and partial blocks, tensors placed off their alignment, NaN, infinities, subnormals
     and ties in the grads -- against the reference bit for bit; ``unit``: without the
     unscaling multiplication, else with a grad scale and maximize flipped each step."""
-    group = ADAM_GROUPS[wd_mode]
-    bucket = make_bucket(ADAM, plan_for(PRESETS[preset], dtype), [(1000,), (128,), (255,), (3, 129), (7,)],
-                         flags=adam_flags(group, amsgrad=False), seed=41, misalign=0.5, grad=grad)
+    group, flags = (ADAM_GROUPS[wd_mode], adam_flags(ADAM_GROUPS[wd_mode], amsgrad=False)) if algorithm is ADAM \
+        else (LION_GROUP, dict(maximize=False))
+    bucket = make_bucket(algorithm, plan_for(PRESETS[preset], dtype), [(1000,), (128,), (255,), (3, 129), (7,)],
+                         flags=flags, seed=41, misalign=0.5, grad=grad)
     assert numba_backend.chunk_function(bucket.config, unit).vectorised
-    run_both(bucket, group, steps=3, where=f"{preset} {dtype} grad {grad} {wd_mode} unit={unit}", **variant(unit))
+    run_both(bucket, group, steps=3, where=f"{algorithm.name} {preset} {dtype} grad {grad} {wd_mode} unit={unit}",
+             **variant(unit))
 
 
 @needs_avx512
 def test_vectorised_adam_blocks_round_ties_to_even():
     """The bfloat16 param of a float32 master copy is the master rounded to nearest even: with a
     learning rate of 0 the master keeps its value, and masters exactly halfway between two
-    bfloat16 values (even and odd below) must round like the reference (the last case of
-    VECTORISED: the same kernel)."""
-    preset, dtype, grad, wd_mode, unit = VECTORISED[-1]
+    bfloat16 values (even and odd below) must round like the reference (VECTORISED's fourth
+    case: the same kernel)."""
+    _, preset, dtype, grad, wd_mode, unit = VECTORISED[3]
     group = dict(ADAM_GROUPS[wd_mode], lr=0.0)
     bucket = make_bucket(ADAM, plan_for(PRESETS[preset], dtype), [(1000,), (300,)],
                          flags=adam_flags(group, amsgrad=False), seed=43, specials=False, grad=grad)

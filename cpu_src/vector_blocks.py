@@ -1,0 +1,226 @@
+"""Adam and Lion with float32 moments, hand-vectorised: the blocks of ``adam.py``'s and
+``lion.py``'s element loops for the configurations DeepSpeedCPUAdam's fp32-state kernel
+competes with -- float32 or bfloat16 params that are their own master, or bfloat16 params
+with a float32 master copy; float32 or bfloat16 grads; no amsgrad, no telemetry -- where the
+target CPU has AVX-512.
+
+Why: from the element loops LLVM builds one vector per array per iteration, which runs no
+faster than any plain exact loop; a loop that loads eight 512-bit vectors of each array
+before computing any (DeepSpeedCPUAdam's form) is 5-10% faster on an AVX-512 Xeon, with the
+same arithmetic (``benchmarks/cpu_step.py --same-arrays``).  LLVM does not build that form
+from Numba source (512-bit vectors, forced interleaving, blocked loops: measured, none
+faster), so it is written here as LLVM vector IR, from an ``@intrinsic`` per algorithm.
+
+Bits: each operation is the element loop's (so ``reference.py``'s), in its order, on
+``LANES`` lanes at once -- IEEE multiplication, addition, square root and division, each
+rounded on its own (no fused multiply-add: LLVM only fuses operations marked ``contract``)
+-- bfloat16 decoded and encoded as ``storage.decode_bf16`` / ``storage.encode_bf16`` do (a
+shift; round to nearest even on the integer lanes), and every stored NaN made canonical.
+The tests that compare the kernels with the reference element for element run this path
+wherever it is on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+from .storage import CANONICAL_NAN_F32
+
+__all__ = ["BLOCK", "COPY", "GRAD16", "L2", "PARAM16", "UNIT", "adam_block", "available", "form", "lion_block"]
+
+LANES = 16  # float32 lanes of one vector: a 512-bit register
+SPAN = 8    # vectors of each array loaded before any is computed
+BLOCK = LANES * SPAN  # elements of one block
+
+# the bits of a block's form (a compile-time constant of the chunk function)
+L2 = 1       # the weight decay is added to the grad (Adam)
+UNIT = 2     # no multiplication by the unscaling factor (it is exactly 1)
+PARAM16 = 4  # the param is bfloat16
+GRAD16 = 8   # the grad is bfloat16
+COPY = 16    # the master is a float32 copy (the companion), the param its rounding (PARAM16)
+
+
+def available() -> bool:
+    """Whether Numba's target CPU has AVX-512 (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, or
+    the host's): without 512-bit registers the blocks would be split and spilled."""
+    features = config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    return "+avx512f" in features.split(",")
+
+
+def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple, moments: str,
+         track: bool, unit: bool, l2: bool = False):
+    """The blocks' form (the flags above) for a chunk function's configuration, or None where
+    they do not apply: float32 moments rounded to nearest, nothing counted, a float32 or
+    bfloat16 grad, a float32 or bfloat16 param as its own master or a bfloat16 param with a
+    float32 copy, and a target CPU with AVX-512.  (``formats``: the numpy element classes of
+    ``storage.py``, ``np.int16`` for bfloat16.)"""
+    masters = {("param", np.float32, False), ("param", np.int16, False), ("copy", np.int16, True)}
+    if moments != "nearest" or track or any(f is not np.float32 for f in moment_formats) \
+            or grad_format not in (np.float32, np.int16) \
+            or (weights, param_format, weights == "copy" and companion_format is np.float32) not in masters \
+            or not available():
+        return None
+    return (L2 * bool(l2) | UNIT * bool(unit) | PARAM16 * (param_format is np.int16)
+            | GRAD16 * (grad_format is np.int16) | COPY * (weights == "copy"))
+
+
+class _Block:
+    """The IR of one block: splatted scalars, and the loads and stores of its ``SPAN``
+    vectors per array, for a chunk function's form (the flags above)."""
+
+    def __init__(self, builder, flags: int, scalars_at, param_at, grad_at, companion_at):
+        self.builder = builder
+        self.unit, self.param16, self.grad16, self.copy = (bool(flags & bit) for bit in (UNIT, PARAM16, GRAD16, COPY))
+        f32, self.i32, self.i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+        self.vector, self.words = ir.VectorType(f32, LANES), ir.VectorType(self.i32, LANES)
+        self.halves = ir.VectorType(ir.IntType(16), LANES)
+        self.scalars_at = scalars_at
+        self.canonical_nan = builder.bitcast(self.word(int(CANONICAL_NAN_F32)), self.vector)
+        self.param_pointers = self.pointers(param_at, self.param16)
+        self.grad_pointers = self.pointers(grad_at, self.grad16)
+        self.master_pointers = self.pointers(companion_at, False) if self.copy else self.param_pointers
+
+    def splat(self, x):
+        undefined = ir.Constant(self.vector, ir.Undefined)
+        one = self.builder.insert_element(undefined, x, ir.Constant(self.i32, 0))
+        return self.builder.shuffle_vector(one, undefined, ir.Constant(self.words, [0] * LANES))
+
+    def scalar(self, k: int):
+        return self.splat(self.builder.load(self.builder.gep(self.scalars_at, [ir.Constant(self.i64, k)])))
+
+    def word(self, value: int):
+        return ir.Constant(self.words, [value] * LANES)
+
+    def constant(self, value: float):
+        return ir.Constant(self.vector, [value] * LANES)
+
+    def pointers(self, address, sixteen: bool) -> list:
+        """The block's ``SPAN`` vector pointers into one array."""
+        kind = self.halves if sixteen else self.vector
+        step = (2 if sixteen else 4) * LANES
+        return [self.builder.inttoptr(self.builder.add(address, ir.Constant(self.i64, step * k)), kind.as_pointer())
+                for k in range(SPAN)]
+
+    def load(self, pointer, sixteen: bool):
+        """storage.decode: bfloat16 is the upper half of a float32."""
+        x = self.builder.load(pointer, align=2 if sixteen else 4)
+        if not sixteen:
+            return x
+        return self.builder.bitcast(self.builder.shl(self.builder.zext(x, self.words), self.word(16)), self.vector)
+
+    def store(self, x, pointer, sixteen: bool):
+        """storage.encode_f32 / encode_bf16: the canonical NaN; round to nearest even."""
+        x = self.builder.select(self.builder.fcmp_unordered("uno", x, x), self.canonical_nan, x)
+        if sixteen:
+            bits = self.builder.bitcast(x, self.words)
+            odd = self.builder.and_(self.builder.lshr(bits, self.word(16)), self.word(1))
+            rounded = self.builder.add(self.builder.add(bits, self.word(0x7FFF)), odd)
+            x = self.builder.trunc(self.builder.lshr(rounded, self.word(16)), self.halves)
+        self.builder.store(x, pointer, align=2 if sixteen else 4)
+
+    def masters(self) -> list:
+        """The masters' vectors: the param's, or the float32 copy's."""
+        return [self.load(pointer, self.param16 and not self.copy) for pointer in self.master_pointers]
+
+    def grads(self, scale) -> list:
+        """The grads' vectors, unscaled (times ``inv_grad_scale * sign``) unless ``UNIT``."""
+        gs = [self.load(pointer, self.grad16) for pointer in self.grad_pointers]
+        return gs if self.unit else [self.builder.fmul(g, self.splat(scale)) for g in gs]
+
+    def store_master(self, k: int, w) -> None:
+        """storage.encode_master with rounding to nearest: the param, and the copy's float32."""
+        self.store(w, self.param_pointers[k], self.param16)
+        if self.copy:
+            self.store(w, self.master_pointers[k], False)
+
+
+def _sqrt(builder, vector):
+    function_type = ir.FunctionType(vector, [vector])
+    return cgutils.get_or_insert_function(builder.module, function_type, f"llvm.sqrt.v{LANES}f32")
+
+
+# One intrinsic per algorithm, the form a literal argument: an intrinsic made per form and held
+# in a chunk function's closure would put its per-process id into Numba's on-disk cache key.
+@intrinsic(prefer_literal=True)
+def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale):
+    """``adam_block(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale)``:
+    ``adam.py``'s update of the ``BLOCK`` elements at the addresses (int64; the companion's
+    only with ``COPY``), in place.  ``form``: a constant of the flags above; ``scalars``: the
+    chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias
+    correction 2), eps, weight decay, decay); ``scale``: ``inv_grad_scale * sign``, not read
+    with ``UNIT``."""
+    if not isinstance(form, types.IntegerLiteral):
+        return None
+    flags = form.literal_value
+    signature = types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale)
+
+    def codegen(context, builder, sig, args):
+        _, param_at, grad_at, companion_at, exp_avg_at, exp_avg_sq_at, scalars_at, scale = args
+        block = _Block(builder, flags, scalars_at, param_at, grad_at, companion_at)
+        beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, \
+            weight_decay, decay = (block.scalar(k) for k in range(9))
+        sqrt = _sqrt(builder, block.vector)
+        exp_avgs, exp_avg_sqs = block.pointers(exp_avg_at, False), block.pointers(exp_avg_sq_at, False)
+        ws, gs = block.masters(), block.grads(scale)
+        ms, vs = ([block.load(pointer, False) for pointer in pointers] for pointers in (exp_avgs, exp_avg_sqs))
+        results = []
+        for w, g, m, v in zip(ws, gs, ms, vs):  # adam.py's update, operation by operation
+            if flags & L2:
+                g = builder.fadd(g, builder.fmul(w, weight_decay))
+            w = builder.fmul(w, decay)
+            m = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
+            v = builder.fadd(builder.fmul(v, beta2), builder.fmul(builder.fmul(g, g), one_minus_beta2))
+            d = builder.fadd(builder.fmul(builder.call(sqrt, [v]), inv_sqrt_bias_correction2), eps)
+            w = builder.fsub(w, builder.fmul(builder.fdiv(m, d), step_size))
+            results.append((w, m, v))
+        for k, (w, m, v) in enumerate(results):
+            block.store_master(k, w)
+            block.store(m, exp_avgs[k], False)
+            block.store(v, exp_avg_sqs[k], False)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic(prefer_literal=True)
+def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale):
+    """``lion_block(form, param, grad, companion, exp_avg, scalars, scale)``: ``lion.py``'s
+    update of the ``BLOCK`` elements at the addresses, in place, as :func:`adam_block` (no
+    ``L2``); ``scalars``: the chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, lr,
+    decay)."""
+    if not isinstance(form, types.IntegerLiteral) or form.literal_value & L2:
+        return None
+    flags = form.literal_value
+    signature = types.void(form, param, grad, companion, exp_avg, scalars, scale)
+
+    def codegen(context, builder, sig, args):
+        _, param_at, grad_at, companion_at, exp_avg_at, scalars_at, scale = args
+        block = _Block(builder, flags, scalars_at, param_at, grad_at, companion_at)
+        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay = (block.scalar(k) for k in range(6))
+        zero, one, minus_one = block.constant(0.0), block.constant(1.0), block.constant(-1.0)
+        exp_avgs = block.pointers(exp_avg_at, False)
+        ws, gs = block.masters(), block.grads(scale)
+        ms = [block.load(pointer, False) for pointer in exp_avgs]
+        results = []
+        for w, g, m in zip(ws, gs, ms):  # lion.py's update, operation by operation
+            w = builder.fmul(w, decay)
+            c = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
+            s = builder.fadd(c, zero)  # sign(c): +0 for +-0, NaN for NaN
+            s = builder.select(builder.fcmp_ordered(">", c, zero), one, s)
+            s = builder.select(builder.fcmp_ordered("<", c, zero), minus_one, s)
+            w = builder.fsub(w, builder.fmul(s, lr))
+            m = builder.fadd(builder.fmul(m, beta2), builder.fmul(g, one_minus_beta2))
+            results.append((w, m))
+        for k, (w, m) in enumerate(results):
+            block.store_master(k, w)
+            block.store(m, exp_avgs[k], False)
+        return context.get_dummy_value()
+
+    return signature, codegen
