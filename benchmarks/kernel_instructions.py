@@ -4,8 +4,9 @@ Run:  python benchmarks/kernel_instructions.py [--algorithms AdamW,Lion,SGD] [--
       [--asm DIR]
 
 Counts come from valgrind's callgrind (``valgrind`` must be on PATH), which counts every
-executed instruction, so they are repeatable on a loaded machine where timings are not.  A
-child process builds each configuration's arrays and runs, on its own thread:
+executed instruction, so they are repeatable on a loaded machine where timings are not.  The
+script builds each configuration's arrays; a child process (importing the kernels but not torch,
+whose import alone takes 20-25 s under valgrind) runs, on its own thread:
 
 * ``bf16opt``: the configuration's chunk function (``cpu_src/``) over one tensor, through the
   real serial driver ``chunks.run_chunks_serial``, for the same configurations as
@@ -108,31 +109,55 @@ def _counted(call) -> None:
 
 
 # ---------------------------------------------------------------- the configurations
-def _configurations(algorithms, presets) -> list:
-    """(algorithm, label, param dtype, preset) in cpu_step.py's order."""
-    import cpu_step  # noqa: PLC0415  (imports torch and bf16opt)
-
-    return [(algorithm, label, dtype, preset) for algorithm in algorithms
-            for label, dtype, preset, _, _ in cpu_step.CONFIGS if not presets or preset in presets]
+FP32_PARAMS = "fp32 params"  # a job's storage: compute_limit.FP32_PARAMS, else a preset's
 
 
-def _chunk_call(algorithm: str, dtype, preset: str, n: int):
-    """A call running ``algorithm``'s chunk function for ``preset`` over ``n`` elements of one
-    tensor (arrays, table, scalars, stream keys as the numba backend makes them), plus the
-    chunk function."""
+def jobs(algorithms, presets, directory: pathlib.Path) -> list:
+    """What the child runs, built natively (with torch): per configuration of ``cpu_step.py``
+    (in its order), its chunk function's arguments (``numba.chunk_arguments``: the step's
+    kernel, no grad scale, not maximizing, SGD without dampening), the element sizes of its
+    buffers, its compute-limit kernel's family and storage, and its arrays, scalars and
+    stream keys, saved in ``directory``.  (The child imports no torch: under valgrind,
+    importing torch alone takes 20-25 s.)"""
     import torch  # noqa: PLC0415
 
-    import cpu_step  # noqa: PLC0415
-    from bf16opt import _cpu  # noqa: PLC0415
+    import cpu_step  # noqa: PLC0415  (imports torch and bf16opt)
+    import bf16opt._cpu  # noqa: PLC0415
     from bf16opt.algorithms import ELEMENT_BYTES, kernel_config  # noqa: PLC0415
     from bf16opt.backends import numba as backend  # noqa: PLC0415
     from bf16opt.precision import as_precision, plan_for  # noqa: PLC0415
 
-    cls, hyper, _ = cpu_step.OPTIMIZERS[algorithm]
-    opt = cls([torch.nn.Parameter(torch.zeros(1, dtype=dtype))], precision=preset, backend="numba", **hyper)
-    group = opt.param_groups[0]
-    config = kernel_config(opt.algorithm, plan_for(as_precision(preset), dtype), tuple(opt._flags(group).items()))
-    chunk = backend.chunk_function(config, True)  # the step's: no grad scale, not maximizing (SGD: no dampening)
+    out = []
+    for algorithm in algorithms:
+        cls, hyper, family = cpu_step.OPTIMIZERS[algorithm]
+        for label, dtype, preset, _, _ in cpu_step.CONFIGS:
+            if presets and preset not in presets:
+                continue
+            param = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+            opt = cls([param], precision=preset, backend="numba", **hyper)
+            group = opt.param_groups[0]
+            config = kernel_config(opt.algorithm, plan_for(as_precision(preset), dtype),
+                                   tuple(opt._flags(group).items()))
+            module, (formats, weights, rounding, track), flags = backend.chunk_arguments(config, True)
+            name = f"{algorithm} {label}"
+            path = directory / f"{_stem(name)}.npz"
+            arrays = {f"{size}_{b}": array for size in SIZES for b, array in enumerate(_arrays(config, size))}
+            np.savez(path, scalars=np.array([*opt._scalars(group, 2), 1.0], dtype=np.float32),
+                     keys=backend.stream_keys(1234, 2, [0]), **arrays)
+            out.append(dict(name=name, arrays=str(path), module=module, formats=[f.__name__ for f in formats],
+                            weights=weights, rounding=rounding, track=track, flags=flags,
+                            itemsizes=[0 if d is None else ELEMENT_BYTES[d] for d in config.dtypes],
+                            family=family, storage=FP32_PARAMS if dtype == torch.float32 else preset,
+                            kernels=str(pathlib.Path(bf16opt._cpu.__file__).parent)))
+    return out
+
+
+def _arrays(config, n: int) -> list:
+    """One tensor of ``n`` elements per buffer of ``config``, stored as the step stores them."""
+    import torch  # noqa: PLC0415
+
+    import cpu_step  # noqa: PLC0415
+
     rng = np.random.default_rng(0)
     scale = {"param": 0.02, "grad": 1e-3, "companion": 1e-6, "exp_avg": 1e-4}
     arrays = []
@@ -147,15 +172,42 @@ def _chunk_call(algorithm: str, dtype, preset: str, n: int):
             x = arrays[0].astype(np.float32) if arrays[0].dtype == np.float32 else \
                 (arrays[0].astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
         arrays.append(torch.from_numpy(x).to(dtype_).view(cpu_step.VIEW[dtype_]).numpy().copy())
-    addresses = np.array([[0 if d is None else a.ctypes.data for a, d in zip(arrays, config.dtypes)]],
+    return arrays
+
+
+def _import_kernels(directory: str) -> None:
+    """Import ``bf16opt._cpu`` (``cpu_src/``: numpy and Numba only) from ``directory`` under
+    its own name, without running ``bf16opt/__init__.py`` (which imports torch)."""
+    import importlib.util  # noqa: PLC0415
+    import types as modules  # noqa: PLC0415
+
+    package = sys.modules.setdefault("bf16opt", modules.ModuleType("bf16opt"))
+    package.__path__ = []
+    spec = importlib.util.spec_from_file_location("bf16opt._cpu", os.path.join(directory, "__init__.py"),
+                                                  submodule_search_locations=[directory])
+    kernels = sys.modules["bf16opt._cpu"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    package._cpu = kernels
+
+
+def _chunk_call(job: dict, n: int, saved):
+    """A call running a job's chunk function over ``n`` elements of one tensor (the arrays,
+    table, scalars and stream keys as the numba backend makes them), plus the chunk function."""
+    import importlib  # noqa: PLC0415
+
+    from bf16opt._cpu import chunks  # noqa: PLC0415
+
+    module = importlib.import_module(f"bf16opt._cpu.{job['module']}")
+    formats = tuple(getattr(np, name) for name in job["formats"])
+    chunk = module.chunk_function(formats, job["weights"], job["rounding"], job["track"], **job["flags"])
+    arrays = [saved[f"{n}_{b}"] for b in range(len(formats))]
+    addresses = np.array([[a.ctypes.data if size else 0 for a, size in zip(arrays, job["itemsizes"])]],
                          dtype=np.int64)
-    itemsizes = np.array([0 if d is None else ELEMENT_BYTES[d] for d in config.dtypes], dtype=np.int64)
-    table = _cpu.chunks.build_chunk_table(addresses, itemsizes, np.array([n]))
+    table = chunks.build_chunk_table(addresses, np.array(job["itemsizes"], dtype=np.int64), np.array([n]))
     bounds = np.array([0, table.shape[0]], dtype=np.int64)
-    scalars = np.array([*opt._scalars(group, 2), 1.0], dtype=np.float32)
-    keys = backend.stream_keys(1234, 2, [0])
-    counts = np.zeros((table.shape[0], _cpu.chunks.COUNTERS), dtype=np.int64)
-    run = _cpu.chunks.run_chunks_serial
+    scalars, keys = saved["scalars"], saved["keys"]
+    counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)
+    run = chunks.run_chunks_serial
 
     def call():
         run(chunk.address, table, scalars, keys, counts, bounds)
@@ -164,34 +216,34 @@ def _chunk_call(algorithm: str, dtype, preset: str, n: int):
     return call, chunk
 
 
-def _limit_call(algorithm: str, dtype, preset: str, passes: int):
+def _limit_call(job: dict, passes: int):
     """A call running the compute-limit chunk function ``passes`` times over one block, through
     the serial driver, plus the chunk function."""
-    import torch  # noqa: PLC0415
-
     import compute_limit  # noqa: PLC0415
-    import cpu_step  # noqa: PLC0415
 
-    family = cpu_step.OPTIMIZERS[algorithm][2]
-    storage = compute_limit.FP32_PARAMS if dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
-    operands = compute_limit.arrays(1, BLOCK, family, storage)
-    return (compute_limit.runner(family, storage, operands, passes, serial=True),
-            compute_limit.chunk_function(family, storage))
+    storage = compute_limit.FP32_PARAMS if job["storage"] == FP32_PARAMS \
+        else compute_limit.PRESET_STORAGE[job["storage"]]
+    operands = compute_limit.arrays(1, BLOCK, job["family"], storage)
+    return (compute_limit.runner(job["family"], storage, operands, passes, serial=True),
+            compute_limit.chunk_function(job["family"], storage))
 
 
-def child(algorithms, presets, asm_dir) -> None:
+def child(jobs_file: pathlib.Path, asm_dir) -> None:
     """Run every counted call once (uncounted, which loads or compiles it), then counted, in
     order; print the labels of the dumps as JSON."""
+    all_jobs = json.loads(jobs_file.read_text())
+    _import_kernels(all_jobs[0]["kernels"])
     llvm.initialize_native_asmparser()  # the client requests are inline assembly
     labels, calls = [], []
-    for algorithm, label, dtype, preset in _configurations(algorithms, presets):
-        name = f"{algorithm} {label}"
+    for job in all_jobs:
+        name = job["name"]
+        saved = dict(np.load(job["arrays"]))
         for size in SIZES:
-            call, chunk = _chunk_call(algorithm, dtype, preset, size)
+            call, chunk = _chunk_call(job, size, saved)
             labels.append([name, "bf16opt", size])
             calls.append(call)
         for passes in PASSES:
-            call, limit = _limit_call(algorithm, dtype, preset, passes)
+            call, limit = _limit_call(job, passes)
             labels.append([name, "limit", passes * BLOCK])
             calls.append(call)
         if asm_dir:  # (code compiled in this process: code loaded from the cache has no assembly)
@@ -257,12 +309,16 @@ def parent(args) -> None:
         sys.exit("valgrind is not installed (apt-get install valgrind)")
     here = pathlib.Path(__file__).resolve().parent
     cpu, features, note = target_cpu()
-    command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child",
-               "--algorithms", args.algorithms] + (["--presets", args.presets] if args.presets else [])
     asm_dir = pathlib.Path(args.asm).resolve() if args.asm else None
     if asm_dir:
         asm_dir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(here))
     with tempfile.TemporaryDirectory() as tmp:
+        jobs_file = pathlib.Path(tmp) / "jobs.json"
+        jobs_file.write_text(json.dumps(jobs(args.algorithms.split(","),
+                                             set(args.presets.split(",")) if args.presets else None,
+                                             pathlib.Path(tmp))))
+        command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", str(jobs_file)]
         # a fresh Numba cache: the native run compiles every kernel into it (so their assembly
         # can be inspected), the run under valgrind loads them
         env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=tmp,
@@ -284,7 +340,6 @@ def parent(args) -> None:
         (name, kind, small), (_, _, large) = labels[k], labels[k + 1]
         per_element.setdefault(name, {})[kind] = (counts[k + 1] - counts[k]) / (large - small)
 
-    sys.path.insert(0, str(here))
     from machine import cpu_name  # noqa: PLC0415
 
     print(f"executed instructions per element (callgrind), {cpu_name()}; code for {cpu}, {note}.\n"
@@ -309,11 +364,10 @@ def main() -> None:
     parser.add_argument("--algorithms", default="AdamW,Lion,SGD", help="comma-separated (default: %(default)s)")
     parser.add_argument("--presets", help="comma-separated presets (default: all)")
     parser.add_argument("--asm", help="directory to write each kernel's assembly to")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # the jobs file
     args = parser.parse_args()
     if args.child:
-        child(args.algorithms.split(","), set(args.presets.split(",")) if args.presets else None,
-              pathlib.Path(args.asm) if args.asm else None)
+        child(pathlib.Path(args.child), pathlib.Path(args.asm) if args.asm else None)
     else:
         parent(args)
 

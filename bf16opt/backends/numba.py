@@ -124,13 +124,19 @@ def chunk_function(config: KernelConfig, unit: bool = False):
     """The compiled chunk function of ``config``: ``cpu_src/<algorithm>.py``'s
     ``chunk_function`` with the roles' element classes, the master policy, the rounding,
     telemetry and every flag but ``maximize`` (a run-time scalar, ``sign``) as constants;
-    ``unit``: SGD's variant for scalars of which :func:`unit_scalars` holds."""
-    module = importlib.import_module(f"bf16opt._cpu.{config.algorithm.name}")  # cpu_src/<name>.py
+    ``unit``: the variant for scalars of which :func:`unit_scalars` holds."""
+    name, arguments, flags = chunk_arguments(config, unit)
+    return importlib.import_module(f"bf16opt._cpu.{name}").chunk_function(*arguments, **flags)
+
+
+def chunk_arguments(config: KernelConfig, unit: bool = False) -> tuple:
+    """(module, arguments, flags): :func:`chunk_function` of ``config`` is
+    ``cpu_src/<module>.py``'s ``chunk_function(*arguments, **flags)``."""
     formats = tuple(np.float32 if dtype is None else _VIEW_DTYPES[dtype] for dtype in config.dtypes)
     flags = {name: value for name, value in config.flags if name != "maximize"}
     if unit:
         flags["unit"] = True
-    return module.chunk_function(formats, config.weights, config.plan.rounding, config.track, **flags)
+    return config.algorithm.name, (formats, config.weights, config.plan.rounding, config.track), flags
 
 
 def unit_scalars(config: KernelConfig, values) -> bool:
