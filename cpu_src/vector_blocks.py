@@ -61,11 +61,10 @@ def form(weights: str, param_format, grad_format, companion_format, moment_forma
     bfloat16 grad, a float32 or bfloat16 param as its own master or a bfloat16 param with a
     float32 copy, and a target CPU with AVX-512.  (``formats``: the numpy element classes of
     ``storage.py``, ``np.int16`` for bfloat16.)"""
-    masters = {("param", np.float32, False), ("param", np.int16, False), ("copy", np.int16, True)}
-    if moments != "nearest" or track or any(f is not np.float32 for f in moment_formats) \
-            or grad_format not in (np.float32, np.int16) \
-            or (weights, param_format, weights == "copy" and companion_format is np.float32) not in masters \
-            or not available():
+    master = (weights == "param" and param_format in (np.float32, np.int16)) \
+        or (weights == "copy" and param_format is np.int16 and companion_format is np.float32)
+    if not master or moments != "nearest" or track or any(f is not np.float32 for f in moment_formats) \
+            or grad_format not in (np.float32, np.int16) or not available():
         return None
     return (L2 * bool(l2) | UNIT * bool(unit) | PARAM16 * (param_format is np.int16)
             | GRAD16 * (grad_format is np.int16) | COPY * (weights == "copy"))
@@ -77,7 +76,8 @@ class _Block:
 
     def __init__(self, builder, flags: int, scalars_at, param_at, grad_at, companion_at):
         self.builder = builder
-        self.unit, self.param16, self.grad16, self.copy = (bool(flags & bit) for bit in (UNIT, PARAM16, GRAD16, COPY))
+        self.unit, self.param16, self.grad16, self.copy = (bool(flags & bit)
+                                                           for bit in (UNIT, PARAM16, GRAD16, COPY))
         f32, self.i32, self.i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
         self.vector, self.words = ir.VectorType(f32, LANES), ir.VectorType(self.i32, LANES)
         self.halves = ir.VectorType(ir.IntType(16), LANES)
@@ -105,8 +105,8 @@ class _Block:
         """The block's ``SPAN`` vector pointers into one array."""
         kind = self.halves if sixteen else self.vector
         step = (2 if sixteen else 4) * LANES
-        return [self.builder.inttoptr(self.builder.add(address, ir.Constant(self.i64, step * k)), kind.as_pointer())
-                for k in range(SPAN)]
+        return [self.builder.inttoptr(self.builder.add(address, ir.Constant(self.i64, step * k)),
+                                      kind.as_pointer()) for k in range(SPAN)]
 
     def load(self, pointer, sixteen: bool):
         """storage.decode: bfloat16 is the upper half of a float32."""
