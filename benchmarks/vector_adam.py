@@ -18,7 +18,7 @@ from numba import njit, prange
 from bf16opt._cpu import vector_blocks
 from bf16opt._cpu.storage import pointer_to
 
-BLOCK = vector_blocks.BLOCK
+BLOCK = vector_blocks.ADAM_BLOCK
 
 
 def scalars(limit_scalars) -> np.ndarray:

@@ -23,7 +23,7 @@ configuration is 16-bit and 4-byte aligned, in the paired loop: one uint32 word 
 array holds two elements, so decoding is one shift or mask and encoding one merge per pair
 (cheaper than widening and narrowing 16-bit lanes); an odd last element goes through the
 element loop.  With float32 moments (and a master ``vector_blocks.py`` covers, no amsgrad, no
-telemetry) on a CPU with AVX-512, whole blocks of 128 elements go through ``vector_blocks.py``'s
+telemetry) on a CPU with AVX-512, whole blocks of ``ADAM_BLOCK`` (128) elements go through ``vector_blocks.py``'s
 hand-vectorised update (the same operations, the same bits), the rest through the element loop.
 """
 
@@ -101,7 +101,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     form = None if amsgrad else vector_blocks.form(weights, param_format, grad_format, companion_format,
                                                    (exp_avg_format, exp_avg_sq_format), moments, track, unit, l2)
     vector = form is not None
-    block = vector_blocks.BLOCK if vector else 0
+    block = vector_blocks.ADAM_BLOCK if vector else 0
     param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
 
     @chunk_compiler((formats, weights, moments, track, amsgrad, l2, unit) + ((("vector", block, form),) if vector else ()))

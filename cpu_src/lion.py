@@ -37,7 +37,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     form = vector_blocks.form(weights, param_format, grad_format, companion_format, (exp_avg_format,), moments,
                               track, unit)
     vector = form is not None
-    block = vector_blocks.BLOCK if vector else 0
+    block = vector_blocks.LION_BLOCK if vector else 0
     param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
 
     @chunk_compiler((formats, weights, moments, track, unit) + ((("vector", block, form),) if vector else ()))

@@ -201,7 +201,7 @@ needs_avx512 = pytest.mark.skipif(not vector_blocks.available(),
                          ids=[f"{a.name}-{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
                               for a, p, d, g, w, u in VECTORISED])
 def test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, wd_mode, unit):
-    """float32 moments: ``vector_blocks.py``'s blocks of 128 elements, then the element loop --
+    """float32 moments: ``vector_blocks.py``'s blocks (Adam 128 elements, Lion 64), then the element loop --
     whole and partial blocks, tensors placed off their alignment, NaN, infinities, subnormals
     and ties in the grads -- against the reference bit for bit; ``unit``: without the
     unscaling multiplication, else with a grad scale and maximize flipped each step."""
