@@ -23,8 +23,9 @@ configuration is 16-bit and 4-byte aligned, in the paired loop: one uint32 word 
 array holds two elements, so decoding is one shift or mask and encoding one merge per pair
 (cheaper than widening and narrowing 16-bit lanes); an odd last element goes through the
 element loop.  With float32 moments (and a master ``vector_blocks.py`` covers, no amsgrad, no
-telemetry) on a CPU with AVX-512, whole blocks of ``ADAM_BLOCK`` (128) elements go through ``vector_blocks.py``'s
-hand-vectorised update (the same operations, the same bits), the rest through the element loop.
+telemetry) on a CPU with AVX-512, whole blocks of ``ADAM_BLOCK`` (128) elements go through
+``vector_blocks.py``'s hand-vectorised update (the same operations, the same bits), the rest
+through the element loop.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
             first = n - n % block
             for j in range(0, first, block):
                 vector_blocks.adam_block(form, row[0] + param_size * j, row[1] + grad_size * j, row[2] + 4 * j,
-                                  row[3] + 4 * j, row[4] + 4 * j, scalars, scale)
+                                         row[3] + 4 * j, row[4] + 4 * j, scalars, scale)
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0), exp_avg[i], exp_avg_sq[i],
