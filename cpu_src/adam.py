@@ -105,7 +105,39 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     block = vector_blocks.ADAM_BLOCK if vector else 0
     param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
 
-    @chunk_compiler((formats, weights, moments, track, amsgrad, l2, unit) + ((("vector", block, form),) if vector else ()))
+    @njit(forceinline=True)
+    def element_update(g, p, c, m, v, x, element, now):
+        """Stored elements of grad, param, companion, moments, max in; the elements to
+        store and the telemetry flags (swallowed, exp_avg / exp_avg_sq underflow) out."""
+        beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, weight_decay, \
+            decay, scale, key_w, key_m, key_v, key_max = now
+        g = decode(g) if unit else decode(g) * scale
+        w0 = master_value(weights, p, c)
+        w = w0
+        if l2:
+            t = w * weight_decay
+            g = g + t
+        w = w * decay
+        m, v = _adam_moments(g, decode(m), decode(v), beta1, beta2, one_minus_beta1, one_minus_beta2)
+        if amsgrad:
+            v_max = decode(x)
+            # a if (a > b or a is NaN) else b, a = the stored maximum
+            v_hat = v_max if (v_max > v or v_max != v_max) else v
+            x = encode_moment(moments, exp_avg_sq_format, v_hat, key_max, element)[0]
+        else:
+            v_hat = v
+        u = _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps)
+        w = w - u
+        m_stored, m_value = encode_moment(moments, exp_avg_format, m, key_m, element)
+        v_stored, v_value = encode_moment(moments, exp_avg_sq_format, v, key_v, element)
+        p, c, same = encode_master(weights, param_format, companion_format, p, c, w0, w, key_w, element)
+        return (p, c, m_stored, v_stored, x, (u != np.float32(0.0)) & same,
+                (m != np.float32(0.0)) & (m_value == np.float32(0.0)),
+                (v != np.float32(0.0)) & (v_value == np.float32(0.0)))
+
+    # (the chunk function calls element_update as its global ``update``: see chunks.chunk_compiler)
+    @chunk_compiler((formats, weights, moments, track, amsgrad, l2, unit) + ((("vector", block, form),) if vector else ()),
+                    update=element_update)
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
@@ -120,34 +152,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         weight_decay, decay = scalars[7], scalars[8]
         scale = scalars[9] * scalars[10]  # inv_grad_scale * sign (see the module docstring)
         key_w, key_m, key_v, key_max = keys[0], keys[1], keys[2], keys[3]
-
-        def update(g, p, c, m, v, x, element):
-            """Stored elements of grad, param, companion, moments, max in; the elements to
-            store and the telemetry flags (swallowed, exp_avg / exp_avg_sq underflow) out."""
-            g = decode(g) if unit else decode(g) * scale
-            w0 = master_value(weights, p, c)
-            w = w0
-            if l2:
-                t = w * weight_decay
-                g = g + t
-            w = w * decay
-            m, v = _adam_moments(g, decode(m), decode(v), beta1, beta2, one_minus_beta1, one_minus_beta2)
-            if amsgrad:
-                v_max = decode(x)
-                # a if (a > b or a is NaN) else b, a = the stored maximum
-                v_hat = v_max if (v_max > v or v_max != v_max) else v
-                x = encode_moment(moments, exp_avg_sq_format, v_hat, key_max, element)[0]
-            else:
-                v_hat = v
-            u = _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps)
-            w = w - u
-            m_stored, m_value = encode_moment(moments, exp_avg_format, m, key_m, element)
-            v_stored, v_value = encode_moment(moments, exp_avg_sq_format, v, key_v, element)
-            p, c, same = encode_master(weights, param_format, companion_format, p, c, w0, w, key_w, element)
-            return (p, c, m_stored, v_stored, x, (u != np.float32(0.0)) & same,
-                    (m != np.float32(0.0)) & (m_value == np.float32(0.0)),
-                    (v != np.float32(0.0)) & (v_value == np.float32(0.0)))
-
+        now = (beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps,  # (update's)
+               weight_decay, decay, scale, key_w, key_m, key_v, key_max)
         swallowed, m_underflow, v_underflow = 0, 0, 0
         first = 0
         # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)
@@ -167,11 +173,11 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
                 x = max_words[j] if amsgrad else np.uint32(0)
                 low = update(low_half(g, grad_format), low_half(p, param_format), low_half(c, companion_format),
                              low_half(m, exp_avg_format), low_half(v, exp_avg_sq_format),
-                             low_half(x, exp_avg_sq_format), element_index(start, 2 * j))
+                             low_half(x, exp_avg_sq_format), element_index(start, 2 * j), now)
                 high = update(high_half(g, grad_format), high_half(p, param_format),
                               high_half(c, companion_format), high_half(m, exp_avg_format),
                               high_half(v, exp_avg_sq_format), high_half(x, exp_avg_sq_format),
-                              element_index(start, 2 * j + 1))
+                              element_index(start, 2 * j + 1), now)
                 param_words[j] = pair_word(low[0], high[0])
                 if has_companion:
                     companion_words[j] = pair_word(low[1], high[1])
@@ -192,7 +198,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0), exp_avg[i], exp_avg_sq[i],
-                         max_exp_avg_sq[i] if amsgrad else exp_avg_sq_format(0), element_index(start, i))
+                         max_exp_avg_sq[i] if amsgrad else exp_avg_sq_format(0), element_index(start, i),
+                         now)
             param[i] = out[0]
             if has_companion:
                 companion[i] = out[1]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+from types import FunctionType
 
 import numpy as np
 from llvmlite import ir
@@ -78,10 +79,17 @@ CHUNK_SIGNATURE = types.void(types.CPointer(types.int64), types.CPointer(types.f
                              types.CPointer(types.uint32), types.CPointer(types.int64))
 
 
-def chunk_compiler(configuration: tuple):
+def chunk_compiler(configuration: tuple, update=None):
     """Decorator compiling a chunk function of one ``configuration`` (the arguments it was
     made from, a tuple with a deterministic repr): a ``cfunc`` of :data:`CHUNK_SIGNATURE`,
     cached on disk under a name of its own.
+
+    ``update``: the configuration's element update, a jitted function the chunk function
+    calls by the global name ``update``.  Jitted with ``forceinline``, it is compiled once
+    and inlined by LLVM into each loop that calls it (the same code); a closure defined
+    inside the chunk function would be inlined by Numba at each call site, a third of each
+    compile's time.  A global, not a closure cell: Numba's on-disk cache key holds the
+    pickled closure, and a jitted function pickles with a per-process id.
 
     Why a name of its own: Numba keeps every cached compilation of one Python function in
     one index file, and its save reads the index, adds the entry under the first unused
@@ -95,7 +103,11 @@ def chunk_compiler(configuration: tuple):
     digest = hashlib.sha256(repr(configuration).encode()).hexdigest()[:16]
 
     def compile_chunk(function):
-        function.__qualname__ = f"{function.__qualname__}_{digest}"
+        qualname = function.__qualname__
+        if update is not None:
+            function = FunctionType(function.__code__, dict(function.__globals__, update=update), function.__name__,
+                                    function.__defaults__, function.__closure__)
+        function.__qualname__ = f"{qualname}_{digest}"
         return cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")(_source_named(function))
 
     return compile_chunk

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from numba import njit
 
 from . import vector_blocks
 from .adam import SIXTEEN_BITS
@@ -40,7 +41,35 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     block = vector_blocks.LION_BLOCK if vector else 0
     param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
 
-    @chunk_compiler((formats, weights, moments, track, unit) + ((("vector", block, form),) if vector else ()))
+    @njit(forceinline=True)
+    def element_update(g, p, comp, m_old, element, now):
+        """Stored elements of grad, param, companion, exp_avg in; the elements to store
+        and the telemetry flags (swallowed, exp_avg underflow) out."""
+        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, key_w, key_m = now
+        g = decode(g) if unit else decode(g) * scale
+        w0 = master_value(weights, p, comp)
+        w = w0 * decay
+        m_old = decode(m_old)
+        c = m_old * beta1
+        t = g * one_minus_beta1
+        c = c + t
+        # sign(c) with +0 for +-0 and NaN for NaN (c + 0 is +0 for zeros, NaN for NaN)
+        s = c + np.float32(0.0)
+        s = np.float32(1.0) if c > np.float32(0.0) else s
+        s = np.float32(-1.0) if c < np.float32(0.0) else s
+        u = s * lr
+        w = w - u
+        m = m_old * beta2
+        t = g * one_minus_beta2
+        m = m + t
+        m_stored, m_value = encode_moment(moments, exp_avg_format, m, key_m, element)
+        p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w, key_w, element)
+        return (p, comp, m_stored, (u != np.float32(0.0)) & same,
+                (m != np.float32(0.0)) & (m_value == np.float32(0.0)))
+
+    # (the chunk function calls element_update as its global ``update``: see chunks.chunk_compiler)
+    @chunk_compiler((formats, weights, moments, track, unit) + ((("vector", block, form),) if vector else ()),
+                    update=element_update)
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
@@ -52,31 +81,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
         lr, decay = scalars[4], scalars[5]
         scale = scalars[6] * scalars[7]  # inv_grad_scale * sign (see adam.py's module docstring)
         key_w, key_m = keys[0], keys[1]
-
-        def update(g, p, comp, m_old, element):
-            """Stored elements of grad, param, companion, exp_avg in; the elements to store
-            and the telemetry flags (swallowed, exp_avg underflow) out."""
-            g = decode(g) if unit else decode(g) * scale
-            w0 = master_value(weights, p, comp)
-            w = w0 * decay
-            m_old = decode(m_old)
-            c = m_old * beta1
-            t = g * one_minus_beta1
-            c = c + t
-            # sign(c) with +0 for +-0 and NaN for NaN (c + 0 is +0 for zeros, NaN for NaN)
-            s = c + np.float32(0.0)
-            s = np.float32(1.0) if c > np.float32(0.0) else s
-            s = np.float32(-1.0) if c < np.float32(0.0) else s
-            u = s * lr
-            w = w - u
-            m = m_old * beta2
-            t = g * one_minus_beta2
-            m = m + t
-            m_stored, m_value = encode_moment(moments, exp_avg_format, m, key_m, element)
-            p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w, key_w, element)
-            return (p, comp, m_stored, (u != np.float32(0.0)) & same,
-                    (m != np.float32(0.0)) & (m_value == np.float32(0.0)))
-
+        now = (beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, key_w, key_m)  # (update's)
         swallowed, m_underflow = 0, 0
         first = 0
         # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)
@@ -91,10 +96,10 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
                 c = companion_words[j] if has_companion else np.uint32(0)
                 m = exp_avg_words[j]
                 low = update(low_half(g, grad_format), low_half(p, param_format), low_half(c, companion_format),
-                             low_half(m, exp_avg_format), element_index(start, 2 * j))
+                             low_half(m, exp_avg_format), element_index(start, 2 * j), now)
                 high = update(high_half(g, grad_format), high_half(p, param_format),
                               high_half(c, companion_format), high_half(m, exp_avg_format),
-                              element_index(start, 2 * j + 1))
+                              element_index(start, 2 * j + 1), now)
                 param_words[j] = pair_word(low[0], high[0])
                 if has_companion:
                     companion_words[j] = pair_word(low[1], high[1])
@@ -111,7 +116,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0), exp_avg[i],
-                         element_index(start, i))
+                         element_index(start, i), now)
             param[i] = out[0]
             if has_companion:
                 companion[i] = out[1]

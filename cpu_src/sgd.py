@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from numba import njit
 
 from .adam import SIXTEEN_BITS
 from .chunks import chunk_compiler
@@ -41,7 +42,40 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         ((buffer_format,) if momentum else ())
     paired = all(f in SIXTEEN_BITS for f in present)
 
-    @chunk_compiler((formats, weights, moments, track, momentum, l2, nesterov, first, unit))
+    @njit(forceinline=True)
+    def element_update(g, p, comp, b, element, now):
+        """Stored elements of grad, param, companion, momentum buffer in; the elements to
+        store and the telemetry flags (swallowed, buffer underflow) out."""
+        momentum_factor, one_minus_dampening, lr, weight_decay, scale, key_w, key_b = now
+        g = decode(g) if unit else decode(g) * scale
+        w0 = master_value(weights, p, comp)
+        w = w0
+        if l2:
+            t = w * weight_decay
+            g = g + t
+        b_underflow = False
+        if momentum:
+            if first:
+                b_new = g
+            else:
+                b_new = decode(b) * momentum_factor
+                t = g if unit else g * one_minus_dampening
+                b_new = b_new + t
+            if nesterov:
+                t = b_new * momentum_factor
+                g = g + t
+            else:
+                g = b_new
+            b, b_value = encode_moment(moments, buffer_format, b_new, key_b, element)
+            b_underflow = (b_new != np.float32(0.0)) & (b_value == np.float32(0.0))
+        u = g * lr
+        w = w - u
+        p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w, key_w, element)
+        return p, comp, b, (u != np.float32(0.0)) & same, b_underflow
+
+    # (the chunk function calls element_update as its global ``update``: see chunks.chunk_compiler)
+    @chunk_compiler((formats, weights, moments, track, momentum, l2, nesterov, first, unit),
+                    update=element_update)
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
@@ -52,36 +86,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         lr, weight_decay = scalars[2], scalars[3]
         scale = scalars[4] * scalars[5]  # inv_grad_scale * sign (see adam.py's module docstring)
         key_w, key_b = keys[0], keys[1]
-
-        def update(g, p, comp, b, element):
-            """Stored elements of grad, param, companion, momentum buffer in; the elements to
-            store and the telemetry flags (swallowed, buffer underflow) out."""
-            g = decode(g) if unit else decode(g) * scale
-            w0 = master_value(weights, p, comp)
-            w = w0
-            if l2:
-                t = w * weight_decay
-                g = g + t
-            b_underflow = False
-            if momentum:
-                if first:
-                    b_new = g
-                else:
-                    b_new = decode(b) * momentum_factor
-                    t = g if unit else g * one_minus_dampening
-                    b_new = b_new + t
-                if nesterov:
-                    t = b_new * momentum_factor
-                    g = g + t
-                else:
-                    g = b_new
-                b, b_value = encode_moment(moments, buffer_format, b_new, key_b, element)
-                b_underflow = (b_new != np.float32(0.0)) & (b_value == np.float32(0.0))
-            u = g * lr
-            w = w - u
-            p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w, key_w, element)
-            return p, comp, b, (u != np.float32(0.0)) & same, b_underflow
-
+        now = (momentum_factor, one_minus_dampening, lr, weight_decay, scale, key_w, key_b)  # (update's)
         swallowed, b_underflow = 0, 0
         first_element = 0
         # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)
@@ -96,10 +101,10 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
                 c = companion_words[j] if has_companion else np.uint32(0)
                 b = buffer_words[j] if reads_buffer else np.uint32(0)
                 low = update(low_half(g, grad_format), low_half(p, param_format), low_half(c, companion_format),
-                             low_half(b, buffer_format), element_index(start, 2 * j))
+                             low_half(b, buffer_format), element_index(start, 2 * j), now)
                 high = update(high_half(g, grad_format), high_half(p, param_format),
                               high_half(c, companion_format), high_half(b, buffer_format),
-                              element_index(start, 2 * j + 1))
+                              element_index(start, 2 * j + 1), now)
                 param_words[j] = pair_word(low[0], high[0])
                 if has_companion:
                     companion_words[j] = pair_word(low[1], high[1])
@@ -112,7 +117,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         for i in range(first_element, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0),
-                         momentum_buffer[i] if reads_buffer else buffer_format(0), element_index(start, i))
+                         momentum_buffer[i] if reads_buffer else buffer_format(0), element_index(start, i),
+                         now)
             param[i] = out[0]
             if has_companion:
                 companion[i] = out[1]
