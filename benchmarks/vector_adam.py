@@ -44,6 +44,6 @@ def kernel():
             for j in range(t * per, (t + 1) * per, BLOCK):
                 at = 4 * j
                 vector_blocks.adam_block(form, p.ctypes.data + at, g.ctypes.data + at, 0, m.ctypes.data + at,
-                                       v.ctypes.data + at, values, scale)
+                                         v.ctypes.data + at, values, scale)
 
     return run

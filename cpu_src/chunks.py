@@ -49,7 +49,7 @@ KEYS = 4
 COUNTERS = 3
 
 
-def sources_digest(directory: pathlib.Path) -> str:
+def _sources_digest(directory: pathlib.Path) -> str:
     """Digest of the kernel sources in ``directory`` (every ``.py`` file, by name and content)."""
     digest = hashlib.sha256()
     for path in sorted(directory.glob("*.py")):
@@ -58,7 +58,7 @@ def sources_digest(directory: pathlib.Path) -> str:
 
 
 #: digest of this package's sources, part of the name each kernel is cached under
-KERNEL_SOURCES = sources_digest(pathlib.Path(__file__).resolve().parent)
+KERNEL_SOURCES = _sources_digest(pathlib.Path(__file__).resolve().parent)
 
 
 def _source_named(function):
@@ -74,6 +74,7 @@ def cached_njit(**options):
     """``numba.njit(cache=True, **options)``, cached under a name holding the kernel sources'
     digest (:func:`_source_named`)."""
     return lambda function: njit(cache=True, **options)(_source_named(function))
+
 
 CHUNK_SIGNATURE = types.void(types.CPointer(types.int64), types.CPointer(types.float32),
                              types.CPointer(types.uint32), types.CPointer(types.int64))
