@@ -86,6 +86,31 @@ def _signatures(configs) -> list:
     return [first[key] for key in keys]
 
 
+def adam_plan_cases(plans) -> list:
+    """Adam's cases per plan, (plan, amsgrad, weight_decay, track) as pytest params: four
+    kernels each.  The kernels a training run uses most, without amsgrad or telemetry, with
+    L2 and without (decoupled weight decay and none: two cases, one kernel); then one amsgrad
+    kernel and one telemetry kernel, whose L2 (and the telemetry kernel's amsgrad) rotate
+    with the plan, so across neighbouring plans each combination runs.  Why not every
+    combination per plan: each kernel is a compile of about a second, and the 57 plans' eight
+    kernels each were over a third of the suite's time; amsgrad changes only the maximum's
+    read and store, L2 only the grad (by the master both read the same way), and telemetry
+    only counts: none of them meets the others in the kernel."""
+    every = all_plans(quality=True)
+    cases = []
+    for plan in plans:
+        k = every.index(plan)
+        rotating_l2, track_amsgrad = k % 2 == 0, (k // 2) % 2 == 1
+        for amsgrad, weight_decay, track in ((False, "none", False), (False, "decoupled", False),
+                                             (False, "l2", False),
+                                             (True, "l2" if rotating_l2 else "decoupled", False),
+                                             (track_amsgrad, "decoupled" if rotating_l2 else "l2", True)):
+            cases.append(pytest.param(plan, amsgrad, weight_decay, track,
+                                      id=f"{plan_id(plan)}-{'amsgrad' if amsgrad else 'adam'}-{weight_decay}"
+                                         f"{'-track' * track}"))
+    return cases
+
+
 def sgd_plan_cases(plans) -> list:
     """Two SGD cases per plan, (plan, group, first, track) as pytest params: without
     momentum, and with momentum from the buffer's first step on (step 1 ``first``, then

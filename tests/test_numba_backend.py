@@ -32,7 +32,7 @@ from bf16opt.storage import encode
 pytest.importorskip("numba")
 
 from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
-                     SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, bits, make_bucket, one_variant,
+                     SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, adam_plan_cases, bits, make_bucket, one_variant,
                      plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases, variant)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
 
@@ -134,15 +134,14 @@ def test_encode_canonical_nan_bits(codec):
 
 # ---------------------------------------------------------------- every configuration
 @pytest.mark.usefixtures("small_chunks")
-@pytest.mark.parametrize("weight_decay", sorted(ADAM_GROUPS))
-@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
-@pytest.mark.parametrize("plan", PLANS, ids=plan_id)
-def test_adam_every_configuration(plan, amsgrad, weight_decay):
-    """Three steps, of one of the configuration's two kernels (``one_variant``)."""
+@pytest.mark.parametrize("plan, amsgrad, weight_decay, track", adam_plan_cases(PLANS))
+def test_adam_every_plan(plan, amsgrad, weight_decay, track):
+    """Three steps, of one of the configuration's two kernels (``one_variant``); telemetry
+    counted in the ``track`` cases."""
     group = ADAM_GROUPS[weight_decay]
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad),
-                         seed=sum(map(ord, plan_id(plan))), layouts=SMALL_CONTIGUOUS)
-    run_both(bucket, group, steps=3, where=f"{plan_id(plan)} {amsgrad} {weight_decay}",
+                         seed=sum(map(ord, plan_id(plan))), layouts=SMALL_CONTIGUOUS, track=track)
+    run_both(bucket, group, steps=3, where=f"{plan_id(plan)} {amsgrad} {weight_decay} track={track}",
              **one_variant(bucket))
 
 

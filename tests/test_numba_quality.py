@@ -23,7 +23,7 @@ from bf16opt.storage import (encode, encode_stochastic, fmix32_int, join_remaind
 pytest.importorskip("numba")
 
 from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
-                     SMALL_SHAPES, SMALL_SHAPES_4D, WEIGHT_DECAY, adam_flags, bits, make_bucket,
+                     SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, adam_plan_cases, bits, make_bucket,
                      one_variant, plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
 from test_numba_backend import OPTIMIZER_OPTIONS, _interesting_f32_bits  # noqa: E402
@@ -134,21 +134,9 @@ def test_remainder_split_and_join_match_reference(helpers):
 
 
 # ---------------------------------------------------------------- every quality configuration
-# (amsgrad, weight decay, track): every combination but telemetry with amsgrad, whose
-# kernels test_adam_telemetry_plain_plans compares over the plain plans (the counting does not
-# touch the maximum); each case compiles a kernel (~1 s), and the quality plans' cases were
-# over a third of the suite's time
-ADAM_QUALITY_CASES = [(amsgrad, weight_decay, track) for amsgrad in (False, True)
-                      for weight_decay in sorted(WEIGHT_DECAY) for track in (False, True)
-                      if not (track and amsgrad)]
-
-
 @pytest.mark.usefixtures("small_chunks")
-@pytest.mark.parametrize("amsgrad, weight_decay, track", ADAM_QUALITY_CASES,
-                         ids=[f"{'amsgrad' if a else 'adam'}-{wd}-{'track' if t else 'plain'}"
-                              for a, wd, t in ADAM_QUALITY_CASES])
-@pytest.mark.parametrize("plan", QUALITY_PLANS, ids=plan_id)
-def test_adam_quality_every_configuration(plan, amsgrad, weight_decay, track):
+@pytest.mark.parametrize("plan, amsgrad, weight_decay, track", adam_plan_cases(QUALITY_PLANS))
+def test_adam_quality_every_plan(plan, amsgrad, weight_decay, track):
     group = ADAM_GROUPS[weight_decay]
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad), seed=11,
                          layouts=SMALL_CONTIGUOUS, track=track)
@@ -179,19 +167,8 @@ def test_sgd_quality_every_configuration(plan, group, first, track):
              **one_variant(bucket))
 
 
-@pytest.mark.usefixtures("small_chunks")
 # ---------------------------------------------------------------- telemetry on the plain plans
-@pytest.mark.parametrize("weight_decay", sorted(WEIGHT_DECAY))
-@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
-@pytest.mark.parametrize("plan", PLAIN_PLANS, ids=plan_id)
-def test_adam_telemetry_plain_plans(plan, amsgrad, weight_decay):
-    group = ADAM_GROUPS[weight_decay]
-    bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad, maximize=True),
-                         seed=17, layouts=SMALL_CONTIGUOUS, track=True)
-    run_both(bucket, group, steps=3, alternate_maximize=True,
-             where=f"{plan_id(plan)} amsgrad={amsgrad} {weight_decay}")
-
-
+# (Adam's: test_numba_backend.py's test_adam_every_plan)
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
 @pytest.mark.parametrize("plan", PLAIN_PLANS, ids=plan_id)
