@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from . import vector_blocks
-from .chunks import chunk_compiler
+from .chunks import chunk_compiler, update_jit
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
                       encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
 
@@ -105,7 +105,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     block = vector_blocks.ADAM_BLOCK if vector else 0
     param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
 
-    @njit(forceinline=True)
+    @update_jit
     def element_update(g, p, c, m, v, x, element, now):
         """Stored elements of grad, param, companion, moments, max in; the elements to
         store and the telemetry flags (swallowed, exp_avg / exp_avg_sq underflow) out."""

@@ -7,11 +7,10 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import njit
 
 from . import vector_blocks
 from .adam import SIXTEEN_BITS
-from .chunks import chunk_compiler
+from .chunks import chunk_compiler, update_jit
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
                       encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
 
@@ -41,7 +40,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     block = vector_blocks.LION_BLOCK if vector else 0
     param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
 
-    @njit(forceinline=True)
+    @update_jit
     def element_update(g, p, comp, m_old, element, now):
         """Stored elements of grad, param, companion, exp_avg in; the elements to store
         and the telemetry flags (swallowed, exp_avg underflow) out."""

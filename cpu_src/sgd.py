@@ -7,10 +7,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import njit
 
 from .adam import SIXTEEN_BITS
-from .chunks import chunk_compiler
+from .chunks import chunk_compiler, update_jit
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
                       encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
 
@@ -42,7 +41,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         ((buffer_format,) if momentum else ())
     paired = all(f in SIXTEEN_BITS for f in present)
 
-    @njit(forceinline=True)
+    @update_jit
     def element_update(g, p, comp, b, element, now):
         """Stored elements of grad, param, companion, momentum buffer in; the elements to
         store and the telemetry flags (swallowed, buffer underflow) out."""
