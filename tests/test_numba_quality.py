@@ -216,6 +216,24 @@ def test_telemetry_counts_are_not_vacuous(preset, algorithm):
         assert (counts[:, 2] > 0).all(), counts
 
 
+@pytest.mark.parametrize("preset", ["bf16", "bf16-sr"])
+def test_amsgrad_telemetry_counts_the_second_moment_not_its_maximum(preset):
+    """exp_avg_sq underflow is counted on the new second moment, not on the maximum the step
+    divides by: zero grads with beta2 = 0 make exp_avg_sq exactly zero (no underflow) while
+    the stored maximum stays positive.  (Random grads never give an exact zero, so the
+    every-plan cases alone let a kernel counting on the maximum pass.)"""
+    plan = plan_for(PRESETS[preset], torch.bfloat16)
+    group = dict(lr=1e-3, betas=(0.9, 0.0), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True)
+    bucket = make_bucket(ADAM, plan, [(300,), (7,)], flags=dict(amsgrad=True), seed=29, specials=False,
+                         track=True)
+    for grad, maximum in zip(bucket["grad"], bucket["max_exp_avg_sq"]):
+        grad.zero_()
+        maximum.copy_(encode(torch.full(maximum.shape, 1e-3), maximum.dtype))
+    run_both(bucket, group, steps=1, where=preset)
+    assert (bucket.counts[:, 2] == 0).all(), bucket.counts
+    assert all((m.float() > 0).all() for m in bucket["max_exp_avg_sq"])  # (the maximum kept)
+
+
 @pytest.mark.parametrize("preset", ["bf16-sr", "bf16-kahan", "fp32-remainder"])
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
 def test_quality_vector_tail_sizes_large(preset, param_dtype):
