@@ -92,10 +92,11 @@ def adam_plan_cases(plans) -> list:
     L2 and without (decoupled weight decay and none: two cases, one kernel); then one amsgrad
     kernel and one telemetry kernel, whose L2 (and the telemetry kernel's amsgrad) rotate
     with the plan, so across neighbouring plans each combination runs.  Why not every
-    combination per plan: each kernel is a compile of about a second, and the 57 plans' eight
-    kernels each were over a third of the suite's time; amsgrad changes only the maximum's
-    read and store, L2 only the grad (by the master both read the same way), and telemetry
-    only counts: none of them meets the others in the kernel."""
+    combination per plan: each kernel is a compile of about a second, and the 57 plans' six
+    to eight kernels each were over a third of the suite's time; amsgrad changes only the
+    maximum's read and store, L2 only the grad (adding the master, read as every update reads
+    it), telemetry only counts.  Where two meet, a test of its own pins it (telemetry with
+    amsgrad: test_amsgrad_telemetry_counts_the_second_moment_not_its_maximum)."""
     every = all_plans(quality=True)
     cases = []
     for plan in plans:
