@@ -58,8 +58,12 @@ def case_id(value):
 
 
 def stepped(opt_class, preset, dtype, **kwargs):
+    """One step of a small model.  On the reference backend: what a step allocates is the
+    optimizer's, the same for every backend (test_lifecycle's state machines compare the
+    reference's optimizer and numba's, state included), and numba would compile a kernel per
+    case for nothing."""
     model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 3)).to(dtype)
-    opt = opt_class(model.parameters(), precision=preset, **kwargs)
+    opt = opt_class(model.parameters(), precision=preset, backend="reference", **kwargs)
     model(torch.randn(5, 13, dtype=dtype)).float().sum().backward()
     opt.step()
     return model, opt
