@@ -42,8 +42,9 @@ per-repetition ratios (the robust figure for "never slower than a peer").
 DeepSpeed), bf16opt and the peers stepping one set of arrays, beside the memory limit and the
 streamed limit, exact and with fused multiply-adds (what the fusing a peer's C compiler does is
 worth here), and the streamed limit's exact work hand-written in C (``exact_adamw.c``, built
-with the system's compiler: what the loop's form is worth apart from the numerics), and bf16opt's hand-vectorised Adam blocks without its chunk
-driver (``vector_adam.py``; ``same_array_table``).
+with the system's compiler: what the loop's form is worth apart from the numerics), and
+bf16opt's hand-vectorised Adam blocks without its chunk driver (``vector_adam.py``;
+``same_array_table``).
 
 Then the multi-tensor check: the step for a GPT-2-small-shaped param list (~124M params in
 ~150 tensors) against one flat tensor of the same size.

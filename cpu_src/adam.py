@@ -109,8 +109,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     def element_update(g, p, c, m, v, x, element, now):
         """Stored elements of grad, param, companion, moments, max in; the elements to
         store and the telemetry flags (swallowed, exp_avg / exp_avg_sq underflow) out."""
-        beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, weight_decay, \
-            decay, scale, key_w, key_m, key_v, key_max = now
+        beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, \
+            weight_decay, decay, scale, key_w, key_m, key_v, key_max = now
         g = decode(g) if unit else decode(g) * scale
         w0 = master_value(weights, p, c)
         w = w0
@@ -136,8 +136,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
                 (v != np.float32(0.0)) & (v_value == np.float32(0.0)))
 
     # (the chunk function calls element_update as its global ``update``: see chunks.chunk_compiler)
-    @chunk_compiler((formats, weights, moments, track, amsgrad, l2, unit) + ((("vector", block, form),) if vector else ()),
-                    update=element_update)
+    @chunk_compiler((formats, weights, moments, track, amsgrad, l2, unit)
+                    + ((("vector", block, form),) if vector else ()), update=element_update)
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
@@ -152,8 +152,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         weight_decay, decay = scalars[7], scalars[8]
         scale = scalars[9] * scalars[10]  # inv_grad_scale * sign (see the module docstring)
         key_w, key_m, key_v, key_max = keys[0], keys[1], keys[2], keys[3]
-        now = (beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps,  # (update's)
-               weight_decay, decay, scale, key_w, key_m, key_v, key_max)
+        now = (beta1, beta2, one_minus_beta1, one_minus_beta2, step_size,  # (update's)
+               inv_sqrt_bias_correction2, eps, weight_decay, decay, scale, key_w, key_m, key_v, key_max)
         swallowed, m_underflow, v_underflow = 0, 0, 0
         first = 0
         # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)

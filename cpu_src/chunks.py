@@ -113,8 +113,8 @@ def chunk_compiler(configuration: tuple, update=None):
     def compile_chunk(function):
         qualname = function.__qualname__
         if update is not None:
-            function = FunctionType(function.__code__, dict(function.__globals__, update=update), function.__name__,
-                                    function.__defaults__, function.__closure__)
+            function = FunctionType(function.__code__, dict(function.__globals__, update=update),
+                                    function.__name__, function.__defaults__, function.__closure__)
         function.__qualname__ = f"{qualname}_{digest}"
         return cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")(_source_named(function))
 

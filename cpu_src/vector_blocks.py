@@ -31,8 +31,8 @@ from numba.extending import intrinsic
 
 from .storage import CANONICAL_NAN_F32
 
-__all__ = ["ADAM_BLOCK", "COPY", "GRAD16", "L2", "LION_BLOCK", "PARAM16", "UNIT", "adam_block", "available", "form",
-           "lion_block"]
+__all__ = ["ADAM_BLOCK", "COPY", "GRAD16", "L2", "LION_BLOCK", "PARAM16", "UNIT", "adam_block", "available",
+           "form", "lion_block"]
 
 LANES = 16  # float32 lanes of one vector: a 512-bit register
 # vectors of each array loaded before any is computed: Adam eight (DeepSpeed's form); Lion four

@@ -32,8 +32,8 @@ from bf16opt.storage import encode
 pytest.importorskip("numba")
 
 from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D,  # noqa: E402
-                     SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, adam_plan_cases, bits, make_bucket, one_variant,
-                     plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases, variant)
+                     SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, adam_plan_cases, bits, make_bucket,
+                     one_variant, plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases, variant)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
