@@ -21,29 +21,36 @@ in passes over lists that run in C, that everything they were built from still h
   differ go in different buckets), and below 2**53;
 * the number of Numba threads (the table's thread ranges).
 
-How, per step (~1 µs of Python per param; the fallbacks are exact, only slower):
+How, per step (well under 1 µs of Python per param; the fallbacks are exact, only slower):
 
-* the forms of params, grads and state tensors (type, layout, device, dtype, shape,
-  strides): one call of
+* forms and addresses, with the step counters and the thread count: one compiled call
+  (``cpu_src/step_helpers.py``'s ``launch_forms_hold``) over the objects' ids (params, state
+  tensors, grads) that reads each one's type from its object header, then its layout,
+  device, dtype, data address, dim, sizes and strides through torch's C shim for
+  AOTInductor (``aoti_torch_get_*``, a C ABI) called on the ``at::Tensor`` the object holds
+  (its offset in the object is private layout: used only once :func:`_probe_shim` has found
+  it where torch's own copy of the ``at::Tensor`` points, and the forms read match Python's).
+  Each is compared with its form at the launch's build (a grad's address aside: it is read),
+  up to the first difference: a getter only on an object of a tensor type, and only on the
+  tensor whose layout, device and dtype matched.  ~30 ns per tensor.
+* without the shim: the forms (type, layout, device, dtype, shape, strides) in one call of
   torch.compile's C++ ``TensorGuards`` check over all of them (private API: used only once
   :func:`_probe_guards` has seen it refuse each kind of change; when it refuses, e.g. a
-  param whose requires_grad was switched, the checks in Python decide);
+  param whose requires_grad was switched, the checks in Python decide), ~100 ns per tensor;
+  then the addresses, counters and thread count in one compiled call (``launch_holds``)
+  that reads each address through torch's C function
+  ``_torchinductor_pyobject_tensor_data_ptr`` (private API, the one torch.compile's
+  generated C++ calls; used once :func:`_probe_reader` has seen it answer ``data_ptr``'s
+  address), only for tensors whose forms torch's check has just confirmed (dense, with
+  storage: the function raises a C++ exception otherwise, which compiled code cannot
+  catch); else ``data_ptr`` per tensor.  One call each, as each call costs tens of µs with
+  the caches cold after a backward pass or the last step's kernel.
 * the state dicts: the mapping ``optimizer.state`` is the same dict at the same version
   (:func:`dict_versions`: CPython's per-dict version, which every change of a dict bumps,
   read by torch.compile's private ``dict_version``, probed likewise), else each param's
   state is looked up; each state dict at the same version, else (without versions) the
   same values and keys.  Without versions, :class:`StateView` compares the mapping's
-  keys and values by identity instead of a lookup per param (``Tensor.__hash__`` is Python);
-* addresses (params', state tensors', grads'), with the step counters and the thread
-  count: one compiled call over the tensors' ids (``cpu_src/step_helpers.py``'s
-  ``launch_holds``; one call, as each call costs tens of µs with the caches cold after a
-  backward pass or the last step's kernel) that reads each address
-  through torch's C function
-  ``_torchinductor_pyobject_tensor_data_ptr`` (private API, the one torch.compile's
-  generated C++ calls; used once :func:`_probe_reader` has seen it answer ``data_ptr``'s
-  address), only for tensors whose forms torch's check has just confirmed (dense, with
-  storage: the function raises a C++ exception otherwise, which compiled code cannot
-  catch); else ``data_ptr`` per tensor.
+  keys and values by identity instead of a lookup per param (``Tensor.__hash__`` is Python).
 
 The group's hyper-parameter checks (``MixedPrecisionOptimizer._group_precision``) run again
 only when a value of the group changed or could change in place.
@@ -62,7 +69,10 @@ float64, and whose tensors are all addressed in place (no staging copies).
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import operator
+import os
 from collections import defaultdict
 from itertools import chain, compress, repeat
 from typing import Callable, Optional
@@ -183,6 +193,101 @@ def _probe_reader() -> Optional[int]:
     return None
 
 
+_tensor_shim = _UNPROBED  # the form reading through torch's C shim once probed (tensor_shim()), or None
+
+
+def tensor_shim() -> Optional[np.ndarray]:
+    """What ``cpu_src/step_helpers.py``'s form functions need to read a tensor object's form in
+    compiled code (the offsets of its type word and of its ``at::Tensor``, and the addresses of
+    torch's C shim getters), or None when this torch or Python lacks them or they do not answer
+    as :func:`_probe_shim` expects."""
+    global _tensor_shim
+    if _tensor_shim is _UNPROBED:
+        _tensor_shim = _probe_shim()
+    return _tensor_shim
+
+
+def _shim_library():
+    """torch's C library holding the shim for AOTInductor (``aoti_torch_*``)."""
+    found = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*torch_cpu.*")))
+    return ctypes.CDLL(found[0]) if found else None
+
+
+def _tensor_offset(examples: list) -> Optional[int]:
+    """The offset in a tensor object of the ``at::Tensor`` it holds: where each example holds
+    the same ``TensorImpl`` pointer as a copy of its ``at::Tensor`` made by torch (read only
+    inside the objects' fixed part and the copies; a layout where none matches: None)."""
+    from torch._C import _aoti  # noqa: PLC0415
+    capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", ctypes.pythonapi))
+    impls = []
+    for tensor in examples:
+        copy = _aoti.unsafe_alloc_void_ptr_from_tensor(tensor)  # (a new at::Tensor, in a capsule)
+        try:
+            impls.append(ctypes.c_void_p.from_address(capsule_pointer(copy, None)).value)
+        finally:
+            _aoti.alloc_tensor_by_stealing_from_void_ptr(copy)  # (deletes the copy)
+    for offset in range(object.__basicsize__, torch.Tensor.__basicsize__ - 7, 8):
+        if all(ctypes.c_void_p.from_address(id(tensor) + offset).value == impl
+               for tensor, impl in zip(examples, impls)):
+            return offset
+    return None
+
+
+def _probe_shim() -> Optional[np.ndarray]:
+    """The shim array if the compiled form reading answers, for tensors of several forms
+    (dtypes, offset and transposed views, a Parameter, empty, 0-dim), the Python type, torch's
+    codes of the strided layout, the CPU and the dtype (the shim's own constants), ``data_ptr``,
+    ``dim``, ``shape`` and ``stride``; else None."""
+    try:
+        library = _shim_library()
+        if library is None:
+            return None
+        helpers = numba_backend.helpers()
+        examples = [torch.zeros(3), torch.zeros(4, 5, dtype=torch.bfloat16)[1:, 2:],
+                    torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float16)).t(), torch.zeros(0),
+                    torch.zeros((), dtype=torch.float64),
+                    torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16))]
+        type_word = object.__basicsize__ - ctypes.sizeof(ctypes.c_void_p)  # (ob_type ends the object header)
+        if not all(ctypes.c_void_p.from_address(id(tensor) + type_word).value == id(type(tensor))
+                   for tensor in examples):
+            return None
+        offset = _tensor_offset(examples)
+        if offset is None:
+            return None
+        getters = [ctypes.cast(getattr(library, f"aoti_torch_get_{name}"), ctypes.c_void_p).value
+                   for name in helpers.FORM_GETTERS]
+        shim = np.array([type_word, offset, *getters], dtype=np.int64)
+        codes = {dtype: getattr(library, f"aoti_torch_dtype_{name}")()
+                 for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"),
+                                     (torch.float16, "float16"), (torch.float64, "float64"))}
+        strided, cpu = library.aoti_torch_layout_strided(), library.aoti_torch_device_type_cpu()
+        expected = [[id(type(t)), strided, cpu, codes[t.dtype], t.data_ptr(), t.dim(), *t.shape, *t.stride()]
+                    for t in examples]
+        starts = np.cumsum([0] + [len(form) for form in expected], dtype=np.int64)
+        forms = np.zeros(starts[-1], dtype=np.int64)
+        ids = np.array(list(map(id, examples)), dtype=np.int64)
+        if helpers.read_forms(shim, ids, starts, forms) and forms.tolist() == sum(expected, []) \
+                and len(set(codes.values())) == len(codes):
+            return shim
+    except Exception:  # noqa: BLE001  (any failure: torch's or the Python checks)
+        pass
+    return None
+
+
+def _shim_forms(tensors: list) -> "Optional[tuple]":
+    """(starts, forms) of ``tensors`` for ``step_helpers.forms_hold``, or None without the shim
+    or when a tensor is not a plain one (the offsets are probed on torch.Tensor and Parameter)."""
+    shim = tensor_shim()
+    if shim is None or not _PLAIN.issuperset(map(type, tensors)):
+        return None
+    helpers = numba_backend.helpers()
+    starts = np.cumsum([0] + [helpers.FORM_HEAD + 2 * tensor.dim() for tensor in tensors], dtype=np.int64)
+    forms = np.zeros(starts[-1], dtype=np.int64)
+    ids = np.fromiter(map(id, tensors), dtype=np.int64, count=len(tensors))
+    return (starts, forms) if helpers.read_forms(shim, ids, starts, forms) else None
+
+
 def _guards_of(tensors: list):
     """A bulk check that ``tensors`` (distinct tensors) keep their types and forms, or None."""
     guards = tensor_guards()
@@ -271,7 +376,14 @@ class GroupLaunch:
         # ``m.data = m.data[:3]``, keeps its identity and address)
         self.forms = list(map(_PARAM_FORM, self.addressed))
         self.strides = list(map(_STRIDES, self.addressed))
-        self.guards = _guards_of(self.addressed + grads)  # (holds no tensor: their forms alone)
+        # the forms' check: in compiled code through torch's C shim, else torch's bulk check,
+        # else the Python checks (each holds no tensor: their forms alone)
+        forms, grad_forms = _shim_forms(self.addressed), _shim_forms(grads)
+        self.shim = tensor_shim() if forms is not None and grad_forms is not None else None
+        if self.shim is not None:
+            self.form_starts, self.forms_read = forms
+            self.grad_form_starts, self.grad_forms_read = grad_forms
+        self.guards = _guards_of(self.addressed + grads) if self.shim is None else None
         self.reader = address_reader() if self.guards is not None else None
         self.keys = list(chain.from_iterable(self.states))  # (str)
         self.versions = dict_versions()
@@ -300,9 +412,11 @@ class GroupLaunch:
             if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
                 return None
             grads = list(compress(grads, self.has_grad))
-        guarded = self.guards is not None and self.guards.check(*self.addressed, *grads) is True
-        if not guarded and not self._forms_hold(grads):
-            return None
+        guarded = False  # (by torch's check; with the shim, the forms are read with the addresses below)
+        if self.shim is None:
+            guarded = self.guards is not None and self.guards.check(*self.addressed, *grads) is True
+            if not guarded and not self._forms_hold(grads):
+                return None
         if view is None or not view.matches(self.found_under):
             if not same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
                 return None
@@ -311,22 +425,8 @@ class GroupLaunch:
                 else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values) \
                 or list(chain.from_iterable(self.states)) != self.keys:
             return None
-        # the thread count, addresses, then the counters (read through their addresses); the
-        # compiled reading only of forms torch's check confirmed (see the module doc)
-        reader = self.reader if guarded else None
-        if reader is None:
-            grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
-            holds = numba_backend.threads() == self.threads \
-                and np.array_equal(np.fromiter(map(_ADDRESS, self.addressed), dtype=np.int64,
-                                                count=len(self.addressed)), self.addresses) \
-                and self.helpers.counters_equal(self.counter_addresses, self.steps) \
-                and grad_addresses[self.sized_grads].all()
-        else:
-            grad_addresses = np.empty(len(grads), dtype=np.int64)
-            holds = self.helpers.launch_holds(reader, self.ids, self.addresses, self.counter_addresses, self.steps,
-                                              np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
-                                              grad_addresses, self.sized_grads, self.threads)
-        if not holds:
+        grad_addresses = self._grad_addresses(grads, guarded)
+        if grad_addresses is None:
             return None
         calls = []
         for relaunch, first in self.relaunches:
@@ -347,6 +447,33 @@ class GroupLaunch:
             torch.autograd.graph.increment_version(self.written)
 
         return run
+
+    def _grad_addresses(self, grads: list, guarded: bool) -> Optional[np.ndarray]:
+        """The grads' addresses if the thread count, the addresses of params and state tensors,
+        then the counters (read through their addresses) hold, and with the shim every form
+        too, all in one compiled call; else None.  The compiled reading through torch's
+        address reader only of forms its check confirmed (see the module doc)."""
+        grad_ids = None if self.shim is None and not (guarded and self.reader is not None) \
+            else np.fromiter(map(id, grads), dtype=np.int64, count=len(grads))
+        if grad_ids is None:
+            grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
+            holds = numba_backend.threads() == self.threads \
+                and np.array_equal(np.fromiter(map(_ADDRESS, self.addressed), dtype=np.int64,
+                                                count=len(self.addressed)), self.addresses) \
+                and self.helpers.counters_equal(self.counter_addresses, self.steps) \
+                and grad_addresses[self.sized_grads].all()
+        else:
+            grad_addresses = np.empty(len(grads), dtype=np.int64)
+            if self.shim is not None:
+                holds = self.helpers.launch_forms_hold(
+                    self.shim, self.ids, self.form_starts, self.forms_read, self.counter_addresses,
+                    self.steps, grad_ids, self.grad_form_starts, self.grad_forms_read, grad_addresses,
+                    self.sized_grads, self.threads)
+            else:
+                holds = self.helpers.launch_holds(self.reader, self.ids, self.addresses,
+                                                  self.counter_addresses, self.steps, grad_ids,
+                                                  grad_addresses, self.sized_grads, self.threads)
+        return grad_addresses if holds else None
 
     def _forms_hold(self, grads: list) -> bool:
         """The Python form of ``self.guards``' check (without torch's, or when it fails,

@@ -133,6 +133,141 @@ def _thread_count(typingctx):
     return types.int64(), codegen
 
 
+# ---------------------------------------------------------------- tensors' forms, read in C
+# A tensor's form as the step cache compares it from one step to the next, int64 words:
+#   [Python type, layout, device type, dtype, data address, dim, sizes..., strides...]
+# read from the tensor object at address ``tensor`` (its ``id``): the type from the object's
+# header, the rest through the getters of torch's C shim for AOTInductor (``aoti_torch_get_*``,
+# a C ABI), called on the ``at::Tensor`` the object holds.  ``shim``: int64 [offset of the type
+# word in the object, offset of its at::Tensor, the getters' addresses in FORM_GETTERS order];
+# bf16opt/step_cache.py's ``tensor_shim`` probes the offsets and every getter.
+FORM_GETTERS = ("layout", "device_type", "dtype", "data_ptr", "dim", "sizes", "strides")
+FORM_HEAD = 6  # the words before the sizes
+FORM_ADDRESS = 4  # the data address's word
+
+
+@intrinsic
+def _get(typingctx, getter, handle, answer):
+    """``getter(handle, answer)``: the C function at address ``getter``, ``int32 (void *, void *)``
+    (a getter of torch's C shim: a tensor handle, where to write the answer), called with the
+    addresses ``handle`` and ``answer``; its error code (0: success)."""
+    if not all(isinstance(a, types.Integer) for a in (getter, handle, answer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        bytes_pointer = ir.IntType(8).as_pointer()
+        kind = ir.FunctionType(ir.IntType(32), [bytes_pointer, bytes_pointer])
+        function = builder.inttoptr(args[0], kind.as_pointer())
+        code = builder.call(function, [builder.inttoptr(args[1], bytes_pointer),
+                                       builder.inttoptr(args[2], bytes_pointer)])
+        return builder.sext(code, ir.IntType(64))
+
+    return types.int64(getter, handle, answer), codegen
+
+
+@cached_njit()
+def _read_form(shim, tensor, form, start, stop, answer):
+    """The form of the tensor object at ``tensor`` written into ``form[start:stop]``; False when
+    a getter fails or the form is not ``stop - start`` words long.  ``answer``: two int64 of
+    scratch (an int32 answer lands in the low half of ``answer[0]``: the probe checks the
+    words against Python's on this machine)."""
+    form[start] = pointer_to(tensor + shim[0], np.int64)[0]
+    handle, place = tensor + shim[1], answer.ctypes.data
+    for k in range(1, FORM_HEAD):  # layout, device type, dtype (int32 each), address, dim
+        answer[0] = 0
+        if _get(shim[1 + k], handle, place) != 0:
+            return False
+        form[start + k] = answer[0]
+    dim = answer[0]
+    if dim < 0 or stop - start != FORM_HEAD + 2 * dim:
+        return False
+    for k in range(2):  # sizes, strides: the answer is a pointer to dim int64s (borrowed)
+        if _get(shim[1 + FORM_HEAD + k], handle, place) != 0:
+            return False
+        values = pointer_to(answer[0], np.int64)
+        for d in range(dim):
+            form[start + FORM_HEAD + k * dim + d] = values[d]
+    return True
+
+
+@cached_njit()
+def _form_holds(shim, tensor, form, start, answer, address_too):
+    """Whether the object at ``tensor`` has the form ``form[start:]`` (as :func:`_read_form`
+    reads it; the data address compared only with ``address_too``, and left in ``answer[1]``),
+    compared word by word up to the first difference: the type before any getter (any object
+    has a type word), and no getter on a tensor whose layout, device or dtype already differ
+    (torch's shim raises on, and logs, e.g. a sparse tensor's strides)."""
+    if pointer_to(tensor + shim[0], np.int64)[0] != form[start]:
+        return False
+    handle, place = tensor + shim[1], answer.ctypes.data
+    for k in range(1, FORM_HEAD):
+        answer[0] = 0
+        if _get(shim[1 + k], handle, place) != 0:
+            return False
+        if k == FORM_ADDRESS:
+            answer[1] = answer[0]
+        if answer[0] != form[start + k] and (address_too or k != FORM_ADDRESS):
+            return False
+    dim = answer[0]  # (the same as the form's)
+    for k in range(2):
+        if _get(shim[1 + FORM_HEAD + k], handle, place) != 0:
+            return False
+        values = pointer_to(answer[0], np.int64)
+        for d in range(dim):
+            if values[d] != form[start + FORM_HEAD + k * dim + d]:
+                return False
+    return True
+
+
+@cached_njit()
+def read_forms(shim, tensors, starts, forms):
+    """``forms[starts[i]:starts[i + 1]]``: the form of the tensor object whose ``id`` is
+    ``tensors[i]`` (``starts`` sized by each tensor's dim; the caller has checked that each
+    is a torch.Tensor or Parameter, the types the probe tried); False when one cannot be read."""
+    answer = np.zeros(2, dtype=np.int64)
+    for i in range(tensors.size):
+        if not _read_form(shim, tensors[i], forms, starts[i], starts[i + 1], answer):
+            return False
+    return True
+
+
+@cached_njit()
+def forms_hold(shim, tensors, starts, forms, addresses, compare_addresses):
+    """True when each object whose ``id`` is ``tensors[i]`` (any object: its type is compared
+    first) is a tensor of the form ``forms[starts[i]:starts[i + 1]]`` -- its data address too
+    where ``compare_addresses``, else the address is read into ``addresses[i]`` (any address:
+    a grad is a new tensor each step).  The caller keeps the objects alive."""
+    answer = np.zeros(2, dtype=np.int64)
+    for i in range(tensors.size):
+        if not _form_holds(shim, tensors[i], forms, starts[i], answer, compare_addresses):
+            return False
+        if not compare_addresses:
+            addresses[i] = answer[1]
+    return True
+
+
+@cached_njit()
+def launch_forms_hold(shim, tensors, starts, forms, counters, steps, grads, grad_starts, grad_forms,
+                      grad_addresses, sized, threads):
+    """:func:`launch_holds` with the forms checked here too, through torch's C shim: True
+    when Numba's thread count is ``threads``, every param and state tensor (``tensors``) has
+    its form, data address included (:func:`forms_hold`), the float64 at each ``counters[i]``
+    is ``steps[i]`` (read once the addresses held), and every grad has its form, its address
+    aside: read into ``grad_addresses``, non-zero for each grad with ``sized[i]``."""
+    if _thread_count() != threads:
+        return False
+    if not forms_hold(shim, tensors, starts, forms, grad_addresses, True):
+        return False
+    if not counters_equal(counters, steps):
+        return False
+    if not forms_hold(shim, grads, grad_starts, grad_forms, grad_addresses, False):
+        return False
+    for i in range(grads.size):
+        if sized[i] and grad_addresses[i] == 0:
+            return False
+    return True
+
+
 # (the two below keep the GIL: ``reader`` reads Python objects)
 @cached_njit()
 def read_addresses(reader, tensors, out):

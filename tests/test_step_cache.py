@@ -61,17 +61,27 @@ def spy(monkeypatch):
     return Spy(monkeypatch)
 
 
-@pytest.fixture(autouse=True, params=["torch checks", "python checks"])
+@pytest.fixture(autouse=True, params=["compiled checks", "torch checks", "python checks"])
 def form_checks(request, monkeypatch):
-    """Every test twice: with torch's private helpers where this torch has them (params' and
-    grads' forms in one check, TensorGuards; dicts' versions, dict_version; addresses read in
-    compiled code, _torchinductor_pyobject_tensor_data_ptr), and with the Python fallback."""
+    """Every test three times: with the forms read in compiled code through torch's C shim
+    (tensor_shim), where this torch has it; without it, with torch's private helpers (params'
+    and grads' forms in one check, TensorGuards; addresses read in compiled code,
+    _torchinductor_pyobject_tensor_data_ptr); and with the Python fallback.  dicts' versions
+    (dict_version) in the first two."""
     if request.param == "python checks":
-        monkeypatch.setattr(step_cache, "_tensor_guards", None)
         monkeypatch.setattr(step_cache, "_dict_versions", None)
         monkeypatch.setattr(step_cache, "_address_reader", None)
-    elif step_cache.tensor_guards() is None or step_cache.dict_versions() is None \
-            or step_cache.address_reader() is None:
+    if request.param != "compiled checks":
+        monkeypatch.setattr(step_cache, "_tensor_shim", None)
+        if request.param == "python checks":
+            monkeypatch.setattr(step_cache, "_tensor_guards", None)
+    if request.param == "compiled checks" and (step_cache.tensor_shim() is None
+                                               or step_cache.dict_versions() is None):
+        pytest.skip("this torch lacks the C shim's getters (aoti_torch_get_*) or dict_version, or they "
+                    "failed their probes")
+    if request.param == "torch checks" and (step_cache.tensor_guards() is None
+                                            or step_cache.dict_versions() is None
+                                            or step_cache.address_reader() is None):
         pytest.skip("this torch lacks TensorGuards, dict_version or _torchinductor_pyobject_tensor_data_ptr "
                     "(or they failed their probes)")
     return request.param
@@ -235,7 +245,9 @@ def test_groups_the_cache_does_not_keep_take_the_full_path(spy, options):
 def test_the_bulk_check_is_used_where_available(spy, form_checks):
     twins = Twins()
     warm(twins, spy)
-    assert (twins.opt._group_launches[0].guards is not None) == (form_checks == "torch checks")
+    launch = twins.opt._group_launches[0]
+    assert (launch.shim is not None, launch.guards is not None) == (form_checks == "compiled checks",
+                                                                   form_checks == "torch checks")
 
 
 def test_a_refusal_of_the_bulk_check_falls_back_to_the_python_checks(spy):
@@ -308,6 +320,33 @@ def test_probing_refuses_a_reader_of_other_addresses(monkeypatch):
     for reader in (ctypes.cast(own_address, ctypes.c_void_p).value, "not an address", 0):
         monkeypatch.setattr(torch._C._dynamo.guards, "_torchinductor_pyobject_tensor_data_ptr", reader)
         assert step_cache._probe_reader() is None
+
+
+def test_probing_refuses_a_shim_getter_of_another_answer(monkeypatch):
+    """The probe compares the forms read in compiled code with Python's: a library whose sizes
+    getter answers the strides is refused."""
+    if step_cache._probe_shim() is None:
+        pytest.skip("this torch has no usable C shim getters (aoti_torch_get_*)")
+    library = step_cache._shim_library()
+
+    class Crossed:
+        def __getattr__(self, name):
+            return getattr(library, "aoti_torch_get_strides" if name == "aoti_torch_get_sizes" else name)
+
+    monkeypatch.setattr(step_cache, "_shim_library", Crossed)
+    assert step_cache._probe_shim() is None
+
+
+def test_probing_refuses_a_tensor_object_layout_it_cannot_confirm(monkeypatch):
+    """The offset of a tensor object's at::Tensor is taken only where a copy of it made by
+    torch holds the same TensorImpl: with copies of another tensor none is found (and no
+    getter is called on a guessed one)."""
+    if step_cache._probe_shim() is None:
+        pytest.skip("this torch has no usable C shim getters (aoti_torch_get_*)")
+    real = torch._C._aoti.unsafe_alloc_void_ptr_from_tensor
+    monkeypatch.setattr(torch._C._aoti, "unsafe_alloc_void_ptr_from_tensor",
+                        lambda tensor: real(torch.zeros(1)))
+    assert step_cache._probe_shim() is None
 
 
 # ---------------------------------------------------------------- a group's settings, checked once
@@ -438,6 +477,14 @@ def _transpose_param(opt, params):
     params[0].data = params[0].data.t()  # square: the states keep their shape, the layout changes
 
 
+def _swap_tensors_param(opt, params):  # torch.utils.swap_tensors: the same object holds another tensor
+    torch.utils.swap_tensors(params[1], torch.nn.Parameter(params[1].detach().clone()))
+
+
+def _swap_tensors_param_for_its_transpose(opt, params):  # the same memory and address, another layout
+    torch.utils.swap_tensors(params[0], torch.nn.Parameter(params[0].detach().t()))
+
+
 def _replace_state_tensor(opt, params):
     opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"].clone()
 
@@ -486,6 +533,8 @@ CHANGES = [
     (_move_param, True, True),
     (_reinterpret_param, True, True),
     (_transpose_param, False, False),  # the param no longer shares its states' layout: staged through copies
+    (_swap_tensors_param, True, True),
+    (_swap_tensors_param_for_its_transpose, False, False),
     (_replace_state_tensor, True, True),
     (_move_state_tensor, True, True),
     (_replace_state, True, True),
