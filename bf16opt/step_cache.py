@@ -214,9 +214,12 @@ def _shim_library():
 
 
 def _tensor_offset(examples: list) -> Optional[int]:
-    """The offset in a tensor object of the ``at::Tensor`` it holds: where each example holds
-    the same ``TensorImpl`` pointer as a copy of its ``at::Tensor`` made by torch (read only
-    inside the objects' fixed part and the copies; a layout where none matches: None)."""
+    """The offset in a tensor object of the ``at::Tensor`` it holds, its first member after the
+    object header (``THPVariable``'s layout in torch's headers), if each example holds there
+    the same ``TensorImpl`` pointer as a copy of its ``at::Tensor`` made by torch; else None.
+    No other offset is tried: a torch whose objects hold something else first (older ones
+    held a ``MaybeOwned<Tensor>``, at times a pointer to a tensor held elsewhere) keeps
+    TensorGuards."""
     from torch._C import _aoti  # noqa: PLC0415
     capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
         ("PyCapsule_GetPointer", ctypes.pythonapi))
@@ -227,10 +230,11 @@ def _tensor_offset(examples: list) -> Optional[int]:
             impls.append(ctypes.c_void_p.from_address(capsule_pointer(copy, None)).value)
         finally:
             _aoti.alloc_tensor_by_stealing_from_void_ptr(copy)  # (deletes the copy)
-    for offset in range(object.__basicsize__, torch.Tensor.__basicsize__ - 7, 8):
-        if all(ctypes.c_void_p.from_address(id(tensor) + offset).value == impl
-               for tensor, impl in zip(examples, impls)):
-            return offset
+    offset = object.__basicsize__
+    if torch.Tensor.__basicsize__ >= offset + ctypes.sizeof(ctypes.c_void_p) \
+            and all(ctypes.c_void_p.from_address(id(tensor) + offset).value == impl
+                    for tensor, impl in zip(examples, impls)):
+        return offset
     return None
 
 
