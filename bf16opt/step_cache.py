@@ -51,6 +51,9 @@ How, per step (well under 1 µs of Python per param; the fallbacks are exact, on
   state is looked up; each state dict at the same version, else (without versions) the
   same values and keys.  Without versions, :class:`StateView` compares the mapping's
   keys and values by identity instead of a lookup per param (``Tensor.__hash__`` is Python).
+  With the shim, the state dicts' versions are compared in its compiled call, read at the
+  word of a dict object where :func:`_probe_version_word` found ``dict_version``'s answers
+  (CPython's ``ma_version_tag``; ~60 ns per dict through ``dict_version``).
 
 The group's hyper-parameter checks (``MixedPrecisionOptimizer._group_precision``) run again
 only when a value of the group changed or could change in place.
@@ -133,6 +136,46 @@ def dict_versions():
     if _dict_versions is _UNPROBED:
         _dict_versions = _probe_versions()
     return _dict_versions
+
+
+_dict_version_word = _UNPROBED  # where a dict holds its version once probed (dict_version_word()), or None
+
+
+def dict_version_word() -> Optional[int]:
+    """The offset in a dict object of the version :func:`dict_versions` reads (CPython's
+    ``ma_version_tag``), for compiled code to compare many dicts' versions in one call; None
+    without dict versions, or when no word of the dict's fixed part follows them."""
+    global _dict_version_word
+    if _dict_version_word is _UNPROBED:
+        _dict_version_word = _probe_version_word()
+    return _dict_version_word
+
+
+def _probe_version_word() -> Optional[int]:
+    """The first offset in a dict's fixed part (after the object header) whose word equals
+    :func:`dict_versions`' answer for several dicts, through each kind of change, else None;
+    None too when those answers are not all different (a dict's length or a constant could
+    match another word of the dict)."""
+    versions = dict_versions()
+    if versions is None:
+        return None
+    dicts = [{}, {"a": 1}, dict.fromkeys(range(20))]
+    changes = [lambda d: d.__setitem__("b", 2), lambda d: d.pop("b"), lambda d: d.update(c=3),
+               lambda d: d.clear(), lambda d: d.setdefault("e", 5)]
+    seen = [[] for _ in dicts]  # each dict's (version, word at each offset), before and after each change
+    offsets = range(object.__basicsize__, dict.__basicsize__ - 7, 8)
+    for change in [None, *changes]:
+        for d, record in zip(dicts, seen):
+            if change is not None:
+                change(d)
+            record.append((versions(d), [ctypes.c_uint64.from_address(id(d) + at).value for at in offsets]))
+    answers = [version for record in seen for version, _ in record]
+    if len(set(answers)) != len(answers):  # (a version is unique: one word matching them all is it)
+        return None
+    for k, offset in enumerate(offsets):
+        if all(version == words[k] for record in seen for version, words in record):
+            return offset
+    return None
 
 
 def _probe_versions():
@@ -392,6 +435,12 @@ class GroupLaunch:
         self.keys = list(chain.from_iterable(self.states))  # (str)
         self.versions = dict_versions()
         self.state_versions = None if self.versions is None else list(map(self.versions, self.states))
+        # with the shim, the state dicts' versions are compared in its compiled call too
+        self.dict_word = dict_version_word() if self.shim is not None else None
+        self.dicts = np.fromiter(map(id, self.states), dtype=np.int64, count=len(self.states)) \
+            if self.dict_word is not None else np.zeros(0, dtype=np.int64)
+        self.dict_versions = np.array(self.state_versions, dtype=np.uint64) \
+            if self.dict_word is not None else np.zeros(0, dtype=np.uint64)
         self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
         self.steps = np.array([state["step"].item() for state in self.states])  # the counters after the last step
         self.helpers = numba_backend.helpers()
@@ -425,9 +474,7 @@ class GroupLaunch:
             if not same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
                 return None
             self.found_under = view
-        if list(map(self.versions, self.states)) != self.state_versions if self.state_versions is not None \
-                else not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values) \
-                or list(chain.from_iterable(self.states)) != self.keys:
+        if self.dict_word is None and self._state_dicts_changed():  # (else compared in the compiled call)
             return None
         grad_addresses = self._grad_addresses(grads, guarded)
         if grad_addresses is None:
@@ -452,11 +499,18 @@ class GroupLaunch:
 
         return run
 
+    def _state_dicts_changed(self) -> bool:
+        """Whether a state dict changed: its version, else its keys and values."""
+        if self.state_versions is not None:
+            return list(map(self.versions, self.states)) != self.state_versions
+        return not same_objects(list(chain.from_iterable(map(dict.values, self.states))), self.values) \
+            or list(chain.from_iterable(self.states)) != self.keys
+
     def _grad_addresses(self, grads: list, guarded: bool) -> Optional[np.ndarray]:
         """The grads' addresses if the thread count, the addresses of params and state tensors,
         then the counters (read through their addresses) hold, and with the shim every form
-        too, all in one compiled call; else None.  The compiled reading through torch's
-        address reader only of forms its check confirmed (see the module doc)."""
+        and the state dicts' versions too, all in one compiled call; else None.  The compiled
+        reading through torch's address reader only of forms its check confirmed (module doc)."""
         grad_ids = None if self.shim is None and not (guarded and self.reader is not None) \
             else np.fromiter(map(id, grads), dtype=np.int64, count=len(grads))
         if grad_ids is None:
@@ -470,7 +524,8 @@ class GroupLaunch:
             grad_addresses = np.empty(len(grads), dtype=np.int64)
             if self.shim is not None:
                 holds = self.helpers.launch_forms_hold(
-                    self.shim, self.ids, self.form_starts, self.forms_read, self.counter_addresses,
+                    self.shim, self.dicts, self.dict_word or 0, self.dict_versions, self.ids,
+                    self.form_starts, self.forms_read, self.counter_addresses,
                     self.steps, grad_ids, self.grad_form_starts, self.grad_forms_read, grad_addresses,
                     self.sized_grads, self.threads)
             else:

@@ -247,14 +247,26 @@ def forms_hold(shim, tensors, starts, forms, addresses, compare_addresses):
 
 
 @cached_njit()
-def launch_forms_hold(shim, tensors, starts, forms, counters, steps, grads, grad_starts, grad_forms,
-                      grad_addresses, sized, threads):
+def words_equal(objects, offset, expected):
+    """True when the uint64 at byte ``offset`` of each object whose ``id`` is ``objects[i]`` is
+    ``expected[i]`` (a dict's version: bf16opt/step_cache.py's ``dict_version_word``)."""
+    for i in range(objects.size):
+        if pointer_to(objects[i] + offset, np.uint64)[0] != expected[i]:
+            return False
+    return True
+
+
+@cached_njit()
+def launch_forms_hold(shim, dicts, dict_word, versions, tensors, starts, forms, counters, steps, grads,
+                      grad_starts, grad_forms, grad_addresses, sized, threads):
     """:func:`launch_holds` with the forms checked here too, through torch's C shim: True
-    when Numba's thread count is ``threads``, every param and state tensor (``tensors``) has
-    its form, data address included (:func:`forms_hold`), the float64 at each ``counters[i]``
-    is ``steps[i]`` (read once the addresses held), and every grad has its form, its address
-    aside: read into ``grad_addresses``, non-zero for each grad with ``sized[i]``."""
-    if _thread_count() != threads:
+    when Numba's thread count is ``threads``, each state dict (``dicts``) has its version
+    (:func:`words_equal` at ``dict_word``; no dicts: checked by the caller), every param and
+    state tensor (``tensors``) has its form, data address included (:func:`forms_hold`), the
+    float64 at each ``counters[i]`` is ``steps[i]`` (read once the addresses held), and every
+    grad has its form, its address aside: read into ``grad_addresses``, non-zero for each
+    grad with ``sized[i]``."""
+    if _thread_count() != threads or not words_equal(dicts, dict_word, versions):
         return False
     if not forms_hold(shim, tensors, starts, forms, grad_addresses, True):
         return False

@@ -64,12 +64,14 @@ def spy(monkeypatch):
 @pytest.fixture(autouse=True, params=["compiled checks", "torch checks", "python checks"])
 def form_checks(request, monkeypatch):
     """Every test three times: with the forms read in compiled code through torch's C shim
-    (tensor_shim), where this torch has it; without it, with torch's private helpers (params'
-    and grads' forms in one check, TensorGuards; addresses read in compiled code,
+    (tensor_shim), where this torch has it, and the state dicts' versions read there too
+    (dict_version_word); without them, with torch's private helpers (params' and grads' forms
+    in one check, TensorGuards; addresses read in compiled code,
     _torchinductor_pyobject_tensor_data_ptr); and with the Python fallback.  dicts' versions
     (dict_version) in the first two."""
     if request.param == "python checks":
         monkeypatch.setattr(step_cache, "_dict_versions", None)
+        monkeypatch.setattr(step_cache, "_dict_version_word", None)
         monkeypatch.setattr(step_cache, "_address_reader", None)
     if request.param != "compiled checks":
         monkeypatch.setattr(step_cache, "_tensor_shim", None)
@@ -248,6 +250,8 @@ def test_the_bulk_check_is_used_where_available(spy, form_checks):
     launch = twins.opt._group_launches[0]
     assert (launch.shim is not None, launch.guards is not None) == (form_checks == "compiled checks",
                                                                    form_checks == "torch checks")
+    assert (launch.dict_word is not None) == (form_checks == "compiled checks"
+                                              and step_cache.dict_version_word() is not None)
 
 
 def test_a_refusal_of_the_bulk_check_falls_back_to_the_python_checks(spy):
@@ -292,6 +296,21 @@ def test_probing_refuses_dict_versions_that_miss_a_change(monkeypatch, blind_to)
     assert step_cache._probe_versions() is None
     monkeypatch.setattr(torch._C._dynamo.guards, "dict_version", lambda d: len(calls.append(0) or calls))
     assert step_cache._probe_versions() is None  # (changes at every read)
+
+
+def test_probing_finds_no_version_word_where_dict_versions_answer_otherwise(monkeypatch):
+    """The dicts' versions are read in compiled code only at a word that equals dict_version's
+    answers, all different, through every change the probe makes: a dict_version answering
+    something else (a dict's length, always 0, a new number at each call) leaves the versions
+    to it."""
+    real = step_cache._probe_versions()
+    monkeypatch.setattr(step_cache, "_dict_versions", real)  # (whatever the fixture set)
+    if real is None or step_cache._probe_version_word() is None:
+        pytest.skip("this torch or Python has no dict_version, or no word of a dict that matches it")
+    numbers = iter(range(10 ** 6, 2 * 10 ** 6))
+    for other in (len, lambda d: 0, lambda d: next(numbers)):
+        monkeypatch.setattr(step_cache, "_dict_versions", other)
+        assert step_cache._probe_version_word() is None
 
 
 def test_probing_refuses_a_bulk_check_that_misses_a_change(monkeypatch):
