@@ -27,7 +27,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -399,7 +399,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"state['step'] of param {number} is {value!r}; it must be a whole number "
                                  f"in [0, 2**53)")
 
-    def _prepare_step(self, inv_grad_scale: float = 1.0) -> "_StepPlan":
+    def _prepare_step(self, inv_grad_scale: float = 1.0, asked: Sequence = ()) -> "_StepPlan":
         """Phase one of a step: check everything and make everything the step needs -- converted
         or new state (aside, not installed), each bucket's tensors, scalars and launch (the
         backends check dtypes, shapes, devices and compile their kernels here) -- without
@@ -408,6 +408,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         dtype, was changed since the last step) are converted into the new one, as
         ``load_state_dict`` converts a state dict saved with another preset.
         ``inv_grad_scale``: every algorithm's last scalar (1 / GradScaler's scale).
+        ``asked``: :meth:`_reused_step`'s answers for the first groups (not asked again).
         """
         plan = _StepPlan()
         known = self._state_configs
@@ -418,8 +419,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for group_number, group in enumerate(self.param_groups):
             precision = self._group_precision(group_number, group)
             first_index, index = index, index + len(group["params"])
-            reused = group_number in kept and kept[group_number].prepare(self, group, first_index, precision,
-                                                                         inv_grad_scale, view)
+            if group_number < len(asked):  # (its kept launch answered already)
+                reused = asked[group_number] and asked[group_number][2]
+            else:
+                reused = group_number in kept and kept[group_number].prepare(self, group, first_index, precision,
+                                                                             inv_grad_scale, view)
             if reused:  # nothing the group's launch was built from changed since the last step
                 plan.precisions.append((group, precision))
                 plan.reused.append(reused)
@@ -541,6 +545,30 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         plan.stale_launches = bool(kept) and max(kept) >= len(self.param_groups)  # (groups removed)
         return plan
 
+    def _reused_step(self, inv_grad_scale: float = 1.0) -> list:
+        """Phase one of the common training step, in which every group reuses the launch kept
+        from its last step (step_cache.py), without the full path's plan and its loops (tens of
+        µs with the caches cold after the last step's kernel stream): (group, precision, phase
+        two) of each group in order, up to and with a None for the first group that cannot
+        reuse -- then :meth:`_prepare_step` takes these answers and goes on from there.  Asks
+        no group when one has no kept launch, or host buffers may be released (offload).
+        Changes nothing (but the view each launch last found its states under)."""
+        kept, groups = self._group_launches, self.param_groups
+        if len(kept) != len(groups) or "_offloader_instance" in self.__dict__:
+            return []
+        view = step_cache.StateView(self.state)
+        asked, first_index = [], 0
+        for number, group in enumerate(groups):
+            precision = self._group_precision(number, group)
+            launch = kept.get(number)
+            run = None if launch is None else launch.prepare(self, group, first_index, precision,
+                                                             inv_grad_scale, view)
+            asked.append(None if run is None else (group, precision, run))
+            if run is None:
+                break
+            first_index += len(group["params"])
+        return asked
+
     def _amp_arguments(self, grad_scale, found_inf) -> tuple:
         """(inv_grad_scale, skip) of a step: from its keywords, or from the attributes
         torch.amp.GradScaler.step sets (``grad_scale``: the loss scale, None once the user
@@ -647,7 +675,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if skip:  # inf/NaN grads: GradScaler lowers its scale, the optimizer changes nothing
             return loss
-        plan = self._prepare_step(inv_grad_scale)
+        asked = self._reused_step(inv_grad_scale)
+        if len(asked) == len(self.param_groups) and all(asked):  # every group reuses its kept launch
+            for group, precision, _ in asked:
+                group["precision"] = precision
+            for _, _, run in asked:
+                run()
+            return loss
+        plan = self._prepare_step(inv_grad_scale, asked)
         # ---- phase two: nothing has changed so far, and nothing below raises on user input
         for group, precision in plan.precisions:
             group["precision"] = precision

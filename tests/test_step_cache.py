@@ -369,6 +369,27 @@ def test_probing_refuses_a_tensor_object_layout_it_cannot_confirm(monkeypatch):
 
 
 # ---------------------------------------------------------------- a group's settings, checked once
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_precision_named_again_is_normalised_by_a_reused_step(spy, groups):
+    """A group's precision set again by its preset's name changes nothing the launch was
+    built from: the step reuses it, and leaves the group holding the Precision, as a full
+    step does.  With two groups, the name set in each in turn."""
+    twins = Twins(precision="bf16-sr")
+    if groups == 2:
+        for backend, opt in twins.opts.items():
+            params = twins.params[backend]
+            opt.param_groups[0]["params"] = params[:3]
+            opt.add_param_group({"params": params[3:], "precision": "bf16-sr"})
+    warm(twins, spy)
+    for number in range(groups):
+        twins.each(lambda opt, params: opt.param_groups[number].__setitem__("precision", "bf16-sr"))
+        reused = spy.reused
+        twins.grads_and_step()
+        assert spy.reused == reused + groups
+        for opt in twins.opts.values():
+            assert [group["precision"] for group in opt.param_groups] == [bf16opt.PRESETS["bf16-sr"]] * groups
+
+
 @pytest.mark.parametrize("edit", ["betas in place", "betas", "lr", "new key", "lr tensor in place", "renamed key"])
 def test_a_group_edit_is_checked_after_unchanged_steps(spy, edit):
     """A group's settings are checked again only when a value changed (identity), or could
