@@ -422,8 +422,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if group_number < len(asked):  # (its kept launch answered already)
                 reused = asked[group_number] and asked[group_number][2]
             else:
-                reused = group_number in kept and kept[group_number].prepare(self, group, first_index, precision,
-                                                                             inv_grad_scale, view)
+                reused = group_number in kept and kept[group_number].prepare(self, group, first_index,
+                                                                             precision, inv_grad_scale, view)
             if reused:  # nothing the group's launch was built from changed since the last step
                 plan.precisions.append((group, precision))
                 plan.reused.append(reused)
