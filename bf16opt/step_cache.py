@@ -492,8 +492,9 @@ class GroupLaunch:
             calls.append((relaunch, arguments))
 
         def run() -> None:
-            self.helpers.advance_counters(self.counter_addresses, self.steps)
-            for relaunch, arguments in calls:
+            (first, arguments), *others = calls
+            first.run(grad_addresses, *arguments, self.counter_addresses, self.steps)  # (counters advanced first)
+            for relaunch, arguments in others:
                 relaunch.run(grad_addresses, *arguments)
             torch.autograd.graph.increment_version(self.written)
 
@@ -566,5 +567,7 @@ def build(optimizer, group: dict, first_index: int, precision, entries: list, bu
         if relaunch is None:
             return None
         relaunches.append((relaunch, positions[0]))
+    if not relaunches:  # (a reused step advances the counters in its first kernel call)
+        return None
     return GroupLaunch(optimizer, group, first_index, precision, updated, [entry.grad for entry in entries],
                        relaunches, [tensor for bucket, _ in buckets for tensor in bucket.written()])

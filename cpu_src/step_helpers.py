@@ -87,11 +87,14 @@ def step_key(seed_words, step):
 
 @cached_njit(nogil=True)
 def relaunch(serial, address, table, scalars, keys, row_counts, bounds, grad_column, grad_of_row, row_bytes,
-             grad_addresses, seed_words, step, streams):
+             grad_addresses, seed_words, step, streams, counters, steps):
     """A kept launch's step in one compiled call (each costs tens of µs with cold caches):
-    its grad column pointed (:func:`point_grads`), the step's stream keys written into
-    ``keys`` for the tensors ``streams`` (none without stochastic rounding), and the chunk
-    driver run, on Numba's threads or (``serial``, in a fork child) on this one."""
+    the step counters at ``counters`` advanced (:func:`advance_counters`; a group's first
+    kernel call advances all of its counters, the others get none), its grad column pointed
+    (:func:`point_grads`), the step's stream keys written into ``keys`` for the tensors
+    ``streams`` (none without stochastic rounding), and the chunk driver run, on Numba's
+    threads or (``serial``, in a fork child) on this one."""
+    advance_counters(counters, steps)
     point_grads(table, grad_column, grad_of_row, row_bytes, grad_addresses)
     if streams.size:
         stream_keys(step_key(seed_words, step), streams, keys)
