@@ -492,8 +492,8 @@ class GroupLaunch:
             calls.append((relaunch, arguments))
 
         def run() -> None:
-            (first, arguments), *others = calls
-            first.run(grad_addresses, *arguments, self.counter_addresses, self.steps)  # (counters advanced first)
+            (first, arguments), *others = calls  # (the first advances the counters, before its kernel)
+            first.run(grad_addresses, *arguments, self.counter_addresses, self.steps)
             for relaunch, arguments in others:
                 relaunch.run(grad_addresses, *arguments)
             torch.autograd.graph.increment_version(self.written)
