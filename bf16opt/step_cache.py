@@ -439,7 +439,7 @@ class GroupLaunch:
         self.dict_word = dict_version_word() if self.shim is not None else None
         self.dicts = np.fromiter(map(id, self.states), dtype=np.int64, count=len(self.states)) \
             if self.dict_word is not None else np.zeros(0, dtype=np.int64)
-        self.dict_versions = np.array(self.state_versions, dtype=np.uint64) \
+        self.expected_versions = np.array(self.state_versions, dtype=np.uint64) \
             if self.dict_word is not None else np.zeros(0, dtype=np.uint64)
         self.counter_addresses = np.array([state["step"].data_ptr() for state in self.states], dtype=np.int64)
         self.steps = np.array([state["step"].item() for state in self.states])  # the counters after the last step
@@ -525,7 +525,7 @@ class GroupLaunch:
             grad_addresses = np.empty(len(grads), dtype=np.int64)
             if self.shim is not None:
                 holds = self.helpers.launch_forms_hold(
-                    self.shim, self.dicts, self.dict_word or 0, self.dict_versions, self.ids,
+                    self.shim, self.dicts, self.dict_word or 0, self.expected_versions, self.ids,
                     self.form_starts, self.forms_read, self.counter_addresses,
                     self.steps, grad_ids, self.grad_form_starts, self.grad_forms_read, grad_addresses,
                     self.sized_grads, self.threads)
