@@ -68,6 +68,32 @@ def test_cpu_benchmark_prints_its_table():
             assert percent.endswith("%") and int(percent[:-1]) >= 0
 
 
+def _row(configuration: str, of_ceiling: float, streamed: float, limit_step: float) -> dict:
+    return dict(algorithm="AdamW", configuration=configuration, of_ceiling=of_ceiling,
+                streamed_of_ceiling=streamed, limit_step_of_ceiling=limit_step, kernel_of_ceiling=0.95)
+
+
+def test_preset_rows_are_classified_against_the_target():
+    """met at >= 90% of the ceiling; out of reach when the streamed limit or the limit step is
+    below 90% itself; else not met."""
+    cpu_step, = benchmark_modules("cpu_step")
+    assert cpu_step.classify(_row("a", 0.90, 0.80, 0.80)) == "met"
+    assert cpu_step.classify(_row("b", 0.89, 0.89, 0.95)) == "out of reach"
+    assert cpu_step.classify(_row("c", 0.89, 0.95, 0.89)) == "out of reach"
+    assert cpu_step.classify(_row("d", 0.89, 0.90, 0.91)) == "not met"
+
+
+def test_several_runs_are_summarised_row_by_row(capsys):
+    cpu_step, = benchmark_modules("cpu_step")
+    runs = [[_row("x", 0.91, 0.95, 0.95), _row("y", 0.85, 0.95, 0.93)],
+            [_row("x", 0.88, 0.95, 0.86), _row("y", 0.86, 0.95, 0.92)]]
+    cpu_step.runs_summary(runs)
+    out = capsys.readouterr().out
+    x, y = (line.split() for line in out.splitlines() if line.startswith("AdamW "))
+    assert x[2:4] == ["91m", "88o"] and y[2:4] == ["85N", "86N"]
+    assert "run 1: met 1, out of reach 0, not met 1" in out and "run 2: met 0, out of reach 1, not met 1" in out
+
+
 def test_cpu_benchmark_compares_with_peers():
     """``--peers``: one row per (configuration, peer); torch's fused AdamW is always there, so
     its rows carry both times and a paired ratio (DeepSpeed's say when it is missing).
