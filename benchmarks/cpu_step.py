@@ -696,8 +696,8 @@ def main() -> None:
             for preset in ("fp32", "bf16-master"):
                 same_array_table(1 << args.log2_params, args.repeats, preset)
         return
-    runs = [preset_table(1 << args.log2_params, args.repeats,
-                         set(args.presets.split(",")) if args.presets else None, tuple(args.algorithms.split(",")))
+    presets = set(args.presets.split(",")) if args.presets else None
+    runs = [preset_table(1 << args.log2_params, args.repeats, presets, tuple(args.algorithms.split(",")))
             for _ in range(args.runs)]
     if len(runs) > 1:
         runs_summary(runs)

@@ -91,7 +91,8 @@ def test_several_runs_are_summarised_row_by_row(capsys):
     out = capsys.readouterr().out
     x, y = (line.split() for line in out.splitlines() if line.startswith("AdamW "))
     assert x[2:4] == ["91m", "88o"] and y[2:4] == ["85N", "86N"]
-    assert "run 1: met 1, out of reach 0, not met 1" in out and "run 2: met 0, out of reach 1, not met 1" in out
+    assert "run 1: met 1, out of reach 0, not met 1" in out
+    assert "run 2: met 0, out of reach 1, not met 1" in out
 
 
 def test_cpu_benchmark_compares_with_peers():
