@@ -512,27 +512,25 @@ class GroupLaunch:
         then the counters (read through their addresses) hold, and with the shim every form
         and the state dicts' versions too, all in one compiled call; else None.  The compiled
         reading through torch's address reader only of forms its check confirmed (module doc)."""
-        grad_ids = None if self.shim is None and not (guarded and self.reader is not None) \
-            else np.fromiter(map(id, grads), dtype=np.int64, count=len(grads))
-        if grad_ids is None:
+        if self.shim is None and not (guarded and self.reader is not None):  # (in Python)
             grad_addresses = np.fromiter(map(_ADDRESS, grads), dtype=np.int64, count=len(grads))
             holds = numba_backend.threads() == self.threads \
                 and np.array_equal(np.fromiter(map(_ADDRESS, self.addressed), dtype=np.int64,
                                                 count=len(self.addressed)), self.addresses) \
                 and self.helpers.counters_equal(self.counter_addresses, self.steps) \
                 and grad_addresses[self.sized_grads].all()
+            return grad_addresses if holds else None
+        grad_ids = np.fromiter(map(id, grads), dtype=np.int64, count=len(grads))
+        grad_addresses = np.empty(len(grads), dtype=np.int64)
+        if self.shim is not None:
+            holds = self.helpers.launch_forms_hold(
+                self.shim, self.dicts, self.dict_word or 0, self.expected_versions, self.ids,
+                self.form_starts, self.forms_read, self.counter_addresses, self.steps, grad_ids,
+                self.grad_form_starts, self.grad_forms_read, grad_addresses, self.sized_grads, self.threads)
         else:
-            grad_addresses = np.empty(len(grads), dtype=np.int64)
-            if self.shim is not None:
-                holds = self.helpers.launch_forms_hold(
-                    self.shim, self.dicts, self.dict_word or 0, self.expected_versions, self.ids,
-                    self.form_starts, self.forms_read, self.counter_addresses,
-                    self.steps, grad_ids, self.grad_form_starts, self.grad_forms_read, grad_addresses,
-                    self.sized_grads, self.threads)
-            else:
-                holds = self.helpers.launch_holds(self.reader, self.ids, self.addresses,
-                                                  self.counter_addresses, self.steps, grad_ids,
-                                                  grad_addresses, self.sized_grads, self.threads)
+            holds = self.helpers.launch_holds(self.reader, self.ids, self.addresses, self.counter_addresses,
+                                              self.steps, grad_ids, grad_addresses, self.sized_grads,
+                                              self.threads)
         return grad_addresses if holds else None
 
     def _forms_hold(self, grads: list) -> bool:
