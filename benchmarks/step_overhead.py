@@ -95,16 +95,31 @@ def _no_kernel(*args) -> None:
     pass
 
 
+_NO_PARTS = np.zeros(1, dtype=np.int64)  # chunk bounds of no thread: the driver runs no row
+
+
 def without_kernel(step):
     """``step`` with its kernel call a no-op (the Python around it alone): the parallel
-    driver of a full step, a kept launch's one compiled call (``Relaunch.run``) of a reused one."""
+    driver of a full step; a kept launch's compiled call (``Relaunch.run``) of a reused one
+    runs, over no chunk rows on this thread: the bookkeeping it holds (the step counters
+    advanced, autograd's version counters bumped, the grads pointed) is the step's, not its
+    kernel's."""
     from bf16opt.backends import numba as backend  # noqa: PLC0415
 
     driver_users()
+    rerun = backend.Relaunch.run
+
+    def bookkeeping_only(self, *args):
+        bounds, self.bounds = self.bounds, _NO_PARTS
+        forked, backend._FORKED = backend._FORKED, True  # (the serial driver: no thread woken)
+        try:
+            rerun(self, *args)
+        finally:
+            self.bounds, backend._FORKED = bounds, forked
 
     def run():
         driver, _cpu.chunks.run_chunks = _cpu.chunks.run_chunks, _no_kernel
-        rerun, backend.Relaunch.run = backend.Relaunch.run, _no_kernel
+        backend.Relaunch.run = bookkeeping_only
         try:
             step()
         finally:

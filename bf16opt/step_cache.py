@@ -55,6 +55,13 @@ How, per step (well under 1 µs of Python per param; the fallbacks are exact, on
   word of a dict object where :func:`_probe_version_word` found ``dict_version``'s answers
   (CPython's ``ma_version_tag``; ~60 ns per dict through ``dict_version``).
 
+* autograd's version counters of the tensors the kernels write through addresses (params,
+  state tensors, step counters), as torch.optim's in-place ops bump them: with the shim,
+  in the group's first kernel call (``step_helpers.bump_versions``), each read through the
+  object's ``at::Tensor`` and ``TensorImpl`` where :func:`_probe_version_places` found it
+  (private layout, confirmed by torch's own bumps and ``_version``); ~10 ns per tensor
+  against ~80 through ``torch.autograd.graph.increment_version``, which bumps them otherwise.
+
 The group's hyper-parameter checks (``MixedPrecisionOptimizer._group_precision``) run again
 only when a value of the group changed or could change in place.
 
@@ -322,6 +329,78 @@ def _probe_shim() -> Optional[np.ndarray]:
     return None
 
 
+_version_places = _UNPROBED  # where a tensor's autograd version lives once probed (version_places()), or None
+
+
+def version_places() -> Optional[np.ndarray]:
+    """Where compiled code finds a tensor object's autograd version counter
+    (``cpu_src/step_helpers.py``'s ``bump_versions``: the ``at::Tensor``'s offset in the
+    object, the counter's pointer's in the ``TensorImpl``, the version's in the counter), or
+    None without :func:`tensor_shim` or when :func:`_probe_version_places` does not find them."""
+    global _version_places
+    if _version_places is _UNPROBED:
+        shim = tensor_shim()
+        _version_places = None if shim is None else _probe_version_places(int(shim[1]))
+    return _version_places
+
+
+def _word(address: int) -> int:
+    return ctypes.c_uint64.from_address(address).value
+
+
+def _probe_version_places(tensor_offset: int) -> Optional[np.ndarray]:
+    """The places if exactly one word of a ``TensorImpl``'s first twelve (private layout:
+    ``version_counter_``) is the same for tensors that share a version counter (a tensor, a
+    view of it, its ``detach()``), other for those that do not (its ``.data``, which shares its
+    storage; another tensor of its form), not zero, and zero for an inference tensor (which
+    has no counter); then exactly one uint32 of what it points to follows the version through
+    torch's bumps; then the compiled bump advances the version of a tensor and its views, a
+    Parameter and a bfloat16 tensor by one each, and no other; else None."""
+    try:
+        def impl_words(tensor) -> list:
+            impl = _word(id(tensor) + tensor_offset)
+            return [_word(impl + at) for at in range(0, 96, 8)]
+
+        base = torch.zeros(4)
+        sharing = [impl_words(t) for t in (base, base.view(2, 2), base.detach())]
+        others = [impl_words(t) for t in (base.data, torch.zeros(4))]
+        with torch.inference_mode():
+            inference = torch.zeros(4)
+        untracked = impl_words(inference)
+        found = [k for k in range(1, 12) if sharing[0][k] != 0 and untracked[k] == 0
+                 and all(words[k] == sharing[0][k] for words in sharing)
+                 and all(words[k] != sharing[0][k] for words in others)]
+        if len(found) != 1:
+            return None
+        counter = sharing[0][found[0]]
+
+        def versions() -> list:  # the uint32s after the counter's header (vtable pointer)
+            return [ctypes.c_uint32.from_address(counter + at).value for at in range(8, 24, 4)]
+
+        for _ in range(41):  # (a version no count of owners is likely to equal)
+            torch.autograd.graph.increment_version(base)
+        before = versions()
+        torch.autograd.graph.increment_version(base)
+        after = versions()
+        places = [at for at, (b, a) in zip(range(8, 24, 4), zip(before, after))
+                  if b == base._version - 1 and a == base._version]
+        if len(places) != 1 or sum(b != a for b, a in zip(before, after)) != 1:
+            return None
+        answer = np.array([tensor_offset, 8 * found[0], places[0]], dtype=np.int64)
+        view, alias, other = base[1:], base.data, torch.zeros(3)
+        param = torch.nn.Parameter(torch.zeros(2))
+        bf16 = torch.zeros(5, dtype=torch.bfloat16)
+        bumped, unchanged = [base, param, bf16], [alias, other]
+        expected = [t._version + 1 for t in bumped] + [t._version for t in unchanged]
+        numba_backend.helpers().bump_versions(np.array([id(base), id(param), id(bf16), id(inference)],
+                                                       dtype=np.int64), answer)
+        if [t._version for t in bumped + unchanged] == expected and view._version == base._version:
+            return answer
+    except Exception:  # noqa: BLE001  (any failure: torch's increment_version)
+        pass
+    return None
+
+
 def _shim_forms(tensors: list) -> "Optional[tuple]":
     """(starts, forms) of ``tensors`` for ``step_helpers.forms_hold``, or None without the shim
     or when a tensor is not a plain one (the offsets are probed on torch.Tensor and Parameter)."""
@@ -449,6 +528,10 @@ class GroupLaunch:
         # for autograd's version counters: what the kernels write through addresses, and the
         # step counters advanced through theirs (a full step adds to them in place)
         self.written = written + [state["step"] for state in self.states]
+        # their version counters bumped in the first kernel call, where the forms were checked
+        # through the shim (the tensors' types among them), else by torch after the kernels
+        self.version_places = version_places() if self.shim is not None else None
+        self.written_ids = np.fromiter(map(id, self.written), dtype=np.int64, count=len(self.written))
 
     def prepare(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
                 view: Optional[StateView] = None) -> Optional[Callable[[], None]]:
@@ -492,11 +575,17 @@ class GroupLaunch:
             calls.append((relaunch, arguments))
 
         def run() -> None:
-            (first, arguments), *others = calls  # (the first advances the counters, before its kernel)
-            first.run(grad_addresses, *arguments, self.counter_addresses, self.steps)
+            # (the first advances the counters and bumps the versions, before its kernel)
+            (first, arguments), *others = calls
+            if self.version_places is None:
+                first.run(grad_addresses, *arguments, self.counter_addresses, self.steps)
+            else:
+                first.run(grad_addresses, *arguments, self.counter_addresses, self.steps, self.written_ids,
+                          self.version_places)
             for relaunch, arguments in others:
                 relaunch.run(grad_addresses, *arguments)
-            torch.autograd.graph.increment_version(self.written)
+            if self.version_places is None:
+                torch.autograd.graph.increment_version(self.written)
 
         return run
 

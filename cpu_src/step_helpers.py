@@ -85,16 +85,48 @@ def step_key(seed_words, step):
     return key
 
 
+@intrinsic
+def _add_one(typingctx, address):
+    """Add 1 to the uint32 at ``address`` atomically (as C++'s ``++`` on a ``std::atomic``)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(32), 1), "seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(address), codegen
+
+
+@cached_njit(nogil=True)
+def bump_versions(tensors, places):
+    """Autograd's version counter of each tensor object whose ``id`` is ``tensors[i]`` advanced
+    by one, as ``torch.autograd.graph.increment_version`` does (a tensor without one, made
+    under inference mode, is left alone, as there).  ``places``: int64 [offset of the
+    ``at::Tensor`` in the object, of the counter's pointer in the ``TensorImpl``, of the
+    version in the counter]: bf16opt/step_cache.py's ``version_places`` probes them.  Read
+    through the object every time: a tensor swapped (``torch.utils.swap_tensors``) holds
+    another counter.  The caller keeps the objects alive and has checked their types."""
+    for i in range(tensors.size):
+        impl = pointer_to(tensors[i] + places[0], np.int64)[0]
+        counter = pointer_to(impl + places[1], np.int64)[0]
+        if counter != 0:
+            _add_one(counter + places[2])
+
+
 @cached_njit(nogil=True)
 def relaunch(serial, address, table, scalars, keys, row_counts, bounds, grad_column, grad_of_row, row_bytes,
-             grad_addresses, seed_words, step, streams, counters, steps):
+             grad_addresses, seed_words, step, streams, counters, steps, written, places):
     """A kept launch's step in one compiled call (each costs tens of µs with cold caches):
-    the step counters at ``counters`` advanced (:func:`advance_counters`; a group's first
-    kernel call advances all of its counters, the others get none), its grad column pointed
-    (:func:`point_grads`), the step's stream keys written into ``keys`` for the tensors
-    ``streams`` (none without stochastic rounding), and the chunk driver run, on Numba's
-    threads or (``serial``, in a fork child) on this one."""
+    the step counters at ``counters`` advanced (:func:`advance_counters`) and the version
+    counters of the tensors ``written`` (:func:`bump_versions` with ``places``) -- a group's
+    first kernel call does both for all of its tensors, the others get none --, its grad
+    column pointed (:func:`point_grads`), the step's stream keys written into ``keys`` for the
+    tensors ``streams`` (none without stochastic rounding), and the chunk driver run, on
+    Numba's threads or (``serial``, in a fork child) on this one."""
     advance_counters(counters, steps)
+    bump_versions(written, places)
     point_grads(table, grad_column, grad_of_row, row_bytes, grad_addresses)
     if streams.size:
         stream_keys(step_key(seed_words, step), streams, keys)

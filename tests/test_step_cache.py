@@ -183,11 +183,52 @@ def test_reused_steps_bump_autograd_versions_as_full_steps_do(spy, preset, cls, 
     for _ in range(4):  # a full step that builds the launch, then reused ones
         before = versions()
         twins.grads_and_step()
-        after = versions()
-        bumped_by.append(sorted(key for key, version in after.items() if version > before[key]))
+        bumped_by.append({key: version - before[key] for key, version in versions().items()})
     assert spy.counts() == (3, 0, 1)
-    assert bumped_by[0] == sorted(versions())  # every param and state tensor
-    assert bumped_by[1:] == bumped_by[:1] * 3
+    assert sorted(bumped_by[0]) == sorted(versions()) and all(bumped_by[0].values())  # every tensor
+    assert bumped_by[1:] == bumped_by[:1] * 3  # by as much as a full step
+
+
+def test_autograd_sees_a_reused_step_write_a_tensor_saved_for_backward(spy):
+    """A product saved the param for its backward: after a reused step wrote the param (and,
+    through the same counter, its view), backward refuses, as after torch.optim's step."""
+    twins = Twins()
+    warm(twins, spy)
+    p = twins.params["numba"][0]
+    twins.grads()
+    loss = (p[:2] * p[:2]).sum()  # (saves a view of p)
+    reused = spy.reused
+    twins.opt.step()
+    assert spy.reused == reused + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_reused_step_bumps_the_counter_a_swapped_param_holds_now(spy):
+    """``torch.utils.swap_tensors`` with a Parameter over the same memory (another version
+    counter, same form and address): the launch is reused and the counter the param object
+    holds now is bumped, not the one it held when the launch was built."""
+    twins = Twins()
+    warm(twins, spy)
+    p = twins.params["numba"][0]
+    other = torch.nn.Parameter(p.detach().data)  # (p's memory, a counter of its own)
+    torch.utils.swap_tensors(p, other)
+    twins.grads()
+    versions = p._version, other._version
+    reused = spy.reused
+    twins.opt.step()
+    assert spy.reused == reused + 1
+    assert (p._version, other._version) == (versions[0] + 1, versions[1])
+
+
+def test_probing_refuses_version_counters_torch_does_not_bump(monkeypatch):
+    """Where torch's bump is not seen in the word found, no compiled bump (torch's instead)."""
+    shim = step_cache._probe_shim()
+    if shim is None:
+        pytest.skip("this torch has no usable C shim getters (aoti_torch_get_*)")
+    assert step_cache._probe_version_places(int(shim[1])) is not None
+    monkeypatch.setattr(torch.autograd.graph, "increment_version", lambda tensor: None)
+    assert step_cache._probe_version_places(int(shim[1])) is None
 
 
 def test_the_same_grads_again_reuse_the_launch(spy):

@@ -256,6 +256,8 @@ def run(bucket: Bucket, scalars) -> None:
 _GRAD_COLUMN = 1  # every algorithm's roles start param, grad (algorithms.py)
 _NO_COUNTERS = np.zeros(0, dtype=np.int64)  # (Relaunch.run: no step counters to advance)
 _NO_STEPS = np.zeros(0, dtype=np.float64)
+_NO_WRITTEN = np.zeros(0, dtype=np.int64)  # (no version counters to bump)
+_NO_PLACES = np.zeros(3, dtype=np.int64)
 
 
 class Relaunch:
@@ -298,18 +300,21 @@ class Relaunch:
         return address, values, step
 
     def run(self, grad_addresses: np.ndarray, address: int, values: np.ndarray, step: int,
-            counters: np.ndarray = _NO_COUNTERS, steps: np.ndarray = _NO_STEPS) -> None:
+            counters: np.ndarray = _NO_COUNTERS, steps: np.ndarray = _NO_STEPS,
+            written: np.ndarray = _NO_WRITTEN, places: np.ndarray = _NO_PLACES) -> None:
         """The kernel call with the grads at ``grad_addresses`` (int64, indexed by the
         ``grad_positions`` given at construction) and :meth:`arguments`' answer: the grad
         column pointed, the stream keys made and the chunks run in one compiled call
         (``step_helpers.relaunch``; each call costs tens of µs with the caches cold), under
         the process-wide lock as :func:`_call`; first, the float64 step counters at
         ``counters`` advanced, and their kept copy ``steps`` (the step cache's, of a group's
-        params: given to the group's first kernel call, in the same compiled call)."""
+        params: given to the group's first kernel call, in the same compiled call), and the
+        version counters of the tensor objects whose ids are ``written`` bumped
+        (``step_helpers.bump_versions`` with ``places``, likewise)."""
         with _KERNEL_LOCK:
             helpers().relaunch(_FORKED, address, self.table, values, self.step_keys, self.row_counts, self.bounds,
                                _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
-                               self.seed_words, step, self.key_streams, counters, steps)
+                               self.seed_words, step, self.key_streams, counters, steps, written, places)
 
 
 def relaunch(bucket: Bucket, grad_positions: list) -> "Relaunch | None":
