@@ -582,7 +582,8 @@ def same_array_table(n: int, repeats: int, preset: str = "fp32") -> list:
     """AdamW with fp32 states, every contender stepping the very same four arrays (param,
     grad, exp_avg, exp_avg_sq).  ``preset`` "fp32" (fp32 params): bf16opt,
     ``torch.optim.AdamW(fused=True)`` and
-    ``DeepSpeedCPUAdam`` (each given bf16opt's moment tensors as its state), the memory-limit
+    ``DeepSpeedCPUAdam`` (each given bf16opt's moment tensors as its state), bf16opt's kernel
+    call alone (its step without the Python around it), the memory-limit
     kernel, and the streamed compute-limit kernel over them, exact and with its multiply-adds
     fused (``contract``: what fusing, which DeepSpeed's compiled kernel does and bf16opt's
     numerics contract forbids, gains on this machine), and ``exact_adamw.c``'s hand-written
@@ -591,7 +592,7 @@ def same_array_table(n: int, repeats: int, preset: str = "fp32") -> list:
     blocks alone (``vector_adam.py``, its bits too).  On one set of arrays, placement
     (which moves a memory-bound step by up to 1.5x on a VM) cannot favour one contender.
     ``preset`` "bf16-master" (bf16 params, their own master): bf16opt, DeepSpeedCPUAdam with
-    fp32 states, the memory limit and the streamed limit (torch's fused AdamW keeps bf16 states
+    fp32 states, bf16opt's kernel call alone, the memory limit and the streamed limit (torch's fused AdamW keeps bf16 states
     for bf16 params: not the same storage).  Prints medians and each contender's median paired
     ratio to bf16opt; returns the rows."""
     fp32_params = preset == "fp32"
@@ -613,6 +614,7 @@ def same_array_table(n: int, repeats: int, preset: str = "fp32") -> list:
         contenders[name] = step
         keep.append(peer_opt)
     buffers = list(moments.values())
+    contenders["bf16opt kernel alone"] = kernel_step(opt)  # (its step without the step's Python)
     contenders["memory limit"] = limit_step(param, param.grad, buffers)
     contenders["streamed limit"] = streamed_limit_step(param, param.grad, buffers, "adam", preset)
     if fp32_params:
