@@ -189,6 +189,33 @@ def test_reused_steps_bump_autograd_versions_as_full_steps_do(spy, preset, cls, 
     assert bumped_by[1:] == bumped_by[:1] * 3  # by as much as a full step
 
 
+def test_reused_steps_bump_every_bucket_and_group_as_full_steps_do(spy):
+    """Two groups, the first of float32 and bfloat16 params (two buckets, two kernel calls;
+    the group's first call bumps the versions of both buckets' tensors): every tensor's
+    version rises by as much in a reused step as in a full one."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+              for shape, dtype in [((5, 3), torch.float32), ((7,), torch.bfloat16), ((4,), torch.float32),
+                                   ((6, 2), torch.bfloat16)]]
+    opt = bf16opt.AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 1e-3}], lr=1e-2,
+                        precision="bf16-master", backend="numba")
+
+    def versions() -> dict:
+        return {(i, key): tensor._version for i, p in enumerate(params)
+                for key, tensor in [("param", p), *opt.state[p].items()]}
+
+    bumped_by = []
+    for step in range(5):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        before = versions() if step else None
+        opt.step()
+        if before is not None:
+            bumped_by.append({key: version - before[key] for key, version in versions().items()})
+    assert spy.reused == 6  # (two groups, from the third step on)
+    assert all(bumped_by[0].values()) and bumped_by[1:] == bumped_by[:1] * 3
+
+
 def test_autograd_sees_a_reused_step_write_a_tensor_saved_for_backward(spy):
     """A product saved the param for its backward: after a reused step wrote the param (and,
     through the same counter, its view), backward refuses, as after torch.optim's step."""
