@@ -257,9 +257,22 @@ def tensor_shim() -> Optional[np.ndarray]:
     return _tensor_shim
 
 
+def _loaded_libraries(maps: str = "/proc/self/maps") -> list:
+    """Paths of the shared libraries this process has mapped (Linux; empty elsewhere)."""
+    try:
+        with open(maps) as lines:
+            return sorted({line.split(None, 5)[5].strip() for line in lines if line.count(" ") >= 5
+                           and line.rstrip().endswith(".so")})
+    except OSError:
+        return []
+
+
 def _shim_library():
-    """torch's C library holding the shim for AOTInductor (``aoti_torch_*``)."""
-    found = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*torch_cpu.*")))
+    """torch's C library holding the shim for AOTInductor (``aoti_torch_*``): the
+    ``libtorch_cpu`` this process has loaded (wherever its layout puts it: a conda
+    environment's ``lib``), else the one in ``torch/lib`` (pip wheels, other systems)."""
+    found = [path for path in _loaded_libraries() if os.path.basename(path) == "libtorch_cpu.so"] \
+        or sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*torch_cpu.*")))
     return ctypes.CDLL(found[0]) if found else None
 
 

@@ -424,6 +424,31 @@ def test_probing_refuses_a_shim_getter_of_another_answer(monkeypatch):
     assert step_cache._probe_shim() is None
 
 
+def test_the_shim_library_is_the_loaded_one_wherever_it_lives(monkeypatch, tmp_path):
+    """The shim's library is the libtorch_cpu the process has mapped (a conda environment keeps
+    it in its own lib), read from /proc/self/maps; torch/lib's only when none is listed."""
+    real = step_cache._shim_library()
+    if real is None:
+        pytest.skip("this torch has no libtorch_cpu in torch/lib nor among the mapped libraries")
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /opt/env/lib/libtorch_cpu.so\n"
+                    "7f01-7f02 r--p 00000000 08:01 13 /opt/env/lib/libc10.so\n"
+                    "7f02-7f03 rw-p 00000000 00:00 0 \n"
+                    "7f03-7f04 r-xp 00000000 08:01 14 /opt/my env/lib/libgomp.so\n")
+    assert step_cache._loaded_libraries(str(maps)) == [
+        "/opt/env/lib/libc10.so", "/opt/env/lib/libtorch_cpu.so", "/opt/my env/lib/libgomp.so"]
+    assert step_cache._loaded_libraries(str(tmp_path / "none")) == []
+    elsewhere = tmp_path / "lib" / "libtorch_cpu.so"
+    elsewhere.parent.mkdir()
+    elsewhere.symlink_to(real._name)
+    listed = [str(tmp_path / "libc10.so"), str(elsewhere)]
+    monkeypatch.setattr(step_cache, "_loaded_libraries", lambda: listed)
+    assert step_cache._shim_library()._name == str(elsewhere)
+    assert step_cache._probe_shim() is not None
+    monkeypatch.setattr(step_cache, "_loaded_libraries", lambda: [])
+    assert step_cache._shim_library()._name == real._name
+
+
 def test_probing_refuses_a_tensor_object_layout_it_cannot_confirm(monkeypatch):
     """The offset of a tensor object's at::Tensor is taken only where a copy of it made by
     torch holds the same TensorImpl: with copies of another tensor none is found (and no
