@@ -11,8 +11,10 @@ all rows (medians reported, in ms per step):
   chunk table's work, negligible on tiny tensors, plus the parallel dispatch);
 * ``empty``: the same parallel driver on an empty chunk table (the dispatch alone);
 * ``step-empty``: the step's overhead over an empty kernel call;
-* ``Python``: the step with the parallel driver replaced by a Python no-op, in CPU time
-  of the calling thread: what the step spends in Python around its kernel call.  On a
+* ``Python``: the step with the parallel driver replaced by a Python no-op (a reused step's
+  compiled call still runs, over no chunk rows: the counters, version counters and grad
+  pointers it handles are the step's bookkeeping), in CPU time of the calling thread: what
+  the step spends around its kernel.  On a
   shared machine this is the robust figure: when another process keeps a core busy, the
   wake-up of Numba's worker threads takes milliseconds, and those threads' spinning after
   a kernel call competes with the Python of the next one for the cores (wall clock);
