@@ -592,9 +592,9 @@ def same_array_table(n: int, repeats: int, preset: str = "fp32") -> list:
     blocks alone (``vector_adam.py``, its bits too).  On one set of arrays, placement
     (which moves a memory-bound step by up to 1.5x on a VM) cannot favour one contender.
     ``preset`` "bf16-master" (bf16 params, their own master): bf16opt, DeepSpeedCPUAdam with
-    fp32 states, bf16opt's kernel call alone, the memory limit and the streamed limit (torch's fused AdamW keeps bf16 states
-    for bf16 params: not the same storage).  Prints medians and each contender's median paired
-    ratio to bf16opt; returns the rows."""
+    fp32 states, bf16opt's kernel call alone, the memory limit and the streamed limit (torch's
+    fused AdamW keeps bf16 states for bf16 params: not the same storage).  Prints medians and
+    each contender's median paired ratio to bf16opt; returns the rows."""
     fp32_params = preset == "fp32"
     if preset not in ("fp32", "bf16-master"):
         raise ValueError(f"same_array_table: preset 'fp32' or 'bf16-master', got {preset!r}")

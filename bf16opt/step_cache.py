@@ -145,6 +145,11 @@ def dict_versions():
     return _dict_versions
 
 
+def _word(address: int) -> int:
+    """The uint64 at ``address`` (a probe's read of a private layout)."""
+    return ctypes.c_uint64.from_address(address).value
+
+
 _dict_version_word = _UNPROBED  # where a dict holds its version once probed (dict_version_word()), or None
 
 
@@ -175,7 +180,7 @@ def _probe_version_word() -> Optional[int]:
         for d, record in zip(dicts, seen):
             if change is not None:
                 change(d)
-            record.append((versions(d), [ctypes.c_uint64.from_address(id(d) + at).value for at in offsets]))
+            record.append((versions(d), [_word(id(d) + at) for at in offsets]))
     answers = [version for record in seen for version, _ in record]
     if len(set(answers)) != len(answers):  # (a version is unique: one word matching them all is it)
         return None
@@ -355,10 +360,6 @@ def version_places() -> Optional[np.ndarray]:
         shim = tensor_shim()
         _version_places = None if shim is None else _probe_version_places(int(shim[1]))
     return _version_places
-
-
-def _word(address: int) -> int:
-    return ctypes.c_uint64.from_address(address).value
 
 
 def _probe_version_places(tensor_offset: int) -> Optional[np.ndarray]:
@@ -541,10 +542,12 @@ class GroupLaunch:
         # for autograd's version counters: what the kernels write through addresses, and the
         # step counters advanced through theirs (a full step adds to them in place)
         self.written = written + [state["step"] for state in self.states]
-        # their version counters bumped in the first kernel call, where the forms were checked
-        # through the shim (the tensors' types among them), else by torch after the kernels
-        self.version_places = version_places() if self.shim is not None else None
-        self.written_ids = np.fromiter(map(id, self.written), dtype=np.int64, count=len(self.written))
+        # their version counters bumped in the first kernel call (its arguments for that), where
+        # the forms were checked through the shim (the tensors' types among them); else none,
+        # and torch bumps them after the kernels
+        places = version_places() if self.shim is not None else None
+        self.compiled_bump = () if places is None else \
+            (np.fromiter(map(id, self.written), dtype=np.int64, count=len(self.written)), places)
 
     def prepare(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
                 view: Optional[StateView] = None) -> Optional[Callable[[], None]]:
@@ -590,14 +593,10 @@ class GroupLaunch:
         def run() -> None:
             # (the first advances the counters and bumps the versions, before its kernel)
             (first, arguments), *others = calls
-            if self.version_places is None:
-                first.run(grad_addresses, *arguments, self.counter_addresses, self.steps)
-            else:
-                first.run(grad_addresses, *arguments, self.counter_addresses, self.steps, self.written_ids,
-                          self.version_places)
+            first.run(grad_addresses, *arguments, self.counter_addresses, self.steps, *self.compiled_bump)
             for relaunch, arguments in others:
                 relaunch.run(grad_addresses, *arguments)
-            if self.version_places is None:
+            if not self.compiled_bump:
                 torch.autograd.graph.increment_version(self.written)
 
         return run
