@@ -230,6 +230,57 @@ def test_vectorised_adam_blocks_round_ties_to_even():
     run_both(bucket, group, steps=1, where="ties", unit=unit)
 
 
+def _adam_copy_blocks(form: int):
+    """A loop of ``vector_blocks.adam_block`` of ``form`` (a float32 master copy, its bfloat16
+    param) over whole arrays: with a learning rate of 0 and zero grads and moments, the
+    blocks store each master as it is, encoded, and its param rounded from it."""
+    from numba import njit
+
+    from bf16opt._cpu.storage import pointer_to
+
+    block = vector_blocks.ADAM_BLOCK
+
+    @njit
+    def run(param, grad, master, exp_avg, exp_avg_sq, scalars):
+        values = pointer_to(scalars.ctypes.data, np.float32)
+        for j in range(0, param.size, block):
+            vector_blocks.adam_block(form, param.ctypes.data + 2 * j, grad.ctypes.data + 2 * j,
+                                     master.ctypes.data + 4 * j, exp_avg.ctypes.data + 4 * j,
+                                     exp_avg_sq.ctypes.data + 4 * j, values, np.float32(1.0))
+
+    return run
+
+
+@needs_avx512
+@pytest.mark.parametrize("native", [False, True], ids=["integer-rounding", "avx512-bf16"])
+def test_vectorised_blocks_round_every_interesting_pattern_as_the_reference(native):
+    """The blocks' bfloat16 rounding of a master -- on the integer lanes, or by the CPU's
+    conversion with its subnormal correction (``NATIVE16``) -- against the reference's
+    encoding, and the master's float32 store, on every upper half with ties and near-ties
+    below it (zeros, subnormals and the carry into the smallest normal among them), every
+    subnormal of a few random high fields, NaNs with payloads, infinities and overflow."""
+    if native and not vector_blocks.native_bf16():
+        pytest.skip("needs a CPU with AVX512-BF16 (the blocks' native rounding)")
+    rng = np.random.default_rng(7)
+    subnormals = np.arange(1 << 23, dtype=np.uint32)[rng.integers(0, 1 << 23, 1 << 16)]
+    masters = np.concatenate([_interesting_f32_bits(), subnormals, subnormals | np.uint32(0x80000000)])
+    masters = np.concatenate([masters, np.zeros(-masters.size % vector_blocks.ADAM_BLOCK, np.uint32)])
+    form = vector_blocks.COPY | vector_blocks.PARAM16 | vector_blocks.GRAD16 | vector_blocks.UNIT \
+        | (vector_blocks.NATIVE16 if native else 0)
+    # beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias correction 2), eps, weight decay, decay
+    scalars = np.array([0.9, 0.999, 0.1, 0.001, 0.0, 1.0, 1e-8, 0.0, 1.0], dtype=np.float32)
+    master = masters.view(np.float32).copy()
+    param = np.zeros(master.size, dtype=np.int16)
+    zeros = np.zeros(master.size, dtype=np.float32)
+    _adam_copy_blocks(form)(param, np.zeros_like(param), master, zeros, zeros.copy(), scalars)
+    values = torch.from_numpy(masters.view(np.float32))
+    for got, dtype in ((param, torch.bfloat16), (master, torch.float32)):
+        expected = encode(values, dtype).view(INT_VIEW[dtype]).numpy()
+        bad = np.nonzero(got.view(expected.dtype) != expected)[0]
+        assert bad.size == 0, (dtype, [(hex(masters[i]), hex(got.view(expected.dtype)[i]), hex(expected[i]))
+                                       for i in bad[:5]])
+
+
 # ---------------------------------------------------------------- property tests
 shape_strategy = st.one_of(
     st.sampled_from([(), (1,), (7,), (22,), (64,), (0,)]),
