@@ -103,7 +103,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
                                                    (exp_avg_format, exp_avg_sq_format), moments, track, unit, l2)
     vector = form is not None
     block = vector_blocks.ADAM_BLOCK if vector else 0
-    param_size, grad_size = (2 if param_format is np.int16 else 4), (2 if grad_format is np.int16 else 4)  # bytes
+    param_size, grad_size, companion_size = (2 if f is np.int16 else 4  # bytes
+                                             for f in (param_format, grad_format, companion_format))
 
     @update_jit
     def element_update(g, p, c, m, v, x, element, now):
@@ -193,8 +194,9 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         if vector:
             first = n - n % block
             for j in range(0, first, block):
-                vector_blocks.adam_block(form, row[0] + param_size * j, row[1] + grad_size * j, row[2] + 4 * j,
-                                         row[3] + 4 * j, row[4] + 4 * j, scalars, scale)
+                vector_blocks.adam_block(form, row[0] + param_size * j, row[1] + grad_size * j,
+                                         row[2] + companion_size * j, row[3] + 4 * j, row[4] + 4 * j, scalars,
+                                         scale)
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0), exp_avg[i], exp_avg_sq[i],

@@ -1,6 +1,8 @@
 """Numba chunk functions for SGD with momentum (torch.optim.SGD's math), same conventions
-as ``adam.py`` (the update of one element, run by the element loop or the paired loop); the
-operation order is ``bf16opt/backends/reference.py``'s ``sgd``."""
+as ``adam.py`` (the update of one element, run by the element loop or the paired loop, or
+whole blocks by ``vector_blocks.py`` where it covers the configuration: a float32 momentum
+buffer after its first step); the operation order is ``bf16opt/backends/reference.py``'s
+``sgd``."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import functools
 
 import numpy as np
 
+from . import vector_blocks
 from .adam import SIXTEEN_BITS
 from .chunks import chunk_compiler, update_jit
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
@@ -40,6 +43,15 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     present = (param_format, grad_format) + ((companion_format,) if has_companion else ()) + \
         ((buffer_format,) if momentum else ())
     paired = all(f in SIXTEEN_BITS for f in present)
+    # whole blocks hand-vectorised where vector_blocks.py covers the configuration (adam.py)
+    form = None if not reads_buffer else vector_blocks.form(
+        weights, param_format, grad_format, companion_format, (buffer_format,), moments, track, unit, l2)
+    vector = form is not None
+    if vector and nesterov:
+        form |= vector_blocks.NESTEROV
+    block = vector_blocks.SGD_BLOCK if vector else 0
+    param_size, grad_size, companion_size = (2 if f is np.int16 else 4  # bytes
+                                             for f in (param_format, grad_format, companion_format))
 
     @update_jit
     def element_update(g, p, comp, b, element, now):
@@ -73,8 +85,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         return p, comp, b, (u != np.float32(0.0)) & same, b_underflow
 
     # (the chunk function calls element_update as its global ``update``: see chunks.chunk_compiler)
-    @chunk_compiler((formats, weights, moments, track, momentum, l2, nesterov, first, unit),
-                    update=element_update)
+    @chunk_compiler((formats, weights, moments, track, momentum, l2, nesterov, first, unit)
+                    + ((("vector", block, form),) if vector else ()), update=element_update)
     def chunk(row, scalars, keys, counts):
         param = pointer_to(row[0], param_format)
         grad = pointer_to(row[1], grad_format)
@@ -113,6 +125,11 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
                     swallowed += low[3] + high[3]
                     b_underflow += low[4] + high[4]
             first_element = n - (n & 1)
+        if vector:
+            first_element = n - n % block
+            for j in range(0, first_element, block):
+                vector_blocks.sgd_block(form, row[0] + param_size * j, row[1] + grad_size * j,
+                                        row[2] + companion_size * j, row[3] + 4 * j, scalars, scale)
         for i in range(first_element, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0),
@@ -130,4 +147,5 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
             counts[0] = swallowed
             counts[1] = b_underflow
 
+    chunk.vectorised = vector  # (the tests check which loop a configuration got)
     return chunk

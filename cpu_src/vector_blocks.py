@@ -1,8 +1,9 @@
-"""Adam and Lion with float32 moments, hand-vectorised: the blocks of ``adam.py``'s and
-``lion.py``'s element loops for the configurations DeepSpeedCPUAdam's fp32-state kernel
-competes with -- float32 or bfloat16 params that are their own master, or bfloat16 params
-with a float32 master copy; float32 or bfloat16 grads; no amsgrad, no telemetry -- where the
-target CPU has AVX-512.
+"""Adam, Lion and SGD with float32 moments, hand-vectorised: the blocks of ``adam.py``'s,
+``lion.py``'s and ``sgd.py``'s element loops for the configurations DeepSpeedCPUAdam's
+fp32-state kernel competes with -- float32 or bfloat16 params that are their own master,
+bfloat16 params with a float32 master copy or with an int16 remainder (the exact float32
+master); float32 or bfloat16 grads; no amsgrad, no telemetry -- where the target CPU has
+AVX-512.
 
 Why: from the element loops LLVM builds one vector per array per iteration, which runs no
 faster than any plain exact loop; a loop that loads eight 512-bit vectors of each array
@@ -32,16 +33,16 @@ from numba.extending import intrinsic
 
 from .storage import CANONICAL_NAN_F32
 
-__all__ = ["ADAM_BLOCK", "COPY", "GRAD16", "L2", "LION_BLOCK", "NATIVE16", "PARAM16", "UNIT", "adam_block",
-           "available", "form", "lion_block", "native_bf16"]
+__all__ = ["ADAM_BLOCK", "COPY", "GRAD16", "L2", "LION_BLOCK", "NATIVE16", "NESTEROV", "PARAM16", "REMAINDER",
+           "SGD_BLOCK", "UNIT", "adam_block", "available", "form", "lion_block", "native_bf16", "sgd_block"]
 
 LANES = 16  # float32 lanes of one vector: a 512-bit register
 # vectors of each array loaded before any is computed: Adam eight (DeepSpeed's form); Lion four
 # (less work per byte: with eight, its master-copy form streamed 3-7% slower than its element
 # loop, with four 1-2% faster; its other forms as fast or faster with four; measured,
-# benchmarks/cpu_step.py on an AVX-512 Xeon)
-ADAM_SPAN, LION_SPAN = 8, 4
-ADAM_BLOCK, LION_BLOCK = LANES * ADAM_SPAN, LANES * LION_SPAN  # elements of one block
+# benchmarks/cpu_step.py on an AVX-512 Xeon); SGD, less work still, four
+ADAM_SPAN, LION_SPAN, SGD_SPAN = 8, 4, 4
+ADAM_BLOCK, LION_BLOCK, SGD_BLOCK = (LANES * span for span in (ADAM_SPAN, LION_SPAN, SGD_SPAN))  # elements
 
 # the bits of a block's form (a compile-time constant of the chunk function)
 L2 = 1       # the weight decay is added to the grad (Adam)
@@ -50,6 +51,8 @@ PARAM16 = 4  # the param is bfloat16
 GRAD16 = 8   # the grad is bfloat16
 COPY = 16    # the master is a float32 copy (the companion), the param its rounding (PARAM16)
 NATIVE16 = 32  # the bfloat16 param rounded by the CPU's conversion (AVX512-BF16; PARAM16)
+REMAINDER = 64  # the master is the bfloat16 param and an int16 remainder (the companion): PARAM16
+NESTEROV = 128  # SGD's Nesterov momentum
 
 
 def _target_features() -> list:
@@ -76,16 +79,18 @@ def form(weights: str, param_format, grad_format, companion_format, moment_forma
     """The blocks' form (the flags above) for a chunk function's configuration, or None where
     they do not apply: float32 moments rounded to nearest, nothing counted, a float32 or
     bfloat16 grad, a float32 or bfloat16 param as its own master or a bfloat16 param with a
-    float32 copy, and a target CPU with AVX-512.  (``formats``: the numpy element classes of
-    ``storage.py``, ``np.int16`` for bfloat16.)"""
+    float32 copy or an int16 remainder, and a target CPU with AVX-512.  (``formats``: the numpy
+    element classes of ``storage.py``, ``np.int16`` for bfloat16 and the remainder.)"""
     master = (weights == "param" and param_format in (np.float32, np.int16)) \
-        or (weights == "copy" and param_format is np.int16 and companion_format is np.float32)
+        or (weights == "copy" and param_format is np.int16 and companion_format is np.float32) \
+        or (weights == "remainder" and param_format is np.int16 and companion_format is np.int16)
     if not master or moments != "nearest" or track or any(f is not np.float32 for f in moment_formats) \
             or grad_format not in (np.float32, np.int16) or not available():
         return None
-    param16 = param_format is np.int16
+    param16, remainder = param_format is np.int16, weights == "remainder"
     return (L2 * bool(l2) | UNIT * bool(unit) | PARAM16 * param16 | GRAD16 * (grad_format is np.int16)
-            | COPY * (weights == "copy") | NATIVE16 * (param16 and native_bf16()))
+            | COPY * (weights == "copy") | REMAINDER * remainder
+            | NATIVE16 * (param16 and not remainder and native_bf16()))
 
 
 class _Block:
@@ -94,8 +99,8 @@ class _Block:
 
     def __init__(self, builder, span: int, flags: int, scalars_at, param_at, grad_at, companion_at):
         self.builder, self.span = builder, span
-        self.unit, self.param16, self.grad16, self.copy, self.native16 = (
-            bool(flags & bit) for bit in (UNIT, PARAM16, GRAD16, COPY, NATIVE16))
+        self.unit, self.param16, self.grad16, self.copy, self.native16, self.remainder = (
+            bool(flags & bit) for bit in (UNIT, PARAM16, GRAD16, COPY, NATIVE16, REMAINDER))
         f32, self.i32, self.i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
         self.vector, self.words = ir.VectorType(f32, LANES), ir.VectorType(self.i32, LANES)
         self.halves = ir.VectorType(ir.IntType(16), LANES)
@@ -103,7 +108,8 @@ class _Block:
         self.canonical_nan = builder.bitcast(self.word(int(CANONICAL_NAN_F32)), self.vector)
         self.param_pointers = self.pointers(param_at, self.param16)
         self.grad_pointers = self.pointers(grad_at, self.grad16)
-        self.master_pointers = self.pointers(companion_at, False) if self.copy else self.param_pointers
+        self.master_pointers = self.pointers(companion_at, False) if self.copy else \
+            self.pointers(companion_at, True) if self.remainder else self.param_pointers
 
     def splat(self, x):
         undefined = ir.Constant(self.vector, ir.Undefined)
@@ -169,7 +175,16 @@ class _Block:
         return builder.select(low, builder.sub(rounded, ir.Constant(self.halves, [0x0080] * LANES)), rounded)
 
     def masters(self) -> list:
-        """The masters' vectors: the param's, or the float32 copy's."""
+        """The masters' vectors: the param's, the float32 copy's, or the param's joined with its
+        remainder (storage.join_remainder: ``(param << 16) + remainder``, the remainder
+        sign-extended, modulo 2^32, is the float32's bits)."""
+        if self.remainder:
+            builder, masters = self.builder, []
+            for param, remainder in zip(self.param_pointers, self.master_pointers):
+                upper = builder.shl(builder.zext(builder.load(param, align=2), self.words), self.word(16))
+                bits = builder.add(upper, builder.sext(builder.load(remainder, align=2), self.words))
+                masters.append(builder.bitcast(bits, self.vector))
+            return masters
         return [self.load(pointer, self.param16 and not self.copy) for pointer in self.master_pointers]
 
     def grads(self, scale) -> list:
@@ -178,7 +193,17 @@ class _Block:
         return gs if self.unit else [self.builder.fmul(g, self.splat(scale)) for g in gs]
 
     def store_master(self, k: int, w) -> None:
-        """storage.encode_master with rounding to nearest: the param, and the copy's float32."""
+        """storage.encode_master with rounding to nearest: the param, and the copy's float32; or
+        the exact master split (storage.split_remainder: the canonical NaN; the param
+        ``(bits + 0x8000) >> 16``, the remainder the low 16 bits)."""
+        if self.remainder:
+            builder = self.builder
+            bits = builder.bitcast(builder.select(builder.fcmp_unordered("uno", w, w), self.canonical_nan, w),
+                                   self.words)
+            upper = builder.lshr(builder.add(bits, self.word(0x8000)), self.word(16))
+            builder.store(builder.trunc(upper, self.halves), self.param_pointers[k], align=2)
+            builder.store(builder.trunc(bits, self.halves), self.master_pointers[k], align=2)
+            return
         self.store(w, self.param_pointers[k], self.param16)
         if self.copy:
             self.store(w, self.master_pointers[k], False)
@@ -270,3 +295,40 @@ def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale)
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+@intrinsic(prefer_literal=True)
+def sgd_block(typingctx, form, param, grad, companion, momentum_buffer, scalars, scale):
+    """``sgd_block(form, param, grad, companion, momentum_buffer, scalars, scale)``:
+    ``sgd.py``'s update with a momentum buffer (not its first step) of the ``SGD_BLOCK``
+    elements at the addresses, in place, as :func:`adam_block` (``NESTEROV``; ``UNIT``: also
+    no multiplication by ``1 - dampening``, as sgd.py's ``unit``); ``scalars``: the chunk
+    function's (momentum, 1 - dampening, lr, weight decay)."""
+    if not isinstance(form, types.IntegerLiteral):
+        return None
+    flags = form.literal_value
+    signature = types.void(form, param, grad, companion, momentum_buffer, scalars, scale)
+
+    def codegen(context, builder, sig, args):
+        _, param_at, grad_at, companion_at, buffer_at, scalars_at, scale = args
+        block = _Block(builder, SGD_SPAN, flags, scalars_at, param_at, grad_at, companion_at)
+        momentum, one_minus_dampening, lr, weight_decay = (block.scalar(k) for k in range(4))
+        buffers = block.pointers(buffer_at, False)
+        ws, gs = block.masters(), block.grads(scale)
+        bs = [block.load(pointer, False) for pointer in buffers]
+        results = []
+        for w, g, b in zip(ws, gs, bs):  # sgd.py's update, operation by operation
+            if flags & L2:
+                g = builder.fadd(g, builder.fmul(w, weight_decay))
+            b = builder.fmul(b, momentum)
+            b = builder.fadd(b, g if flags & UNIT else builder.fmul(g, one_minus_dampening))
+            g = builder.fadd(g, builder.fmul(b, momentum)) if flags & NESTEROV else b
+            w = builder.fsub(w, builder.fmul(g, lr))
+            results.append((w, b))
+        for k, (w, b) in enumerate(results):
+            block.store_master(k, w)
+            block.store(b, buffers[k], False)
+        return context.get_dummy_value()
+
+    return signature, codegen
+

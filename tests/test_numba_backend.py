@@ -27,7 +27,7 @@ from bf16opt.backends import numba as numba_backend
 from bf16opt.backends import staging
 from bf16opt._cpu import vector_blocks
 from bf16opt.precision import PRESETS, StoragePlan, all_plans, plan_for
-from bf16opt.storage import encode
+from bf16opt.storage import encode, split_remainder
 
 pytest.importorskip("numba")
 
@@ -188,8 +188,20 @@ VECTORISED = [  # (algorithm, preset, param dtype, grad dtype, weight decay, uni
     (LION, "fp32", torch.float32, torch.float32, "decoupled", True),
     (LION, "bf16-master", torch.bfloat16, torch.bfloat16, "decoupled", False),
     (LION, "fp32", torch.bfloat16, torch.float32, "decoupled", False),
+    # the exact master as a bfloat16 param and its int16 remainder
+    (ADAM, "fp32-remainder", torch.bfloat16, torch.bfloat16, "decoupled", True),
+    (ADAM, "fp32-remainder", torch.bfloat16, torch.float32, "l2", False),
+    (LION, "fp32-remainder", torch.bfloat16, torch.bfloat16, "decoupled", False),
+    # SGD with a momentum buffer: Nesterov with L2, dampening, plain
+    (SGD, "fp32-remainder", torch.bfloat16, torch.bfloat16, "nesterov-l2", False),
+    (SGD, "fp32-remainder", torch.bfloat16, torch.float32, "plain", True),
+    (SGD, "bf16-master", torch.bfloat16, torch.bfloat16, "dampening", False),
+    (SGD, "fp32", torch.float32, torch.float32, "nesterov-l2", True),
+    (SGD, "fp32", torch.bfloat16, torch.bfloat16, "plain", True),
 ]
 LION_GROUP = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+SGD_GROUPS = {"nesterov-l2": sgd_group(momentum=0.9, weight_decay=0.01, nesterov=True),
+              "dampening": sgd_group(momentum=0.9, dampening=0.1), "plain": sgd_group(momentum=0.9)}
 
 needs_avx512 = pytest.mark.skipif(not vector_blocks.available(),
                                   reason="needs a CPU with AVX-512 (the hand-vectorised blocks)")
@@ -200,11 +212,13 @@ needs_avx512 = pytest.mark.skipif(not vector_blocks.available(),
                          ids=[f"{a.name}-{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
                               for a, p, d, g, w, u in VECTORISED])
 def test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, wd_mode, unit):
-    """float32 moments: ``vector_blocks.py``'s blocks (Adam 128 elements, Lion 64), then the element loop --
-    whole and partial blocks, tensors placed off their alignment, NaN, infinities, subnormals
-    and ties in the grads -- against the reference bit for bit; ``unit``: without the
-    unscaling multiplication, else with a grad scale and maximize flipped each step."""
+    """float32 moments: ``vector_blocks.py``'s blocks (Adam 128 elements, Lion and SGD 64), then
+    the element loop -- whole and partial blocks, tensors placed off their alignment, NaN,
+    infinities, subnormals and ties in the grads -- against the reference bit for bit;
+    ``unit``: without the unscaling multiplication, else with a grad scale and maximize
+    flipped each step."""
     group, flags = (ADAM_GROUPS[wd_mode], adam_flags(ADAM_GROUPS[wd_mode], amsgrad=False)) if algorithm is ADAM \
+        else (SGD_GROUPS[wd_mode], sgd_flags(SGD_GROUPS[wd_mode])) if algorithm is SGD \
         else (LION_GROUP, dict(maximize=False))
     bucket = make_bucket(algorithm, plan_for(PRESETS[preset], dtype), [(1000,), (128,), (255,), (3, 129), (7,)],
                          flags=flags, seed=41, misalign=0.5, grad=grad)
@@ -230,25 +244,38 @@ def test_vectorised_adam_blocks_round_ties_to_even():
     run_both(bucket, group, steps=1, where="ties", unit=unit)
 
 
-def _adam_copy_blocks(form: int):
-    """A loop of ``vector_blocks.adam_block`` of ``form`` (a float32 master copy, its bfloat16
-    param) over whole arrays: with a learning rate of 0 and zero grads and moments, the
-    blocks store each master as it is, encoded, and its param rounded from it."""
+def _adam_master_blocks(form: int):
+    """A loop of ``vector_blocks.adam_block`` of ``form`` (a bfloat16 param and its float32
+    master copy or int16 remainder, the companion) over whole arrays: with a learning rate of
+    0 and zero grads and moments, the blocks store each master as it is, encoded."""
     from numba import njit
 
     from bf16opt._cpu.storage import pointer_to
 
-    block = vector_blocks.ADAM_BLOCK
+    block, companion_size = vector_blocks.ADAM_BLOCK, 2 if form & vector_blocks.REMAINDER else 4
 
     @njit
-    def run(param, grad, master, exp_avg, exp_avg_sq, scalars):
+    def run(param, grad, companion, exp_avg, exp_avg_sq, scalars):
         values = pointer_to(scalars.ctypes.data, np.float32)
         for j in range(0, param.size, block):
             vector_blocks.adam_block(form, param.ctypes.data + 2 * j, grad.ctypes.data + 2 * j,
-                                     master.ctypes.data + 4 * j, exp_avg.ctypes.data + 4 * j,
+                                     companion.ctypes.data + companion_size * j, exp_avg.ctypes.data + 4 * j,
                                      exp_avg_sq.ctypes.data + 4 * j, values, np.float32(1.0))
 
     return run
+
+
+def _blocks_masters() -> np.ndarray:
+    """float32 bits for the blocks' storing of masters: :func:`_interesting_f32_bits` and every
+    subnormal of random high fields, in whole blocks."""
+    rng = np.random.default_rng(7)
+    subnormals = np.arange(1 << 23, dtype=np.uint32)[rng.integers(0, 1 << 23, 1 << 16)]
+    masters = np.concatenate([_interesting_f32_bits(), subnormals, subnormals | np.uint32(0x80000000)])
+    return np.concatenate([masters, np.zeros(-masters.size % vector_blocks.ADAM_BLOCK, np.uint32)])
+
+
+# beta1, beta2, 1 - beta1, 1 - beta2, step size 0, 1 / sqrt(bias correction 2), eps, weight decay, decay 1
+_STILL_ADAM = np.array([0.9, 0.999, 0.1, 0.001, 0.0, 1.0, 1e-8, 0.0, 1.0], dtype=np.float32)
 
 
 @needs_avx512
@@ -261,24 +288,36 @@ def test_vectorised_blocks_round_every_interesting_pattern_as_the_reference(nati
     subnormal of a few random high fields, NaNs with payloads, infinities and overflow."""
     if native and not vector_blocks.native_bf16():
         pytest.skip("needs a CPU with AVX512-BF16 (the blocks' native rounding)")
-    rng = np.random.default_rng(7)
-    subnormals = np.arange(1 << 23, dtype=np.uint32)[rng.integers(0, 1 << 23, 1 << 16)]
-    masters = np.concatenate([_interesting_f32_bits(), subnormals, subnormals | np.uint32(0x80000000)])
-    masters = np.concatenate([masters, np.zeros(-masters.size % vector_blocks.ADAM_BLOCK, np.uint32)])
+    masters = _blocks_masters()
     form = vector_blocks.COPY | vector_blocks.PARAM16 | vector_blocks.GRAD16 | vector_blocks.UNIT \
         | (vector_blocks.NATIVE16 if native else 0)
-    # beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias correction 2), eps, weight decay, decay
-    scalars = np.array([0.9, 0.999, 0.1, 0.001, 0.0, 1.0, 1e-8, 0.0, 1.0], dtype=np.float32)
     master = masters.view(np.float32).copy()
     param = np.zeros(master.size, dtype=np.int16)
     zeros = np.zeros(master.size, dtype=np.float32)
-    _adam_copy_blocks(form)(param, np.zeros_like(param), master, zeros, zeros.copy(), scalars)
+    _adam_master_blocks(form)(param, np.zeros_like(param), master, zeros, zeros.copy(), _STILL_ADAM)
     values = torch.from_numpy(masters.view(np.float32))
     for got, dtype in ((param, torch.bfloat16), (master, torch.float32)):
         expected = encode(values, dtype).view(INT_VIEW[dtype]).numpy()
         bad = np.nonzero(got.view(expected.dtype) != expected)[0]
         assert bad.size == 0, (dtype, [(hex(masters[i]), hex(got.view(expected.dtype)[i]), hex(expected[i]))
                                        for i in bad[:5]])
+
+
+@needs_avx512
+def test_vectorised_blocks_split_every_interesting_master_as_the_reference():
+    """The blocks' exact master as a bfloat16 param and its int16 remainder (``REMAINDER``):
+    read back joined and stored split as ``storage.split_remainder`` splits it, for the
+    patterns of the test above (every upper half with the remainder's sign boundary, 0x8000,
+    and its neighbours below it; NaNs made canonical)."""
+    masters = torch.from_numpy(_blocks_masters().view(np.float32))
+    param, remainder = (t.view(torch.int16).numpy().copy() for t in split_remainder(masters))
+    expected = [param.copy(), remainder.copy()]
+    form = vector_blocks.REMAINDER | vector_blocks.PARAM16 | vector_blocks.GRAD16 | vector_blocks.UNIT
+    zeros = np.zeros(param.size, dtype=np.float32)
+    _adam_master_blocks(form)(param, np.zeros_like(param), remainder, zeros, zeros.copy(), _STILL_ADAM)
+    for got, want in zip((param, remainder), expected):
+        bad = np.nonzero(got != want)[0]
+        assert bad.size == 0, [(hex(_blocks_masters()[i]), int(got[i]), int(want[i])) for i in bad[:5]]
 
 
 # ---------------------------------------------------------------- property tests
