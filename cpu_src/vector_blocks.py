@@ -217,47 +217,58 @@ def _sqrt(builder, vector):
     return _intrinsic(builder, f"llvm.sqrt.v{LANES}f32", vector, [vector])
 
 
+def _block_codegen(flags: int, span: int, scalar_count: int, update):
+    """The codegen of a block intrinsic with the arguments (form, param, grad, companion, the
+    moments' addresses..., scalars, scale): the block's masters, grads and float32 moments
+    loaded, ``update(block, values, w, g, moments) -> (w, moments)`` on each vector (``values``:
+    the first ``scalar_count`` scalars, splatted), then every result stored."""
+    def codegen(context, builder, sig, args):
+        param_at, grad_at, companion_at, *moments_at, scalars_at, scale = args[1:]
+        block = _Block(builder, span, flags, scalars_at, param_at, grad_at, companion_at)
+        values = [block.scalar(k) for k in range(scalar_count)]
+        pointers = [block.pointers(at, False) for at in moments_at]
+        ws, gs = block.masters(), block.grads(scale)
+        loaded = [[block.load(pointer, False) for pointer in moment] for moment in pointers]
+        results = [update(block, values, w, g, moments) for w, g, *moments in zip(ws, gs, *loaded)]
+        for k, (w, moments) in enumerate(results):
+            block.store_master(k, w)
+            for x, moment in zip(moments, pointers):
+                block.store(x, moment[k], False)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 # One intrinsic per algorithm, the form a literal argument: an intrinsic made per form and held
 # in a chunk function's closure would put its per-process id into Numba's on-disk cache key.
 @intrinsic(prefer_literal=True)
 def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale):
     """``adam_block(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale)``:
     ``adam.py``'s update of the ``ADAM_BLOCK`` elements at the addresses (int64; the companion's
-    only with ``COPY``), in place.  ``form``: a constant of the flags above; ``scalars``: the
-    chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias
+    only with ``COPY`` or ``REMAINDER``), in place.  ``form``: a constant of the flags above;
+    ``scalars``: the chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias
     correction 2), eps, weight decay, decay); ``scale``: ``inv_grad_scale * sign``, not read
     with ``UNIT``."""
     if not isinstance(form, types.IntegerLiteral):
         return None
     flags = form.literal_value
-    signature = types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale)
 
-    def codegen(context, builder, sig, args):
-        _, param_at, grad_at, companion_at, exp_avg_at, exp_avg_sq_at, scalars_at, scale = args
-        block = _Block(builder, ADAM_SPAN, flags, scalars_at, param_at, grad_at, companion_at)
+    def update(block, values, w, g, moments):  # adam.py's update, operation by operation
+        builder, (m, v) = block.builder, moments
         beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, \
-            weight_decay, decay = (block.scalar(k) for k in range(9))
-        sqrt = _sqrt(builder, block.vector)
-        exp_avgs, exp_avg_sqs = block.pointers(exp_avg_at, False), block.pointers(exp_avg_sq_at, False)
-        ws, gs = block.masters(), block.grads(scale)
-        ms, vs = ([block.load(pointer, False) for pointer in pointers] for pointers in (exp_avgs, exp_avg_sqs))
-        results = []
-        for w, g, m, v in zip(ws, gs, ms, vs):  # adam.py's update, operation by operation
-            if flags & L2:
-                g = builder.fadd(g, builder.fmul(w, weight_decay))
-            w = builder.fmul(w, decay)
-            m = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
-            v = builder.fadd(builder.fmul(v, beta2), builder.fmul(builder.fmul(g, g), one_minus_beta2))
-            d = builder.fadd(builder.fmul(builder.call(sqrt, [v]), inv_sqrt_bias_correction2), eps)
-            w = builder.fsub(w, builder.fmul(builder.fdiv(m, d), step_size))
-            results.append((w, m, v))
-        for k, (w, m, v) in enumerate(results):
-            block.store_master(k, w)
-            block.store(m, exp_avgs[k], False)
-            block.store(v, exp_avg_sqs[k], False)
-        return context.get_dummy_value()
+            weight_decay, decay = values
+        if flags & L2:
+            g = builder.fadd(g, builder.fmul(w, weight_decay))
+        w = builder.fmul(w, decay)
+        m = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
+        v = builder.fadd(builder.fmul(v, beta2), builder.fmul(builder.fmul(g, g), one_minus_beta2))
+        d = builder.call(_sqrt(builder, block.vector), [v])
+        d = builder.fadd(builder.fmul(d, inv_sqrt_bias_correction2), eps)
+        w = builder.fsub(w, builder.fmul(builder.fdiv(m, d), step_size))
+        return w, (m, v)
 
-    return signature, codegen
+    return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale),
+            _block_codegen(flags, ADAM_SPAN, 9, update))
 
 
 @intrinsic(prefer_literal=True)
@@ -268,33 +279,22 @@ def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale)
     decay)."""
     if not isinstance(form, types.IntegerLiteral) or form.literal_value & L2:
         return None
-    flags = form.literal_value
-    signature = types.void(form, param, grad, companion, exp_avg, scalars, scale)
 
-    def codegen(context, builder, sig, args):
-        _, param_at, grad_at, companion_at, exp_avg_at, scalars_at, scale = args
-        block = _Block(builder, LION_SPAN, flags, scalars_at, param_at, grad_at, companion_at)
-        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay = (block.scalar(k) for k in range(6))
+    def update(block, values, w, g, moments):  # lion.py's update, operation by operation
+        builder, (m,) = block.builder, moments
+        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay = values
         zero, one, minus_one = block.constant(0.0), block.constant(1.0), block.constant(-1.0)
-        exp_avgs = block.pointers(exp_avg_at, False)
-        ws, gs = block.masters(), block.grads(scale)
-        ms = [block.load(pointer, False) for pointer in exp_avgs]
-        results = []
-        for w, g, m in zip(ws, gs, ms):  # lion.py's update, operation by operation
-            w = builder.fmul(w, decay)
-            c = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
-            s = builder.fadd(c, zero)  # sign(c): +0 for +-0, NaN for NaN
-            s = builder.select(builder.fcmp_ordered(">", c, zero), one, s)
-            s = builder.select(builder.fcmp_ordered("<", c, zero), minus_one, s)
-            w = builder.fsub(w, builder.fmul(s, lr))
-            m = builder.fadd(builder.fmul(m, beta2), builder.fmul(g, one_minus_beta2))
-            results.append((w, m))
-        for k, (w, m) in enumerate(results):
-            block.store_master(k, w)
-            block.store(m, exp_avgs[k], False)
-        return context.get_dummy_value()
+        w = builder.fmul(w, decay)
+        c = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
+        s = builder.fadd(c, zero)  # sign(c): +0 for +-0, NaN for NaN
+        s = builder.select(builder.fcmp_ordered(">", c, zero), one, s)
+        s = builder.select(builder.fcmp_ordered("<", c, zero), minus_one, s)
+        w = builder.fsub(w, builder.fmul(s, lr))
+        m = builder.fadd(builder.fmul(m, beta2), builder.fmul(g, one_minus_beta2))
+        return w, (m,)
 
-    return signature, codegen
+    return (types.void(form, param, grad, companion, exp_avg, scalars, scale),
+            _block_codegen(form.literal_value, LION_SPAN, 6, update))
 
 
 @intrinsic(prefer_literal=True)
@@ -307,28 +307,17 @@ def sgd_block(typingctx, form, param, grad, companion, momentum_buffer, scalars,
     if not isinstance(form, types.IntegerLiteral):
         return None
     flags = form.literal_value
-    signature = types.void(form, param, grad, companion, momentum_buffer, scalars, scale)
 
-    def codegen(context, builder, sig, args):
-        _, param_at, grad_at, companion_at, buffer_at, scalars_at, scale = args
-        block = _Block(builder, SGD_SPAN, flags, scalars_at, param_at, grad_at, companion_at)
-        momentum, one_minus_dampening, lr, weight_decay = (block.scalar(k) for k in range(4))
-        buffers = block.pointers(buffer_at, False)
-        ws, gs = block.masters(), block.grads(scale)
-        bs = [block.load(pointer, False) for pointer in buffers]
-        results = []
-        for w, g, b in zip(ws, gs, bs):  # sgd.py's update, operation by operation
-            if flags & L2:
-                g = builder.fadd(g, builder.fmul(w, weight_decay))
-            b = builder.fmul(b, momentum)
-            b = builder.fadd(b, g if flags & UNIT else builder.fmul(g, one_minus_dampening))
-            g = builder.fadd(g, builder.fmul(b, momentum)) if flags & NESTEROV else b
-            w = builder.fsub(w, builder.fmul(g, lr))
-            results.append((w, b))
-        for k, (w, b) in enumerate(results):
-            block.store_master(k, w)
-            block.store(b, buffers[k], False)
-        return context.get_dummy_value()
+    def update(block, values, w, g, moments):  # sgd.py's update, operation by operation
+        builder, (b,) = block.builder, moments
+        momentum, one_minus_dampening, lr, weight_decay = values
+        if flags & L2:
+            g = builder.fadd(g, builder.fmul(w, weight_decay))
+        b = builder.fmul(b, momentum)
+        b = builder.fadd(b, g if flags & UNIT else builder.fmul(g, one_minus_dampening))
+        g = builder.fadd(g, builder.fmul(b, momentum)) if flags & NESTEROV else b
+        w = builder.fsub(w, builder.fmul(g, lr))
+        return w, (b,)
 
-    return signature, codegen
-
+    return (types.void(form, param, grad, companion, momentum_buffer, scalars, scale),
+            _block_codegen(flags, SGD_SPAN, 4, update))
