@@ -38,7 +38,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
                               track, unit)
     vector = form is not None
     block = vector_blocks.LION_BLOCK if vector else 0
-    param_size, grad_size, companion_size = (2 if f is np.int16 else 4  # bytes
+    param_size, grad_size, companion_size = (np.dtype(f).itemsize  # bytes per element
                                              for f in (param_format, grad_format, companion_format))
 
     @update_jit

@@ -309,15 +309,16 @@ def test_vectorised_blocks_split_every_interesting_master_as_the_reference():
     read back joined and stored split as ``storage.split_remainder`` splits it, for the
     patterns of the test above (every upper half with the remainder's sign boundary, 0x8000,
     and its neighbours below it; NaNs made canonical)."""
-    masters = torch.from_numpy(_blocks_masters().view(np.float32))
-    param, remainder = (t.view(torch.int16).numpy().copy() for t in split_remainder(masters))
+    bits = _blocks_masters()
+    param, remainder = (t.view(torch.int16).numpy().copy()
+                        for t in split_remainder(torch.from_numpy(bits.view(np.float32))))
     expected = [param.copy(), remainder.copy()]
     form = vector_blocks.REMAINDER | vector_blocks.PARAM16 | vector_blocks.GRAD16 | vector_blocks.UNIT
     zeros = np.zeros(param.size, dtype=np.float32)
     _adam_master_blocks(form)(param, np.zeros_like(param), remainder, zeros, zeros.copy(), _STILL_ADAM)
     for got, want in zip((param, remainder), expected):
         bad = np.nonzero(got != want)[0]
-        assert bad.size == 0, [(hex(_blocks_masters()[i]), int(got[i]), int(want[i])) for i in bad[:5]]
+        assert bad.size == 0, [(hex(bits[i]), int(got[i]), int(want[i])) for i in bad[:5]]
 
 
 # ---------------------------------------------------------------- property tests
