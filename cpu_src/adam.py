@@ -22,10 +22,10 @@ store) runs in the loop over the row's elements, or, when every array of the
 configuration is 16-bit and 4-byte aligned, in the paired loop: one uint32 word of each
 array holds two elements, so decoding is one shift or mask and encoding one merge per pair
 (cheaper than widening and narrowing 16-bit lanes); an odd last element goes through the
-element loop.  With float32 moments (and a master ``vector_blocks.py`` covers, no amsgrad, no
-telemetry) on a CPU with AVX-512, whole blocks of ``ADAM_BLOCK`` (128) elements go through
-``vector_blocks.py``'s hand-vectorised update (the same operations, the same bits), the rest
-through the element loop.
+element loop.  Where ``vector_blocks.py`` covers the configuration (moments rounded to
+nearest, no amsgrad, no telemetry: ``vector_blocks.form``) on a CPU with AVX-512, whole blocks
+of ``ADAM_BLOCK`` (128) elements go through its hand-vectorised update (the same operations,
+the same bits) instead, the rest through the element loop.
 """
 
 from __future__ import annotations
@@ -96,15 +96,17 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     reads_param, has_companion = WEIGHT_ARRAYS[weights]
     present = (param_format, grad_format, exp_avg_format, exp_avg_sq_format) + \
         ((companion_format,) if has_companion else ())
-    paired = all(f in SIXTEEN_BITS for f in present)
     # whole blocks hand-vectorised where vector_blocks.py covers the configuration, the rest
     # in the element loop below
     form = None if amsgrad else vector_blocks.form(weights, param_format, grad_format, companion_format,
                                                    (exp_avg_format, exp_avg_sq_format), moments, track, unit, l2)
     vector = form is not None
+    # all arrays 16-bit: words of two elements, unless the blocks take them
+    paired = not vector and all(f in SIXTEEN_BITS for f in present)
     block = vector_blocks.ADAM_BLOCK if vector else 0
-    param_size, grad_size, companion_size = (np.dtype(f).itemsize  # bytes per element
-                                             for f in (param_format, grad_format, companion_format))
+    param_size, grad_size, companion_size, moment_size = (np.dtype(f).itemsize  # bytes per element
+                                                          for f in (param_format, grad_format, companion_format,
+                                                                    exp_avg_format))
 
     @update_jit
     def element_update(g, p, c, m, v, x, element, now):
@@ -195,8 +197,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
             first = n - n % block
             for j in range(0, first, block):
                 vector_blocks.adam_block(form, row[0] + param_size * j, row[1] + grad_size * j,
-                                         row[2] + companion_size * j, row[3] + 4 * j, row[4] + 4 * j, scalars,
-                                         scale)
+                                         row[2] + companion_size * j, row[3] + moment_size * j,
+                                         row[4] + moment_size * j, scalars, scale)
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0), exp_avg[i], exp_avg_sq[i],

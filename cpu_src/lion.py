@@ -32,14 +32,16 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     weights, moments, track, unit = str(weights), str(moments), bool(track), bool(unit)
     reads_param, has_companion = WEIGHT_ARRAYS[weights]
     present = (param_format, grad_format, exp_avg_format) + ((companion_format,) if has_companion else ())
-    paired = all(f in SIXTEEN_BITS for f in present)
     # whole blocks hand-vectorised where vector_blocks.py covers the configuration (adam.py)
     form = vector_blocks.form(weights, param_format, grad_format, companion_format, (exp_avg_format,), moments,
                               track, unit)
     vector = form is not None
+    # all arrays 16-bit: words of two elements, unless the blocks take them
+    paired = not vector and all(f in SIXTEEN_BITS for f in present)
     block = vector_blocks.LION_BLOCK if vector else 0
-    param_size, grad_size, companion_size = (np.dtype(f).itemsize  # bytes per element
-                                             for f in (param_format, grad_format, companion_format))
+    param_size, grad_size, companion_size, moment_size = (np.dtype(f).itemsize  # bytes per element
+                                                          for f in (param_format, grad_format, companion_format,
+                                                                    exp_avg_format))
 
     @update_jit
     def element_update(g, p, comp, m_old, element, now):
@@ -112,7 +114,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
             first = n - n % block
             for j in range(0, first, block):
                 vector_blocks.lion_block(form, row[0] + param_size * j, row[1] + grad_size * j,
-                                         row[2] + companion_size * j, row[3] + 4 * j, scalars, scale)
+                                         row[2] + companion_size * j, row[3] + moment_size * j, scalars, scale)
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0), exp_avg[i],

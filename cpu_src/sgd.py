@@ -1,7 +1,7 @@
 """Numba chunk functions for SGD with momentum (torch.optim.SGD's math), same conventions
 as ``adam.py`` (the update of one element, run by the element loop or the paired loop, or
-whole blocks by ``vector_blocks.py`` where it covers the configuration: a float32 momentum
-buffer after its first step); the operation order is ``bf16opt/backends/reference.py``'s
+whole blocks by ``vector_blocks.py`` where it covers the configuration: a momentum buffer
+after its first step); the operation order is ``bf16opt/backends/reference.py``'s
 ``sgd``."""
 
 from __future__ import annotations
@@ -42,16 +42,18 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     reads_param, has_companion = WEIGHT_ARRAYS[weights]
     present = (param_format, grad_format) + ((companion_format,) if has_companion else ()) + \
         ((buffer_format,) if momentum else ())
-    paired = all(f in SIXTEEN_BITS for f in present)
     # whole blocks hand-vectorised where vector_blocks.py covers the configuration (adam.py)
     form = None if not reads_buffer else vector_blocks.form(
         weights, param_format, grad_format, companion_format, (buffer_format,), moments, track, unit, l2)
     vector = form is not None
+    # all arrays 16-bit: words of two elements, unless the blocks take them
+    paired = not vector and all(f in SIXTEEN_BITS for f in present)
     if vector and nesterov:
         form |= vector_blocks.NESTEROV
     block = vector_blocks.SGD_BLOCK if vector else 0
-    param_size, grad_size, companion_size = (np.dtype(f).itemsize  # bytes per element
-                                             for f in (param_format, grad_format, companion_format))
+    param_size, grad_size, companion_size, moment_size = (np.dtype(f).itemsize  # bytes per element
+                                                          for f in (param_format, grad_format, companion_format,
+                                                                    buffer_format))
 
     @update_jit
     def element_update(g, p, comp, b, element, now):
@@ -129,7 +131,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
             first_element = n - n % block
             for j in range(0, first_element, block):
                 vector_blocks.sgd_block(form, row[0] + param_size * j, row[1] + grad_size * j,
-                                        row[2] + companion_size * j, row[3] + 4 * j, scalars, scale)
+                                        row[2] + companion_size * j, row[3] + moment_size * j, scalars, scale)
         for i in range(first_element, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0),

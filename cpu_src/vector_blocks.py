@@ -1,8 +1,8 @@
-"""Adam, Lion and SGD with float32 moments, hand-vectorised: the blocks of ``adam.py``'s,
-``lion.py``'s and ``sgd.py``'s element loops for the configurations DeepSpeedCPUAdam's
-fp32-state kernel competes with -- float32 or bfloat16 params that are their own master,
-bfloat16 params with a float32 master copy or with an int16 remainder (the exact float32
-master); float32 or bfloat16 grads; no amsgrad, no telemetry -- where the target CPU has
+"""Adam, Lion and SGD, hand-vectorised: the blocks of ``adam.py``'s, ``lion.py``'s and
+``sgd.py``'s element loops for the configurations that round to nearest -- float32 or
+bfloat16 params that are their own master, bfloat16 params with a float32 master copy, an
+int16 remainder (the exact float32 master) or a Kahan compensation; float32 or bfloat16
+grads; float32 or bfloat16 moments; no amsgrad, no telemetry -- where the target CPU has
 AVX-512.
 
 Why: from the element loops LLVM builds one vector per array per iteration, which runs no
@@ -33,8 +33,9 @@ from numba.extending import intrinsic
 
 from .storage import CANONICAL_NAN_F32
 
-__all__ = ["ADAM_BLOCK", "COPY", "GRAD16", "L2", "LION_BLOCK", "NATIVE16", "NESTEROV", "PARAM16", "REMAINDER",
-           "SGD_BLOCK", "UNIT", "adam_block", "available", "form", "lion_block", "native_bf16", "sgd_block"]
+__all__ = ["ADAM_BLOCK", "COMPANION16", "COPY", "GRAD16", "KAHAN", "L2", "LION_BLOCK", "MOMENT16", "NATIVE16",
+           "NESTEROV", "PARAM16", "REMAINDER", "SGD_BLOCK", "UNIT", "adam_block", "available", "form", "lion_block",
+           "native_bf16", "sgd_block"]
 
 LANES = 16  # float32 lanes of one vector: a 512-bit register
 # vectors of each array loaded before any is computed: Adam eight (DeepSpeed's form); Lion four
@@ -53,6 +54,9 @@ COPY = 16    # the master is a float32 copy (the companion), the param its round
 NATIVE16 = 32  # the bfloat16 param rounded by the CPU's conversion (AVX512-BF16; PARAM16)
 REMAINDER = 64  # the master is the bfloat16 param and an int16 remainder (the companion): PARAM16
 NESTEROV = 128  # SGD's Nesterov momentum
+MOMENT16 = 256  # the moments are bfloat16 (rounded to nearest even), not float32
+KAHAN = 512  # the master is the bfloat16 param with a Kahan compensation (the companion): PARAM16
+COMPANION16 = 1024  # the Kahan compensation is bfloat16, not float32
 
 
 def _target_features() -> list:
@@ -77,20 +81,24 @@ def native_bf16() -> bool:
 def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple, moments: str,
          track: bool, unit: bool, l2: bool = False):
     """The blocks' form (the flags above) for a chunk function's configuration, or None where
-    they do not apply: float32 moments rounded to nearest, nothing counted, a float32 or
-    bfloat16 grad, a float32 or bfloat16 param as its own master or a bfloat16 param with a
-    float32 copy or an int16 remainder, and a target CPU with AVX-512.  (``formats``: the numpy
-    element classes of ``storage.py``, ``np.int16`` for bfloat16 and the remainder.)"""
+    they do not apply: moments rounded to nearest, all float32 or all bfloat16, nothing
+    counted, a float32 or bfloat16 grad, a float32 or bfloat16 param as its own master or a
+    bfloat16 param with a float32 copy, an int16 remainder or a Kahan compensation (bfloat16
+    or float32), and a target CPU with AVX-512.  (``formats``: the numpy element classes of
+    ``storage.py``, ``np.int16`` for bfloat16 and the remainder.)"""
     master = (weights == "param" and param_format in (np.float32, np.int16)) \
         or (weights == "copy" and param_format is np.int16 and companion_format is np.float32) \
-        or (weights == "remainder" and param_format is np.int16 and companion_format is np.int16)
-    if not master or moments != "nearest" or track or any(f is not np.float32 for f in moment_formats) \
+        or (weights == "remainder" and param_format is np.int16 and companion_format is np.int16) \
+        or (weights == "kahan" and param_format is np.int16 and companion_format in (np.float32, np.int16))
+    moment16 = all(f is np.int16 for f in moment_formats)
+    if not master or moments != "nearest" or track or not (moment16 or all(f is np.float32 for f in moment_formats)) \
             or grad_format not in (np.float32, np.int16) or not available():
         return None
-    param16, remainder = param_format is np.int16, weights == "remainder"
+    param16, remainder, kahan = param_format is np.int16, weights == "remainder", weights == "kahan"
+    rounds16 = (param16 and not remainder) or moment16  # some value is rounded to bfloat16
     return (L2 * bool(l2) | UNIT * bool(unit) | PARAM16 * param16 | GRAD16 * (grad_format is np.int16)
-            | COPY * (weights == "copy") | REMAINDER * remainder
-            | NATIVE16 * (param16 and not remainder and native_bf16()))
+            | COPY * (weights == "copy") | REMAINDER * remainder | MOMENT16 * moment16 | KAHAN * kahan
+            | COMPANION16 * (kahan and companion_format is np.int16) | NATIVE16 * (rounds16 and native_bf16()))
 
 
 class _Block:
@@ -99,8 +107,9 @@ class _Block:
 
     def __init__(self, builder, span: int, flags: int, scalars_at, param_at, grad_at, companion_at):
         self.builder, self.span = builder, span
-        self.unit, self.param16, self.grad16, self.copy, self.native16, self.remainder = (
-            bool(flags & bit) for bit in (UNIT, PARAM16, GRAD16, COPY, NATIVE16, REMAINDER))
+        self.unit, self.param16, self.grad16, self.copy, self.native16, self.remainder, self.moment16, \
+            self.kahan, self.companion16 = (bool(flags & bit) for bit in (
+                UNIT, PARAM16, GRAD16, COPY, NATIVE16, REMAINDER, MOMENT16, KAHAN, COMPANION16))
         f32, self.i32, self.i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
         self.vector, self.words = ir.VectorType(f32, LANES), ir.VectorType(self.i32, LANES)
         self.halves = ir.VectorType(ir.IntType(16), LANES)
@@ -110,6 +119,8 @@ class _Block:
         self.grad_pointers = self.pointers(grad_at, self.grad16)
         self.master_pointers = self.pointers(companion_at, False) if self.copy else \
             self.pointers(companion_at, True) if self.remainder else self.param_pointers
+        self.compensation_pointers = self.pointers(companion_at, self.companion16) if self.kahan else []
+        self.compensations = []  # the Kahan compensations' vectors, loaded with the masters
 
     def splat(self, x):
         undefined = ir.Constant(self.vector, ir.Undefined)
@@ -139,12 +150,15 @@ class _Block:
             return x
         return self.builder.bitcast(self.builder.shl(self.builder.zext(x, self.words), self.word(16)), self.vector)
 
-    def store(self, x, pointer, sixteen: bool):
+    def encode(self, x, sixteen: bool):
         """storage.encode_f32 / encode_bf16: the canonical NaN; round to nearest even."""
         x = self.builder.select(self.builder.fcmp_unordered("uno", x, x), self.canonical_nan, x)
         if sixteen:
             x = self.round_bf16_native(x) if self.native16 else self.round_bf16(x)
-        self.builder.store(x, pointer, align=2 if sixteen else 4)
+        return x
+
+    def store(self, x, pointer, sixteen: bool):
+        self.builder.store(self.encode(x, sixteen), pointer, align=2 if sixteen else 4)
 
     def round_bf16(self, x):
         """bfloat16 bits of ``x`` (no NaN), rounded to nearest even on the integer lanes:
@@ -177,7 +191,9 @@ class _Block:
     def masters(self) -> list:
         """The masters' vectors: the param's, the float32 copy's, or the param's joined with its
         remainder (storage.join_remainder: ``(param << 16) + remainder``, the remainder
-        sign-extended, modulo 2^32, is the float32's bits)."""
+        sign-extended, modulo 2^32, is the float32's bits); a Kahan compensation's vectors
+        are loaded with them (``compensations``)."""
+        self.compensations = [self.load(pointer, self.companion16) for pointer in self.compensation_pointers]
         if self.remainder:
             builder, masters = self.builder, []
             for param, remainder in zip(self.param_pointers, self.master_pointers):
@@ -192,12 +208,22 @@ class _Block:
         gs = [self.load(pointer, self.grad16) for pointer in self.grad_pointers]
         return gs if self.unit else [self.builder.fmul(g, self.splat(scale)) for g in gs]
 
-    def store_master(self, k: int, w) -> None:
-        """storage.encode_master with rounding to nearest: the param, and the copy's float32; or
-        the exact master split (storage.split_remainder: the canonical NaN; the param
-        ``(bits + 0x8000) >> 16``, the remainder the low 16 bits)."""
+    def store_master(self, k: int, w0, w) -> None:
+        """storage.encode_master with rounding to nearest (``w0`` the master read, ``w`` the
+        updated one): the param, and the copy's float32; or the exact master split
+        (storage.split_remainder: the canonical NaN; the param ``(bits + 0x8000) >> 16``, the
+        remainder the low 16 bits); or the param with its Kahan compensation
+        (storage.encode_master_kahan: ``y = (w - w0) + c``, the param ``round(w0 + y)``, the
+        compensation ``y - (param - w0)``)."""
+        builder = self.builder
+        if self.kahan:
+            y = builder.fadd(builder.fsub(w, w0), self.compensations[k])
+            rounded = self.encode(builder.fadd(w0, y), True)
+            builder.store(rounded, self.param_pointers[k], align=2)
+            stored = builder.bitcast(builder.shl(builder.zext(rounded, self.words), self.word(16)), self.vector)
+            self.store(builder.fsub(y, builder.fsub(stored, w0)), self.compensation_pointers[k], self.companion16)
+            return
         if self.remainder:
-            builder = self.builder
             bits = builder.bitcast(builder.select(builder.fcmp_unordered("uno", w, w), self.canonical_nan, w),
                                    self.words)
             upper = builder.lshr(builder.add(bits, self.word(0x8000)), self.word(16))
@@ -219,21 +245,21 @@ def _sqrt(builder, vector):
 
 def _block_codegen(flags: int, span: int, scalar_count: int, update):
     """The codegen of a block intrinsic with the arguments (form, param, grad, companion, the
-    moments' addresses..., scalars, scale): the block's masters, grads and float32 moments
-    loaded, ``update(block, values, w, g, moments) -> (w, moments)`` on each vector (``values``:
-    the first ``scalar_count`` scalars, splatted), then every result stored."""
+    moments' addresses..., scalars, scale): the block's masters, grads and moments loaded,
+    ``update(block, values, w, g, moments) -> (w, moments)`` on each vector (``values``: the
+    first ``scalar_count`` scalars, splatted), then every result stored."""
     def codegen(context, builder, sig, args):
         param_at, grad_at, companion_at, *moments_at, scalars_at, scale = args[1:]
         block = _Block(builder, span, flags, scalars_at, param_at, grad_at, companion_at)
         values = [block.scalar(k) for k in range(scalar_count)]
-        pointers = [block.pointers(at, False) for at in moments_at]
+        pointers = [block.pointers(at, block.moment16) for at in moments_at]
         ws, gs = block.masters(), block.grads(scale)
-        loaded = [[block.load(pointer, False) for pointer in moment] for moment in pointers]
+        loaded = [[block.load(pointer, block.moment16) for pointer in moment] for moment in pointers]
         results = [update(block, values, w, g, moments) for w, g, *moments in zip(ws, gs, *loaded)]
         for k, (w, moments) in enumerate(results):
-            block.store_master(k, w)
+            block.store_master(k, ws[k], w)
             for x, moment in zip(moments, pointers):
-                block.store(x, moment[k], False)
+                block.store(x, moment[k], block.moment16)
         return context.get_dummy_value()
 
     return codegen
@@ -245,7 +271,7 @@ def _block_codegen(flags: int, span: int, scalar_count: int, update):
 def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale):
     """``adam_block(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale)``:
     ``adam.py``'s update of the ``ADAM_BLOCK`` elements at the addresses (int64; the companion's
-    only with ``COPY`` or ``REMAINDER``), in place.  ``form``: a constant of the flags above;
+    only with ``COPY``, ``REMAINDER`` or ``KAHAN``), in place.  ``form``: a constant of the flags above;
     ``scalars``: the chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias
     correction 2), eps, weight decay, decay); ``scale``: ``inv_grad_scale * sign``, not read
     with ``UNIT``."""

@@ -198,7 +198,22 @@ VECTORISED = [  # (algorithm, preset, param dtype, grad dtype, weight decay, uni
     (SGD, "bf16-master", torch.bfloat16, torch.bfloat16, "dampening", False),
     (SGD, "fp32", torch.float32, torch.float32, "nesterov-l2", True),
     (SGD, "fp32", torch.bfloat16, torch.bfloat16, "plain", True),
+    # bfloat16 moments; the bfloat16 param with a Kahan compensation (bfloat16 or float32)
+    (ADAM, "bf16", torch.bfloat16, torch.bfloat16, "decoupled", True),
+    (ADAM, "bf16-states", torch.float32, torch.float32, "decoupled", False),  # float32 param, its own
+    (ADAM, "bf16-states", torch.bfloat16, torch.float32, "l2", False),       # float32 copy
+    (ADAM, "fp32-remainder-bf16-states", torch.bfloat16, torch.bfloat16, "decoupled", True),
+    (ADAM, "bf16-kahan", torch.bfloat16, torch.bfloat16, "decoupled", False),
+    (ADAM, "bf16-kahan", torch.bfloat16, torch.float32, "l2", True),
+    (ADAM, "kahan-fp32", torch.bfloat16, torch.bfloat16, "decoupled", False),
+    (LION, "bf16", torch.bfloat16, torch.bfloat16, "decoupled", True),
+    (LION, "bf16-kahan", torch.bfloat16, torch.bfloat16, "decoupled", False),
+    (SGD, "bf16-kahan", torch.bfloat16, torch.bfloat16, "nesterov-l2", False),
+    (SGD, "bf16", torch.bfloat16, torch.bfloat16, "dampening", True),
 ]
+# the presets and a Kahan compensation in float32
+VECTORISED_PRECISIONS = dict(PRESETS, **{"kahan-fp32": bf16opt.Precision(
+    torch.bfloat16, torch.bfloat16, torch.bfloat16, compensation="kahan", compensation_dtype=torch.float32)})
 LION_GROUP = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
 SGD_GROUPS = {"nesterov-l2": sgd_group(momentum=0.9, weight_decay=0.01, nesterov=True),
               "dampening": sgd_group(momentum=0.9, dampening=0.1), "plain": sgd_group(momentum=0.9)}
@@ -212,7 +227,7 @@ needs_avx512 = pytest.mark.skipif(not vector_blocks.available(),
                          ids=[f"{a.name}-{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
                               for a, p, d, g, w, u in VECTORISED])
 def test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, wd_mode, unit):
-    """float32 moments: ``vector_blocks.py``'s blocks (Adam 128 elements, Lion and SGD 64), then
+    """``vector_blocks.py``'s blocks (Adam 128 elements, Lion and SGD 64), then
     the element loop -- whole and partial blocks, tensors placed off their alignment, NaN,
     infinities, subnormals and ties in the grads -- against the reference bit for bit;
     ``unit``: without the unscaling multiplication, else with a grad scale and maximize
@@ -220,7 +235,8 @@ def test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, w
     group, flags = (ADAM_GROUPS[wd_mode], adam_flags(ADAM_GROUPS[wd_mode], amsgrad=False)) if algorithm is ADAM \
         else (SGD_GROUPS[wd_mode], sgd_flags(SGD_GROUPS[wd_mode])) if algorithm is SGD \
         else (LION_GROUP, dict(maximize=False))
-    bucket = make_bucket(algorithm, plan_for(PRESETS[preset], dtype), [(1000,), (128,), (255,), (3, 129), (7,)],
+    bucket = make_bucket(algorithm, plan_for(VECTORISED_PRECISIONS[preset], dtype),
+                         [(1000,), (128,), (255,), (3, 129), (7,)],
                          flags=flags, seed=41, misalign=0.5, grad=grad)
     assert numba_backend.chunk_function(bucket.config, unit).vectorised
     run_both(bucket, group, steps=3, where=f"{algorithm.name} {preset} {dtype} grad {grad} {wd_mode} unit={unit}",
