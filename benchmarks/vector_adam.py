@@ -40,10 +40,11 @@ def kernel():
         per = p.size // parts
         scale = np.float32(1.0)
         values = pointer_to(scalars.ctypes.data, np.float32)
+        keys = pointer_to(scalars.ctypes.data, np.uint32)  # (not read: no stochastic rounding)
         for t in prange(parts):
             for j in range(t * per, (t + 1) * per, BLOCK):
                 at = 4 * j
                 vector_blocks.adam_block(form, p.ctypes.data + at, g.ctypes.data + at, 0, m.ctypes.data + at,
-                                         v.ctypes.data + at, values, scale)
+                                         v.ctypes.data + at, values, scale, keys, j)
 
     return run

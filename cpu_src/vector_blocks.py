@@ -1,9 +1,9 @@
 """Adam, Lion and SGD, hand-vectorised: the blocks of ``adam.py``'s, ``lion.py``'s and
-``sgd.py``'s element loops for the configurations that round to nearest -- float32 or
-bfloat16 params that are their own master, bfloat16 params with a float32 master copy, an
-int16 remainder (the exact float32 master) or a Kahan compensation; float32 or bfloat16
-grads; float32 or bfloat16 moments; no amsgrad, no telemetry -- where the target CPU has
-AVX-512.
+``sgd.py``'s element loops for the configurations of :func:`form` -- float32 or bfloat16
+params that are their own master (rounded to nearest, or stochastically: Lion and SGD),
+bfloat16 params with a float32 master copy, an int16 remainder (the exact float32 master) or
+a Kahan compensation; float32 or bfloat16 grads; float32 or bfloat16 moments; no amsgrad, no
+telemetry -- where the target CPU has AVX-512.
 
 Why: from the element loops LLVM builds one vector per array per iteration, which runs no
 faster than any plain exact loop; a loop that loads eight 512-bit vectors of each array
@@ -17,9 +17,10 @@ Bits: each operation is the element loop's (so ``reference.py``'s), in its order
 rounded on its own (no fused multiply-add: LLVM only fuses operations marked ``contract``)
 -- bfloat16 decoded and encoded as ``storage.decode_bf16`` / ``storage.encode_bf16`` do (a
 shift; round to nearest even on the integer lanes, or the same bits from the CPU's
-conversion where it has AVX512-BF16: :meth:`_Block.round_bf16_native`), and every stored
-NaN made canonical.  The tests that compare the kernels with the reference element for
-element run this path wherever it is on.
+conversion where it has AVX512-BF16: :meth:`_Block.round_bf16_native`; or stochastically,
+with ``storage.random_bits``' bits of each element), and every stored NaN made canonical.
+The tests that compare the kernels with the reference element for element run this path
+wherever it is on.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from numba import types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from .storage import CANONICAL_NAN_F32
+from .storage import CANONICAL_NAN_F32, GOLDEN
 
 __all__ = ["ADAM_BLOCK", "COMPANION16", "COPY", "GRAD16", "KAHAN", "L2", "LION_BLOCK", "MOMENT16", "NATIVE16",
-           "NESTEROV", "PARAM16", "REMAINDER", "SGD_BLOCK", "UNIT", "adam_block", "available", "form", "lion_block",
-           "native_bf16", "sgd_block"]
+           "NESTEROV", "PARAM16", "REMAINDER", "SGD_BLOCK", "SR_MOMENTS", "SR_WEIGHTS", "UNIT", "adam_block",
+           "available", "form", "lion_block", "native_bf16", "sgd_block"]
 
 LANES = 16  # float32 lanes of one vector: a 512-bit register
 # vectors of each array loaded before any is computed: Adam eight (DeepSpeed's form); Lion four
@@ -57,6 +58,8 @@ NESTEROV = 128  # SGD's Nesterov momentum
 MOMENT16 = 256  # the moments are bfloat16 (rounded to nearest even), not float32
 KAHAN = 512  # the master is the bfloat16 param with a Kahan compensation (the companion): PARAM16
 COMPANION16 = 1024  # the Kahan compensation is bfloat16, not float32
+SR_WEIGHTS = 2048  # the bfloat16 param, its own master, rounded stochastically (stream keys[0]): PARAM16
+SR_MOMENTS = 4096  # the bfloat16 moments rounded stochastically (streams keys[1], keys[2]): MOMENT16
 
 
 def _target_features() -> list:
@@ -81,35 +84,41 @@ def native_bf16() -> bool:
 def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple, moments: str,
          track: bool, unit: bool, l2: bool = False):
     """The blocks' form (the flags above) for a chunk function's configuration, or None where
-    they do not apply: moments rounded to nearest, all float32 or all bfloat16, nothing
-    counted, a float32 or bfloat16 grad, a float32 or bfloat16 param as its own master or a
-    bfloat16 param with a float32 copy, an int16 remainder or a Kahan compensation (bfloat16
-    or float32), and a target CPU with AVX-512.  (``formats``: the numpy element classes of
-    ``storage.py``, ``np.int16`` for bfloat16 and the remainder.)"""
-    master = (weights == "param" and param_format in (np.float32, np.int16)) \
+    they do not apply: moments all float32 or all bfloat16, nothing counted, a float32 or
+    bfloat16 grad, a float32 or bfloat16 param as its own master (rounded to nearest or
+    stochastically) or a bfloat16 param with a float32 copy, an int16 remainder or a Kahan
+    compensation (bfloat16 or float32), and a target CPU with AVX-512.  (``formats``: the numpy
+    element classes of ``storage.py``, ``np.int16`` for bfloat16 and the remainder; a float32
+    value rounded stochastically is stored as it is.)"""
+    master = (weights in ("param", "param-stochastic") and param_format in (np.float32, np.int16)) \
         or (weights == "copy" and param_format is np.int16 and companion_format is np.float32) \
         or (weights == "remainder" and param_format is np.int16 and companion_format is np.int16) \
         or (weights == "kahan" and param_format is np.int16 and companion_format in (np.float32, np.int16))
     moment16 = all(f is np.int16 for f in moment_formats)
-    if not master or moments != "nearest" or track or not (moment16 or all(f is np.float32 for f in moment_formats)) \
+    if not master or track or not (moment16 or all(f is np.float32 for f in moment_formats)) \
             or grad_format not in (np.float32, np.int16) or not available():
         return None
     param16, remainder, kahan = param_format is np.int16, weights == "remainder", weights == "kahan"
-    rounds16 = (param16 and not remainder) or moment16  # some value is rounded to bfloat16
+    sr_weights, sr_moments = weights == "param-stochastic" and param16, moments == "stochastic" and moment16
+    # some value is rounded to nearest bfloat16
+    nearest16 = (param16 and not remainder and not sr_weights) or (moment16 and not sr_moments)
     return (L2 * bool(l2) | UNIT * bool(unit) | PARAM16 * param16 | GRAD16 * (grad_format is np.int16)
             | COPY * (weights == "copy") | REMAINDER * remainder | MOMENT16 * moment16 | KAHAN * kahan
-            | COMPANION16 * (kahan and companion_format is np.int16) | NATIVE16 * (rounds16 and native_bf16()))
+            | COMPANION16 * (kahan and companion_format is np.int16) | SR_WEIGHTS * sr_weights
+            | SR_MOMENTS * sr_moments | NATIVE16 * (nearest16 and native_bf16()))
 
 
 class _Block:
     """The IR of one block: splatted scalars, and the loads and stores of its ``span``
     vectors per array, for a chunk function's form (the flags above)."""
 
-    def __init__(self, builder, span: int, flags: int, scalars_at, param_at, grad_at, companion_at):
-        self.builder, self.span = builder, span
+    def __init__(self, builder, span: int, flags: int, scalars_at, param_at, grad_at, companion_at, keys_at,
+                 element):
+        self.builder, self.span, self.keys_at, self.element = builder, span, keys_at, element
         self.unit, self.param16, self.grad16, self.copy, self.native16, self.remainder, self.moment16, \
-            self.kahan, self.companion16 = (bool(flags & bit) for bit in (
-                UNIT, PARAM16, GRAD16, COPY, NATIVE16, REMAINDER, MOMENT16, KAHAN, COMPANION16))
+            self.kahan, self.companion16, self.sr_weights, self.sr_moments = (bool(flags & bit) for bit in (
+                UNIT, PARAM16, GRAD16, COPY, NATIVE16, REMAINDER, MOMENT16, KAHAN, COMPANION16, SR_WEIGHTS,
+                SR_MOMENTS))
         f32, self.i32, self.i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
         self.vector, self.words = ir.VectorType(f32, LANES), ir.VectorType(self.i32, LANES)
         self.halves = ir.VectorType(ir.IntType(16), LANES)
@@ -122,10 +131,13 @@ class _Block:
         self.compensation_pointers = self.pointers(companion_at, self.companion16) if self.kahan else []
         self.compensations = []  # the Kahan compensations' vectors, loaded with the masters
 
-    def splat(self, x):
-        undefined = ir.Constant(self.vector, ir.Undefined)
+    def splat(self, x, kind=None):
+        undefined = ir.Constant(kind or self.vector, ir.Undefined)
         one = self.builder.insert_element(undefined, x, ir.Constant(self.i32, 0))
         return self.builder.shuffle_vector(one, undefined, ir.Constant(self.words, [0] * LANES))
+
+    def splat_word(self, x):
+        return self.splat(x, self.words)
 
     def scalar(self, k: int):
         return self.splat(self.builder.load(self.builder.gep(self.scalars_at, [ir.Constant(self.i64, k)])))
@@ -157,8 +169,36 @@ class _Block:
             x = self.round_bf16_native(x) if self.native16 else self.round_bf16(x)
         return x
 
-    def store(self, x, pointer, sixteen: bool):
-        self.builder.store(self.encode(x, sixteen), pointer, align=2 if sixteen else 4)
+    def store(self, x, pointer, sixteen: bool, stream=None, k: int = 0):
+        """:meth:`encode` and store; or, with a ``stream`` (a bfloat16 value), rounded
+        stochastically with the random bits of that stream for the block's vector ``k``."""
+        if stream is None:
+            x = self.encode(x, sixteen)
+        else:
+            x = self.round_bf16_stochastic(x, self.random(stream, k))
+        self.builder.store(x, pointer, align=2 if sixteen else 4)
+
+    def random(self, stream: int, k: int):
+        """storage.random_bits of the vector ``k``'s elements in stream ``keys[stream]``:
+        ``fmix32(key ^ (element * GOLDEN))``, the elements' products as the block's first
+        times GOLDEN plus constants (the same modulo 2^32)."""
+        builder = self.builder
+        key = builder.load(builder.gep(self.keys_at, [ir.Constant(self.i64, stream)]))
+        first = builder.mul(self.element, ir.Constant(self.i32, GOLDEN))
+        offsets = ir.Constant(self.words, [(LANES * k + lane) * GOLDEN % 2 ** 32 for lane in range(LANES)])
+        h = builder.xor(self.splat_word(key), builder.add(self.splat_word(first), offsets))
+        h = builder.xor(h, builder.lshr(h, self.word(16)))
+        h = builder.mul(h, self.word(0x85EBCA6B))
+        h = builder.xor(h, builder.lshr(h, self.word(13)))
+        h = builder.mul(h, self.word(0xC2B2AE35))
+        return builder.xor(h, builder.lshr(h, self.word(16)))
+
+    def round_bf16_stochastic(self, x, random):
+        """storage.encode_bf16_stochastic: the canonical NaN, then ``(bits + (r >> 16)) >> 16``."""
+        builder = self.builder
+        x = builder.select(builder.fcmp_unordered("uno", x, x), self.canonical_nan, x)
+        bits = builder.add(builder.bitcast(x, self.words), builder.lshr(random, self.word(16)))
+        return builder.trunc(builder.lshr(bits, self.word(16)), self.halves)
 
     def round_bf16(self, x):
         """bfloat16 bits of ``x`` (no NaN), rounded to nearest even on the integer lanes:
@@ -230,7 +270,7 @@ class _Block:
             builder.store(builder.trunc(upper, self.halves), self.param_pointers[k], align=2)
             builder.store(builder.trunc(bits, self.halves), self.master_pointers[k], align=2)
             return
-        self.store(w, self.param_pointers[k], self.param16)
+        self.store(w, self.param_pointers[k], self.param16, 0 if self.sr_weights else None, k)
         if self.copy:
             self.store(w, self.master_pointers[k], False)
 
@@ -245,12 +285,13 @@ def _sqrt(builder, vector):
 
 def _block_codegen(flags: int, span: int, scalar_count: int, update):
     """The codegen of a block intrinsic with the arguments (form, param, grad, companion, the
-    moments' addresses..., scalars, scale): the block's masters, grads and moments loaded,
+    moments' addresses..., scalars, scale, keys, element): the block's masters, grads and moments loaded,
     ``update(block, values, w, g, moments) -> (w, moments)`` on each vector (``values``: the
     first ``scalar_count`` scalars, splatted), then every result stored."""
     def codegen(context, builder, sig, args):
-        param_at, grad_at, companion_at, *moments_at, scalars_at, scale = args[1:]
-        block = _Block(builder, span, flags, scalars_at, param_at, grad_at, companion_at)
+        param_at, grad_at, companion_at, *moments_at, scalars_at, scale, keys_at, element = args[1:]
+        element = builder.trunc(element, ir.IntType(32)) if element.type.width > 32 else element
+        block = _Block(builder, span, flags, scalars_at, param_at, grad_at, companion_at, keys_at, element)
         values = [block.scalar(k) for k in range(scalar_count)]
         pointers = [block.pointers(at, block.moment16) for at in moments_at]
         ws, gs = block.masters(), block.grads(scale)
@@ -258,8 +299,8 @@ def _block_codegen(flags: int, span: int, scalar_count: int, update):
         results = [update(block, values, w, g, moments) for w, g, *moments in zip(ws, gs, *loaded)]
         for k, (w, moments) in enumerate(results):
             block.store_master(k, ws[k], w)
-            for x, moment in zip(moments, pointers):
-                block.store(x, moment[k], block.moment16)
+            for stream, (x, moment) in enumerate(zip(moments, pointers), start=1):
+                block.store(x, moment[k], block.moment16, stream if block.sr_moments else None, k)
         return context.get_dummy_value()
 
     return codegen
@@ -268,13 +309,15 @@ def _block_codegen(flags: int, span: int, scalar_count: int, update):
 # One intrinsic per algorithm, the form a literal argument: an intrinsic made per form and held
 # in a chunk function's closure would put its per-process id into Numba's on-disk cache key.
 @intrinsic(prefer_literal=True)
-def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale):
-    """``adam_block(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale)``:
+def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element):
+    """``adam_block(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element)``:
     ``adam.py``'s update of the ``ADAM_BLOCK`` elements at the addresses (int64; the companion's
     only with ``COPY``, ``REMAINDER`` or ``KAHAN``), in place.  ``form``: a constant of the flags above;
     ``scalars``: the chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias
     correction 2), eps, weight decay, decay); ``scale``: ``inv_grad_scale * sign``, not read
-    with ``UNIT``."""
+    with ``UNIT``; ``keys``: the chunk function's random streams (weights, exp_avg, exp_avg_sq)
+    and ``element`` the block's first element's counter (``storage.element_index``), read with
+    ``SR_WEIGHTS`` / ``SR_MOMENTS``."""
     if not isinstance(form, types.IntegerLiteral):
         return None
     flags = form.literal_value
@@ -293,13 +336,13 @@ def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, sca
         w = builder.fsub(w, builder.fmul(builder.fdiv(m, d), step_size))
         return w, (m, v)
 
-    return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale),
+    return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element),
             _block_codegen(flags, ADAM_SPAN, 9, update))
 
 
 @intrinsic(prefer_literal=True)
-def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale):
-    """``lion_block(form, param, grad, companion, exp_avg, scalars, scale)``: ``lion.py``'s
+def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale, keys, element):
+    """``lion_block(form, param, grad, companion, exp_avg, scalars, scale, keys, element)``: ``lion.py``'s
     update of the ``LION_BLOCK`` elements at the addresses, in place, as :func:`adam_block` (no
     ``L2``); ``scalars``: the chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, lr,
     decay)."""
@@ -319,13 +362,13 @@ def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale)
         m = builder.fadd(builder.fmul(m, beta2), builder.fmul(g, one_minus_beta2))
         return w, (m,)
 
-    return (types.void(form, param, grad, companion, exp_avg, scalars, scale),
+    return (types.void(form, param, grad, companion, exp_avg, scalars, scale, keys, element),
             _block_codegen(form.literal_value, LION_SPAN, 6, update))
 
 
 @intrinsic(prefer_literal=True)
-def sgd_block(typingctx, form, param, grad, companion, momentum_buffer, scalars, scale):
-    """``sgd_block(form, param, grad, companion, momentum_buffer, scalars, scale)``:
+def sgd_block(typingctx, form, param, grad, companion, momentum_buffer, scalars, scale, keys, element):
+    """``sgd_block(form, param, grad, companion, momentum_buffer, scalars, scale, keys, element)``:
     ``sgd.py``'s update with a momentum buffer (not its first step) of the ``SGD_BLOCK``
     elements at the addresses, in place, as :func:`adam_block` (``NESTEROV``; ``UNIT``: also
     no multiplication by ``1 - dampening``, as sgd.py's ``unit``); ``scalars``: the chunk
@@ -345,5 +388,5 @@ def sgd_block(typingctx, form, param, grad, companion, momentum_buffer, scalars,
         w = builder.fsub(w, builder.fmul(g, lr))
         return w, (b,)
 
-    return (types.void(form, param, grad, companion, momentum_buffer, scalars, scale),
+    return (types.void(form, param, grad, companion, momentum_buffer, scalars, scale, keys, element),
             _block_codegen(flags, SGD_SPAN, 4, update))

@@ -210,10 +210,18 @@ VECTORISED = [  # (algorithm, preset, param dtype, grad dtype, weight decay, uni
     (LION, "bf16-kahan", torch.bfloat16, torch.bfloat16, "decoupled", False),
     (SGD, "bf16-kahan", torch.bfloat16, torch.bfloat16, "nesterov-l2", False),
     (SGD, "bf16", torch.bfloat16, torch.bfloat16, "dampening", True),
+    # stochastic rounding (Lion, SGD): the bfloat16 param and moments, the param alone, the moments alone
+    (LION, "bf16-sr", torch.bfloat16, torch.bfloat16, "decoupled", False),
+    (LION, "sr-param", torch.bfloat16, torch.float32, "decoupled", True),
+    (SGD, "bf16-sr", torch.bfloat16, torch.bfloat16, "nesterov-l2", False),
+    (SGD, "sr-states", torch.bfloat16, torch.bfloat16, "plain", True),
 ]
-# the presets and a Kahan compensation in float32
-VECTORISED_PRECISIONS = dict(PRESETS, **{"kahan-fp32": bf16opt.Precision(
-    torch.bfloat16, torch.bfloat16, torch.bfloat16, compensation="kahan", compensation_dtype=torch.float32)})
+# the presets, a Kahan compensation in float32, stochastic rounding of the param or the moments alone
+VECTORISED_PRECISIONS = dict(PRESETS, **{
+    "kahan-fp32": bf16opt.Precision(torch.bfloat16, torch.bfloat16, torch.bfloat16, compensation="kahan",
+                                    compensation_dtype=torch.float32),
+    "sr-param": bf16opt.Precision(torch.bfloat16, torch.float32, torch.float32, rounding="stochastic"),
+    "sr-states": bf16opt.Precision(torch.float32, torch.bfloat16, torch.bfloat16, rounding="stochastic")})
 LION_GROUP = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
 SGD_GROUPS = {"nesterov-l2": sgd_group(momentum=0.9, weight_decay=0.01, nesterov=True),
               "dampening": sgd_group(momentum=0.9, dampening=0.1), "plain": sgd_group(momentum=0.9)}
@@ -223,12 +231,14 @@ needs_avx512 = pytest.mark.skipif(not vector_blocks.available(),
 
 
 @needs_avx512
+@pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("algorithm, preset, dtype, grad, wd_mode, unit", VECTORISED,
                          ids=[f"{a.name}-{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
                               for a, p, d, g, w, u in VECTORISED])
 def test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, wd_mode, unit):
     """``vector_blocks.py``'s blocks (Adam 128 elements, Lion and SGD 64), then
-    the element loop -- whole and partial blocks, tensors placed off their alignment, NaN,
+    the element loop -- whole and partial blocks, tensors placed off their alignment, rows of
+    256 elements (stochastic rounding's element counters from each row's start), NaN,
     infinities, subnormals and ties in the grads -- against the reference bit for bit;
     ``unit``: without the unscaling multiplication, else with a grad scale and maximize
     flipped each step."""
@@ -273,10 +283,11 @@ def _adam_master_blocks(form: int):
     @njit
     def run(param, grad, companion, exp_avg, exp_avg_sq, scalars):
         values = pointer_to(scalars.ctypes.data, np.float32)
+        keys = pointer_to(scalars.ctypes.data, np.uint32)  # (not read: no stochastic rounding)
         for j in range(0, param.size, block):
             vector_blocks.adam_block(form, param.ctypes.data + 2 * j, grad.ctypes.data + 2 * j,
                                      companion.ctypes.data + companion_size * j, exp_avg.ctypes.data + 4 * j,
-                                     exp_avg_sq.ctypes.data + 4 * j, values, np.float32(1.0))
+                                     exp_avg_sq.ctypes.data + 4 * j, values, np.float32(1.0), keys, j)
 
     return run
 
