@@ -122,6 +122,7 @@ class _Block:
         f32, self.i32, self.i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
         self.vector, self.words = ir.VectorType(f32, LANES), ir.VectorType(self.i32, LANES)
         self.halves = ir.VectorType(ir.IntType(16), LANES)
+        self.pairs = ir.VectorType(ir.IntType(16), 2 * LANES)  # a vector's words as their 16-bit halves
         self.scalars_at = scalars_at
         self.canonical_nan = builder.bitcast(self.word(int(CANONICAL_NAN_F32)), self.vector)
         self.param_pointers = self.pointers(param_at, self.param16)
@@ -266,9 +267,16 @@ class _Block:
         if self.remainder:
             bits = builder.bitcast(builder.select(builder.fcmp_unordered("uno", w, w), self.canonical_nan, w),
                                    self.words)
-            upper = builder.lshr(builder.add(bits, self.word(0x8000)), self.word(16))
-            builder.store(builder.trunc(upper, self.halves), self.param_pointers[k], align=2)
-            builder.store(builder.trunc(bits, self.halves), self.master_pointers[k], align=2)
+            # the params (the adjusted words' upper halves) and the remainders (the words' lower
+            # halves) gathered into one vector by one word shuffle, stored as its two halves: two
+            # truncating stores (vpmovdw) streamed 3-5% slower (AdamW fp32-remainder, AVX-512 Xeon)
+            adjusted = builder.bitcast(builder.add(bits, self.word(0x8000)), self.pairs)
+            both = builder.shuffle_vector(adjusted, builder.bitcast(bits, self.pairs), ir.Constant(
+                ir.VectorType(self.i32, 2 * LANES), [2 * i + 1 for i in range(LANES)]
+                + [2 * LANES + 2 * i for i in range(LANES)]))
+            for half, pointer in enumerate((self.param_pointers[k], self.master_pointers[k])):
+                builder.store(builder.shuffle_vector(both, both, ir.Constant(
+                    self.words, list(range(half * LANES, (half + 1) * LANES)))), pointer, align=2)
             return
         self.store(w, self.param_pointers[k], self.param16, 0 if self.sr_weights else None, k)
         if self.copy:
