@@ -253,6 +253,39 @@ def test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, w
              **variant(unit))
 
 
+@pytest.fixture
+def integer_rounding(monkeypatch):
+    """The blocks built as for an AVX-512 CPU without AVX512-BF16 (every bfloat16 value rounded
+    on the integer lanes), the chunk functions memoised in this process forgotten before and
+    after (their memo keys do not hold the rounding)."""
+    from bf16opt._cpu import adam, lion, sgd
+
+    def forget():
+        for module in (adam, lion, sgd):
+            module.chunk_function.cache_clear()
+
+    monkeypatch.setattr(vector_blocks, "native_bf16", lambda: False)
+    forget()
+    yield
+    forget()
+
+
+INTEGER_ROUNDED = [case for case in VECTORISED if case[1] in ("bf16", "bf16-kahan", "bf16-states")][::2]
+
+
+@needs_avx512
+@pytest.mark.usefixtures("small_chunks", "integer_rounding")
+@pytest.mark.parametrize("algorithm, preset, dtype, grad, wd_mode, unit", INTEGER_ROUNDED,
+                         ids=[f"{a.name}-{p}-{str(d)[6:]}-grad-{str(g)[6:]}-{w}-{'unit' if u else 'scaled'}"
+                              for a, p, d, g, w, u in INTEGER_ROUNDED])
+def test_vectorised_blocks_with_integer_rounding_match_the_reference(algorithm, preset, dtype, grad, wd_mode,
+                                                                     unit):
+    """Cases of the test above with bfloat16 moments or a Kahan compensation, their blocks built
+    as for a CPU without AVX512-BF16 (every bfloat16 value rounded on the integer lanes)."""
+    assert not vector_blocks.native_bf16()
+    test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, wd_mode, unit)
+
+
 @needs_avx512
 def test_vectorised_adam_blocks_round_ties_to_even():
     """The bfloat16 param of a float32 master copy is the master rounded to nearest even: with a
