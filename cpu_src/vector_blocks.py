@@ -52,7 +52,7 @@ UNIT = 2     # no multiplication by the unscaling factor (it is exactly 1)
 PARAM16 = 4  # the param is bfloat16
 GRAD16 = 8   # the grad is bfloat16
 COPY = 16    # the master is a float32 copy (the companion), the param its rounding (PARAM16)
-NATIVE16 = 32  # the bfloat16 param rounded by the CPU's conversion (AVX512-BF16; PARAM16)
+NATIVE16 = 32  # bfloat16 values rounded to nearest by the CPU's conversion (AVX512-BF16)
 REMAINDER = 64  # the master is the bfloat16 param and an int16 remainder (the companion): PARAM16
 NESTEROV = 128  # SGD's Nesterov momentum
 MOMENT16 = 256  # the moments are bfloat16 (rounded to nearest even), not float32
@@ -115,6 +115,7 @@ class _Block:
     def __init__(self, builder, span: int, flags: int, scalars_at, param_at, grad_at, companion_at, keys_at,
                  element):
         self.builder, self.span, self.keys_at, self.element = builder, span, keys_at, element
+        self.keys, self.first_product = {}, None  # stochastic rounding's, made at their first use
         self.unit, self.param16, self.grad16, self.copy, self.native16, self.remainder, self.moment16, \
             self.kahan, self.companion16, self.sr_weights, self.sr_moments = (bool(flags & bit) for bit in (
                 UNIT, PARAM16, GRAD16, COPY, NATIVE16, REMAINDER, MOMENT16, KAHAN, COMPANION16, SR_WEIGHTS,
@@ -159,13 +160,20 @@ class _Block:
     def load(self, pointer, sixteen: bool):
         """storage.decode: bfloat16 is the upper half of a float32."""
         x = self.builder.load(pointer, align=2 if sixteen else 4)
-        if not sixteen:
-            return x
-        return self.builder.bitcast(self.builder.shl(self.builder.zext(x, self.words), self.word(16)), self.vector)
+        return self.widen(x) if sixteen else x
+
+    def widen(self, halves):
+        """storage.decode_bf16 of a vector of bfloat16 bits: the upper half of a float32."""
+        return self.builder.bitcast(self.builder.shl(self.builder.zext(halves, self.words), self.word(16)),
+                                    self.vector)
+
+    def canonical(self, x):
+        """``x`` with every NaN made the canonical NaN (the storage spec's)."""
+        return self.builder.select(self.builder.fcmp_unordered("uno", x, x), self.canonical_nan, x)
 
     def encode(self, x, sixteen: bool):
         """storage.encode_f32 / encode_bf16: the canonical NaN; round to nearest even."""
-        x = self.builder.select(self.builder.fcmp_unordered("uno", x, x), self.canonical_nan, x)
+        x = self.canonical(x)
         if sixteen:
             x = self.round_bf16_native(x) if self.native16 else self.round_bf16(x)
         return x
@@ -184,10 +192,13 @@ class _Block:
         ``fmix32(key ^ (element * GOLDEN))``, the elements' products as the block's first
         times GOLDEN plus constants (the same modulo 2^32)."""
         builder = self.builder
-        key = builder.load(builder.gep(self.keys_at, [ir.Constant(self.i64, stream)]))
-        first = builder.mul(self.element, ir.Constant(self.i32, GOLDEN))
+        if stream not in self.keys:  # (each stream's key splatted once, at its first use)
+            key = builder.load(builder.gep(self.keys_at, [ir.Constant(self.i64, stream)]))
+            self.keys[stream] = self.splat_word(key)
+        if self.first_product is None:
+            self.first_product = self.splat_word(builder.mul(self.element, ir.Constant(self.i32, GOLDEN)))
         offsets = ir.Constant(self.words, [(LANES * k + lane) * GOLDEN % 2 ** 32 for lane in range(LANES)])
-        h = builder.xor(self.splat_word(key), builder.add(self.splat_word(first), offsets))
+        h = builder.xor(self.keys[stream], builder.add(self.first_product, offsets))
         h = builder.xor(h, builder.lshr(h, self.word(16)))
         h = builder.mul(h, self.word(0x85EBCA6B))
         h = builder.xor(h, builder.lshr(h, self.word(13)))
@@ -197,8 +208,8 @@ class _Block:
     def round_bf16_stochastic(self, x, random):
         """storage.encode_bf16_stochastic: the canonical NaN, then ``(bits + (r >> 16)) >> 16``."""
         builder = self.builder
-        x = builder.select(builder.fcmp_unordered("uno", x, x), self.canonical_nan, x)
-        bits = builder.add(builder.bitcast(x, self.words), builder.lshr(random, self.word(16)))
+        bits = builder.bitcast(self.canonical(x), self.words)
+        bits = builder.add(bits, builder.lshr(random, self.word(16)))
         return builder.trunc(builder.lshr(bits, self.word(16)), self.halves)
 
     def round_bf16(self, x):
@@ -261,12 +272,11 @@ class _Block:
             y = builder.fadd(builder.fsub(w, w0), self.compensations[k])
             rounded = self.encode(builder.fadd(w0, y), True)
             builder.store(rounded, self.param_pointers[k], align=2)
-            stored = builder.bitcast(builder.shl(builder.zext(rounded, self.words), self.word(16)), self.vector)
-            self.store(builder.fsub(y, builder.fsub(stored, w0)), self.compensation_pointers[k], self.companion16)
+            self.store(builder.fsub(y, builder.fsub(self.widen(rounded), w0)), self.compensation_pointers[k],
+                       self.companion16)
             return
         if self.remainder:
-            bits = builder.bitcast(builder.select(builder.fcmp_unordered("uno", w, w), self.canonical_nan, w),
-                                   self.words)
+            bits = builder.bitcast(self.canonical(w), self.words)
             # the params (the adjusted words' upper halves) and the remainders (the words' lower
             # halves) gathered into one vector by one word shuffle, stored as its two halves: two
             # truncating stores (vpmovdw) streamed 3-5% slower (AdamW fp32-remainder, AVX-512 Xeon)
