@@ -115,7 +115,6 @@ class _Block:
     def __init__(self, builder, span: int, flags: int, scalars_at, param_at, grad_at, companion_at, keys_at,
                  element):
         self.builder, self.span, self.keys_at, self.element = builder, span, keys_at, element
-        self.keys, self.first_product = {}, None  # stochastic rounding's, made at their first use
         self.unit, self.param16, self.grad16, self.copy, self.native16, self.remainder, self.moment16, \
             self.kahan, self.companion16, self.sr_weights, self.sr_moments = (bool(flags & bit) for bit in (
                 UNIT, PARAM16, GRAD16, COPY, NATIVE16, REMAINDER, MOMENT16, KAHAN, COMPANION16, SR_WEIGHTS,
@@ -192,13 +191,10 @@ class _Block:
         ``fmix32(key ^ (element * GOLDEN))``, the elements' products as the block's first
         times GOLDEN plus constants (the same modulo 2^32)."""
         builder = self.builder
-        if stream not in self.keys:  # (each stream's key splatted once, at its first use)
-            key = builder.load(builder.gep(self.keys_at, [ir.Constant(self.i64, stream)]))
-            self.keys[stream] = self.splat_word(key)
-        if self.first_product is None:
-            self.first_product = self.splat_word(builder.mul(self.element, ir.Constant(self.i32, GOLDEN)))
+        key = builder.load(builder.gep(self.keys_at, [ir.Constant(self.i64, stream)]))
+        first = builder.mul(self.element, ir.Constant(self.i32, GOLDEN))
         offsets = ir.Constant(self.words, [(LANES * k + lane) * GOLDEN % 2 ** 32 for lane in range(LANES)])
-        h = builder.xor(self.keys[stream], builder.add(self.first_product, offsets))
+        h = builder.xor(self.splat_word(key), builder.add(self.splat_word(first), offsets))
         h = builder.xor(h, builder.lshr(h, self.word(16)))
         h = builder.mul(h, self.word(0x85EBCA6B))
         h = builder.xor(h, builder.lshr(h, self.word(13)))
