@@ -16,8 +16,10 @@ ceiling is the slower of the two.  Per element, a compute-limit kernel does only
   the gradient's unscaling (no GradScaler, not maximising) and SGD's ``1 - dampening``;
 * encode every stored result, NaN made canonical as the storage spec requires (one compare
   and one select per stored value): round to nearest even into bfloat16 (a few integer
-  ops), or stochastic rounding with one counter-based hash per stochastically rounded
-  value, the Kahan compensation (the reference's six operations), or the remainder split;
+  ops), or stochastic rounding with the counter-based hashes the storage spec asks for (one
+  per element and stream: a stream's hash gives two buffers their 16 bits each, so AdamW
+  ``bf16-sr`` hashes twice per element, Lion's and SGD's once), the Kahan compensation (the
+  reference's six operations), or the remainder split;
 
 written as plainly as Numba allows (no fastmath: exactly rounded sqrt and division are part
 of the contract).  The kernels run over one cache-resident block per thread, ``passes``
@@ -35,8 +37,8 @@ import numpy as np
 from numba import cfunc, njit
 
 from bf16opt._cpu.chunks import CHUNK_SIGNATURE, COUNTERS, KEYS, chunk_compiler, run_chunks, run_chunks_serial
-from bf16opt._cpu.storage import (bits_to_f32, element_index, f32_to_bits, high_half, low_half, pair_word,
-                                  pointer_to, random_bits)
+from bf16opt._cpu.storage import (EXP_AVG, EXP_AVG_SQ, WEIGHTS, bits_to_f32, buffer_bits, element_index,
+                                  f32_to_bits, high_half, low_half, pair_word, pointer_to, random_bits)
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,9 @@ def _rne(x):
 
 
 @njit(inline="always")
-def _sr(x, key, element):
+def _sr(x, random):
     bits = f32_to_bits(_f32(x))
-    return np.int16(np.uint16(np.uint32(bits + (random_bits(key, element) >> np.uint32(16))) >> np.uint32(16)))
+    return np.int16(np.uint16(np.uint32(bits + (random >> np.uint32(16))) >> np.uint32(16)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,10 +152,11 @@ def chunk_function(algorithm: str, storage: Storage, contract: bool = False):
             lr, decay = scalars[4], scalars[5]
         else:
             momentum, lr, weight_decay = scalars[0], scalars[1], scalars[2]
-        key_w, key_m, key_v = keys[0], keys[1], keys[2]
+        key_0, key_1 = keys[0], keys[1]  # the streams of (param, first moment) and of the second moment
 
         def update(gs, ps, ws, ms, vs, element):
             """Stored elements in, stored elements (param, w, m, v) out."""
+            random_0, random_1 = random_bits(key_0, element), random_bits(key_1, element)  # (or dead code)
             grad = _bf16(gs) if param16 else gs
             if master == "copy":
                 w0 = ws
@@ -196,12 +199,12 @@ def chunk_function(algorithm: str, storage: Storage, contract: bool = False):
                 ps = np.int16(np.uint16(np.uint32(bits + np.uint32(0x8000)) >> np.uint32(16)))
                 ws = np.int16(np.uint16(bits & np.uint32(0xFFFF)))
             elif param16:
-                ps = _sr(new, key_w, element) if stochastic else _rne(new)
+                ps = _sr(new, buffer_bits(random_0, WEIGHTS)) if stochastic else _rne(new)
             else:
                 ps = _f32(new)
             if moments16:
-                ms = _sr(first, key_m, element) if stochastic else _rne(first)
-                vs = _sr(second, key_v, element) if stochastic else _rne(second)
+                ms = _sr(first, buffer_bits(random_0, EXP_AVG)) if stochastic else _rne(first)
+                vs = _sr(second, buffer_bits(random_1, EXP_AVG_SQ)) if stochastic else _rne(second)
             else:
                 ms = _f32(first)
                 vs = _f32(second)

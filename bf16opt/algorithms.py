@@ -15,7 +15,8 @@ Roles every algorithm has, first and in this order: ``param``, ``grad`` and
 ``companion`` -- the master policy's array: the float32 master copy, the Kahan
 compensation or the int16 remainder (a plan has at most one of them; see
 ``StoragePlan.weights``).  Then the algorithm's state buffers (moments), each with its
-stochastic-rounding stream number (``storage.stream_key``'s ``buffer`` word).
+stochastic-rounding buffer number (``storage.WEIGHTS``...: which half of which random stream's
+bits it rounds with, ``storage.buffer_bits``).
 
 Adding an optimizer: a description here, its math in ``backends/reference.py``, a Numba
 chunk function ``cpu_src/<name>.py`` and a CUDA kernel ``cuda_src/<name>.cu`` whose role
@@ -81,7 +82,7 @@ class Role:
     """One array of the update, per param.
 
     ``storage``: the StoragePlan field giving its dtype (``"param"``, ``"companion"`` or a
-    moment field such as ``"exp_avg"``); ``stream``: its stochastic-rounding stream;
+    moment field such as ``"exp_avg"``); ``stream``: its stochastic-rounding buffer number;
     ``when``: a flag that must be set for the role to exist (amsgrad's maximum).
     """
 

@@ -16,15 +16,16 @@ so ``torch.distributed.checkpoint`` saves and reshards them); a saved buffer is 
 this rank's shard -- a DTensor placed like the param gives its local tensor, a plain tensor
 of the param's whole shape (a full state dict) the slice this rank holds.
 
-Format (``STATE_DICT_FORMAT``): 2 since stochastic rounding names a named param's random
-streams by its name; a format-1 state dict keeps position streams (see below and
-docs/numerics.md, "State-dict format").
+Format (``STATE_DICT_FORMAT``): 3 since stochastic rounding draws two buffers' bits from one
+hash; 2 since it names a named param's random streams by its name; a format-1 state dict
+keeps position streams (see below and docs/numerics.md, "State-dict format").
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections import defaultdict
 from collections.abc import Hashable, Mapping
 
@@ -49,11 +50,14 @@ from .storage import decode, encode, join_remainder, split_remainder
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "convert_state", "load", "save", "state_fits"]
 
-#: 2: stochastic rounding's streams are named by param names when the optimizer has them
+#: 3: stochastic rounding draws two buffers' 16 random bits from one hash (storage.py; 1 and 2:
+#: a hash per buffer).  2: its streams are named by param names when the optimizer has them
 #: (1: always by position).  A format-1 state dict loads with ``sr_streams="position"`` in
-#: every named group, so a run saved by an older bf16opt continues with the same bits; the
-#: entry is saved with the group and survives later saves and loads (DCP's too).
-STATE_DICT_FORMAT = 2
+#: every named group, so a run saved by an older bf16opt keeps its stream ids; the entry is
+#: saved with the group and survives later saves and loads (DCP's too).  A format-1 or -2
+#: state dict loaded into groups that round stochastically warns: the run continues with
+#: format 3's bits, as unbiased, not the ones the older bf16opt would have drawn.
+STATE_DICT_FORMAT = 3
 # Group entries that describe this optimizer object, not the training run: when a
 # state dict is loaded, the live optimizer keeps its own values for these.
 IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "offload_threads", "foreach", "fused", "capturable",
@@ -101,6 +105,7 @@ def load(optimizer, state_dict: dict) -> None:
         raise ValueError(f"state_dict was saved by bf16opt.{meta.get('optimizer')}, which cannot "
                          f"be loaded into {name}")
     legacy = isinstance(meta, dict) and meta.get("format") == 1
+    older = isinstance(meta, dict) and meta.get("format") in (1, 2)  # a hash per buffer
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
@@ -156,6 +161,11 @@ def load(optimizer, state_dict: dict) -> None:
     with torch.no_grad():
         for param, new_param in param_writes:
             param.copy_(new_param)
+    if older and any(as_precision(group["precision"]).rounding == "stochastic" for group in new_groups):
+        warnings.warn(f"this state dict was saved by an older bf16opt (state-dict format {meta['format']}), "
+                      f"whose stochastic rounding drew a hash per buffer; this run continues with format "
+                      f"{STATE_DICT_FORMAT}'s random bits (two buffers per hash): as unbiased, but not "
+                      f"the bits the older version would have drawn", UserWarning, stacklevel=3)
     for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
         hook(optimizer)
 

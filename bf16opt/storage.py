@@ -14,27 +14,33 @@ same functions and must produce the same bits.
   bfloat16 0x7FC0, float16 0x7E00) whatever its sign or payload, so NaN propagation
   differences between CPUs and GPUs never show in stored bits.
 
-Stochastic rounding (``encode_stochastic``) takes 32 random bits per element from a
-counter-based hash, never from a stateful generator, so every backend, thread count
-and launch shape draws the same bits:
+Stochastic rounding (``encode_stochastic``) takes 16 random bits per element and buffer from
+a counter-based hash, never from a stateful generator, so every backend, thread count and
+launch shape draws the same bits.  One hash gives two buffers their bits (half the hashing
+of a hash per buffer, which was a third of AdamW ``bf16-sr``'s instructions):
 
 * ``fmix32`` is MurmurHash3's 32-bit finaliser; all arithmetic is modulo 2**32.
-* ``stream_key(seed, step, tensor_index, buffer)`` (host, once per tensor and step)::
+* buffers pair up into streams: buffer ``b`` (``WEIGHTS``, ``EXP_AVG``, ``EXP_AVG_SQ``,
+  ``MAX_EXP_AVG_SQ``: 0-3) draws from stream ``s = b >> 1``.
+* ``stream_key(seed, step, tensor_index, s)`` (host, once per tensor, stream and step)::
 
       k = 0
-      for word in (seed & M, (seed >> 32 ^ step >> 32) & M, step & M, tensor_index & M, buffer):
+      for word in (seed & M, (seed >> 32 ^ step >> 32) & M, step & M, tensor_index & M, s):
           k = fmix32((k ^ word) + 0x9E3779B9)
 
   ``tensor_index`` is the param's identity (``stream_id``): the 32-bit hash of its name
   when the optimizer was given named params, else its position in the optimizer.
 * per element ``i`` (the row-major index in the whole, unsharded param: a shard of a
   DTensor or a piece of an offloaded param adds its first element's global index):
-  ``r = fmix32(k ^ (i * 0x9E3779B9 mod 2**32))``.
-* bfloat16: ``bits(x) + (r >> 16)``, then keep the upper 16 bits (rounds the magnitude
+  ``r = fmix32(k ^ (i * 0x9E3779B9 mod 2**32))``; the even buffer of the stream takes its
+  upper 16 bits, the odd buffer its lower 16 bits, each as the upper half of a 32-bit word
+  ``u`` (``buffer_bits``): ``u = r & 0xFFFF0000`` or ``u = (r << 16) mod 2**32``.
+* bfloat16: ``bits(x) + (u >> 16)``, then keep the upper 16 bits (rounds the magnitude
   up with probability equal to the dropped fraction).
-* float16, ``|x| >= 2**-14``: ``(bits(|x|) + (r >> 19))`` with the low 13 bits cleared,
+* float16, ``|x| >= 2**-14``: ``(bits(|x|) + (u >> 19))`` with the low 13 bits cleared,
   then converted exactly; ``|x| < 2**-14`` (float16's subnormal grid of step 2**-24):
-  ``y = |x| * 2**24, n = floor(y)``, round up when ``float(r >> 8) < (y - n) * 2**24``.
+  ``y = |x| * 2**24, n = floor(y)``, round up when ``float(u >> 8) < (y - n) * 2**24``
+  (16 random bits: the probability is the dropped fraction to within 2**-16).
 * inf stays inf and NaN becomes the canonical NaN, as with round to nearest.
 
 Exact float32 master in 16 extra bits (``split_remainder`` / ``join_remainder``): with
@@ -102,8 +108,14 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ---------------------------------------------------------------- stochastic rounding
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
-# Buffer numbers in the hash, so each buffer of a tensor draws its own stream.
+# Buffer numbers: buffer b rounds with one half of stream b >> 1's bits (see the module doc).
 WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
+STREAMS = 2  # random streams per tensor and step
+
+
+def stream_of(buffer: int) -> int:
+    """The random stream whose hash gives ``buffer`` its bits."""
+    return buffer >> 1
 
 
 def fmix32_int(h: int) -> int:
@@ -129,13 +141,13 @@ def stream_id(position: int, name=None) -> int:
     return position if name is None else name_id(name)
 
 
-def stream_key(seed: int, step: int, tensor_index: int, buffer: int) -> int:
-    """32-bit key of one (seed, step, tensor, buffer) random stream."""
+def stream_key(seed: int, step: int, tensor_index: int, stream: int) -> int:
+    """32-bit key of one (seed, step, tensor, stream) random stream."""
     key = 0
     # the step's high word shares a slot with the seed's: for steps below 2**32 (every
     # practical run) the key is as it always was, and no two steps of one run share a key
     for word in (seed & MASK32, ((seed >> 32) ^ (step >> 32)) & MASK32, step & MASK32, tensor_index & MASK32,
-                 buffer):
+                 stream):
         key = fmix32_int(((key ^ word) + GOLDEN) & MASK32)
     return key
 
@@ -160,6 +172,13 @@ def random_bits(key: int, shape, device=None, offset: int = 0) -> torch.Tensor:
     return _fmix32(_mul32(index, GOLDEN) ^ key)
 
 
+def buffer_bits(random: torch.Tensor, buffer: int) -> torch.Tensor:
+    """The random word (uint32 values in int64) ``buffer`` rounds with, from its stream's
+    ``random_bits``: the even buffer's half of the bits (the upper) or the odd buffer's (the
+    lower), as the upper 16 bits of the word, the lower 16 zero."""
+    return random & 0xFFFF0000 if buffer % 2 == 0 else (random << 16) & MASK32
+
+
 def _as_uint32(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32).to(torch.int64) & MASK32
 
@@ -170,7 +189,9 @@ def _from_uint32(bits: torch.Tensor) -> torch.Tensor:
 
 
 def encode_stochastic(x: torch.Tensor, dtype: torch.dtype, random: torch.Tensor) -> torch.Tensor:
-    """Stochastically rounded encoding of float32 ``x`` (see module doc); float32 is exact."""
+    """Stochastically rounded encoding of float32 ``x`` with the random words ``random`` (uint32
+    values in int64, ``buffer_bits``' or any 32 random bits; see the module doc); float32 is
+    exact."""
     if dtype == torch.float32:
         return encode(x, dtype)
     bits = _as_uint32(x)

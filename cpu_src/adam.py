@@ -37,8 +37,9 @@ from numba import njit
 
 from . import vector_blocks
 from .chunks import chunk_compiler, update_jit
-from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
-                      encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
+from .storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES,
+                      WEIGHTS, buffer_bits, decode, element_index, encode_master, encode_moment, high_half,
+                      low_half, master_value, pair_word, pointer_to, random_bits)
 
 __all__ = ["chunk_function"]
 
@@ -118,7 +119,9 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         """Stored elements of grad, param, companion, moments, max in; the elements to
         store and the telemetry flags (swallowed, exp_avg / exp_avg_sq underflow) out."""
         beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, \
-            weight_decay, decay, scale, key_w, key_m, key_v, key_max = now
+            weight_decay, decay, scale, key_0, key_1 = now
+        # stochastic rounding's streams (dead code without it): weights and exp_avg; exp_avg_sq and max
+        random_0, random_1 = random_bits(key_0, element), random_bits(key_1, element)
         g = decode(g) if unit else decode(g) * scale
         w0 = master_value(weights, p, c)
         w = w0
@@ -131,14 +134,15 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
             v_max = decode(x)
             # a if (a > b or a is NaN) else b, a = the stored maximum
             v_hat = v_max if (v_max > v or v_max != v_max) else v
-            x = encode_moment(moments, exp_avg_sq_format, v_hat, key_max, element)[0]
+            x = encode_moment(moments, exp_avg_sq_format, v_hat, buffer_bits(random_1, MAX_EXP_AVG_SQ))[0]
         else:
             v_hat = v
         u = _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps)
         w = w - u
-        m_stored, m_value = encode_moment(moments, exp_avg_format, m, key_m, element)
-        v_stored, v_value = encode_moment(moments, exp_avg_sq_format, v, key_v, element)
-        p, c, same = encode_master(weights, param_format, companion_format, p, c, w0, w, key_w, element)
+        m_stored, m_value = encode_moment(moments, exp_avg_format, m, buffer_bits(random_0, EXP_AVG))
+        v_stored, v_value = encode_moment(moments, exp_avg_sq_format, v, buffer_bits(random_1, EXP_AVG_SQ))
+        p, c, same = encode_master(weights, param_format, companion_format, p, c, w0, w,
+                                   buffer_bits(random_0, WEIGHTS))
         return (p, c, m_stored, v_stored, x, (u != np.float32(0.0)) & same,
                 (m != np.float32(0.0)) & (m_value == np.float32(0.0)),
                 (v != np.float32(0.0)) & (v_value == np.float32(0.0)))
@@ -159,9 +163,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         step_size, inv_sqrt_bias_correction2, eps = scalars[4], scalars[5], scalars[6]
         weight_decay, decay = scalars[7], scalars[8]
         scale = scalars[9] * scalars[10]  # inv_grad_scale * sign (see the module docstring)
-        key_w, key_m, key_v, key_max = keys[0], keys[1], keys[2], keys[3]
         now = (beta1, beta2, one_minus_beta1, one_minus_beta2, step_size,  # (update's)
-               inv_sqrt_bias_correction2, eps, weight_decay, decay, scale, key_w, key_m, key_v, key_max)
+               inv_sqrt_bias_correction2, eps, weight_decay, decay, scale, keys[0], keys[1])
         swallowed, m_underflow, v_underflow = 0, 0, 0
         first = 0
         # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)

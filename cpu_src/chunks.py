@@ -11,7 +11,7 @@ The work of a configuration is a *chunk function* (``adam.py``, ``lion.py``): a 
 Numba ``cfunc`` with the C signature :data:`CHUNK_SIGNATURE`
 ``void(int64 *row, float32 *scalars, uint32 *keys, int64 *counts)`` that updates the
 elements of one table row: ``scalars`` are the step's float32 scalars, ``keys`` the
-tensor's random-stream keys (one per buffer, see ``storage.py``), ``counts`` the row's
+tensor's random-stream keys (one per stream, see ``storage.py``), ``counts`` the row's
 three telemetry counters.  :func:`run_chunks` is the one parallel kernel: it gives each
 thread one contiguous range of rows holding about the same number of elements
 (:func:`balanced_bounds`: a model's many small tensors make rows of unequal length, so an
@@ -43,8 +43,9 @@ __all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KERNEL_SOURCES", "KEYS", "ba
 CHUNK = 1 << 15
 #: columns after the buffer addresses: length, first element index, tensor index
 TRAILING_COLUMNS = 3
-#: random-stream keys per tensor (WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ)
-KEYS = 4
+#: random-stream keys per tensor: stream 0 (WEIGHTS and EXP_AVG), stream 1 (EXP_AVG_SQ and
+#: MAX_EXP_AVG_SQ) -- bf16opt/storage.py's STREAMS
+KEYS = 2
 #: telemetry counters per row (swallowed, exp_avg underflow, exp_avg_sq underflow)
 COUNTERS = 3
 

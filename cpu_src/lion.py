@@ -11,8 +11,9 @@ import numpy as np
 from . import vector_blocks
 from .adam import SIXTEEN_BITS
 from .chunks import chunk_compiler, update_jit
-from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
-                      encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
+from .storage import (EXP_AVG, MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, WEIGHTS, buffer_bits, decode,
+                      element_index, encode_master, encode_moment, high_half, low_half, master_value,
+                      pair_word, pointer_to, random_bits)
 
 __all__ = ["chunk_function"]
 
@@ -47,7 +48,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     def element_update(g, p, comp, m_old, element, now):
         """Stored elements of grad, param, companion, exp_avg in; the elements to store
         and the telemetry flags (swallowed, exp_avg underflow) out."""
-        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, key_w, key_m = now
+        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, key = now
+        random = random_bits(key, element)  # stochastic rounding's stream: weights, exp_avg (or dead code)
         g = decode(g) if unit else decode(g) * scale
         w0 = master_value(weights, p, comp)
         w = w0 * decay
@@ -64,8 +66,9 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
         m = m_old * beta2
         t = g * one_minus_beta2
         m = m + t
-        m_stored, m_value = encode_moment(moments, exp_avg_format, m, key_m, element)
-        p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w, key_w, element)
+        m_stored, m_value = encode_moment(moments, exp_avg_format, m, buffer_bits(random, EXP_AVG))
+        p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w,
+                                      buffer_bits(random, WEIGHTS))
         return (p, comp, m_stored, (u != np.float32(0.0)) & same,
                 (m != np.float32(0.0)) & (m_value == np.float32(0.0)))
 
@@ -82,8 +85,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
         one_minus_beta1, one_minus_beta2 = scalars[2], scalars[3]
         lr, decay = scalars[4], scalars[5]
         scale = scalars[6] * scalars[7]  # inv_grad_scale * sign (see adam.py's module docstring)
-        key_w, key_m = keys[0], keys[1]
-        now = (beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, key_w, key_m)  # (update's)
+        now = (beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, keys[0])  # (update's)
         swallowed, m_underflow = 0, 0
         first = 0
         # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)

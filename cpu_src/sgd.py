@@ -13,8 +13,9 @@ import numpy as np
 from . import vector_blocks
 from .adam import SIXTEEN_BITS
 from .chunks import chunk_compiler, update_jit
-from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, decode, element_index, encode_master,
-                      encode_moment, high_half, low_half, master_value, pair_word, pointer_to)
+from .storage import (EXP_AVG, MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, WEIGHTS, buffer_bits, decode,
+                      element_index, encode_master, encode_moment, high_half, low_half, master_value,
+                      pair_word, pointer_to, random_bits)
 
 __all__ = ["chunk_function"]
 
@@ -59,7 +60,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     def element_update(g, p, comp, b, element, now):
         """Stored elements of grad, param, companion, momentum buffer in; the elements to
         store and the telemetry flags (swallowed, buffer underflow) out."""
-        momentum_factor, one_minus_dampening, lr, weight_decay, scale, key_w, key_b = now
+        momentum_factor, one_minus_dampening, lr, weight_decay, scale, key = now
+        random = random_bits(key, element)  # stochastic rounding's stream: weights, buffer (or dead code)
         g = decode(g) if unit else decode(g) * scale
         w0 = master_value(weights, p, comp)
         w = w0
@@ -79,11 +81,12 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
                 g = g + t
             else:
                 g = b_new
-            b, b_value = encode_moment(moments, buffer_format, b_new, key_b, element)
+            b, b_value = encode_moment(moments, buffer_format, b_new, buffer_bits(random, EXP_AVG))
             b_underflow = (b_new != np.float32(0.0)) & (b_value == np.float32(0.0))
         u = g * lr
         w = w - u
-        p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w, key_w, element)
+        p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w,
+                                      buffer_bits(random, WEIGHTS))
         return p, comp, b, (u != np.float32(0.0)) & same, b_underflow
 
     # (the chunk function calls element_update as its global ``update``: see chunks.chunk_compiler)
@@ -98,8 +101,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         momentum_factor, one_minus_dampening = scalars[0], scalars[1]
         lr, weight_decay = scalars[2], scalars[3]
         scale = scalars[4] * scalars[5]  # inv_grad_scale * sign (see adam.py's module docstring)
-        key_w, key_b = keys[0], keys[1]
-        now = (momentum_factor, one_minus_dampening, lr, weight_decay, scale, key_w, key_b)  # (update's)
+        now = (momentum_factor, one_minus_dampening, lr, weight_decay, scale, keys[0])  # (update's)
         swallowed, b_underflow = 0, 0
         first_element = 0
         # (uint32 words need 4-byte aligned addresses; absent arrays have address 0)

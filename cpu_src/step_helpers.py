@@ -65,13 +65,13 @@ def _fmix32(h):
 
 @cached_njit(nogil=True)
 def stream_keys(key, tensors, keys):
-    """``keys[i, b]``: storage.stream_key's hash chain continued from ``key`` (the seed's
+    """``keys[i, s]``: storage.stream_key's hash chain continued from ``key`` (the seed's
     and step's words hashed) with the words ``tensors[i]`` (int64, the low 32 bits are
-    used) and buffer ``b``, for every buffer column ``b`` of ``keys`` (uint32)."""
+    used) and stream ``s``, for every stream column ``s`` of ``keys`` (uint32)."""
     for i in range(tensors.size):
         tensor = _fmix32(((key ^ (np.uint64(tensors[i]) & _MASK32)) + _GOLDEN) & _MASK32)
-        for buffer in range(keys.shape[1]):
-            keys[i, buffer] = _fmix32(((tensor ^ np.uint64(buffer)) + _GOLDEN) & _MASK32)
+        for stream in range(keys.shape[1]):
+            keys[i, stream] = _fmix32(((tensor ^ np.uint64(stream)) + _GOLDEN) & _MASK32)
 
 
 @cached_njit(nogil=True)

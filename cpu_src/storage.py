@@ -30,7 +30,8 @@ plus one line in ``_DECODERS`` / ``_ENCODERS``.
 Also here, as additions the kernels pick at compile time (section "storage policies"):
 
 * stochastic rounding: ``random_bits(key, element)`` (the counter-based hash, 32-bit
-  lanes) and ``encode_stochastic_for`` per format (``_STOCHASTIC_ENCODERS``);
+  lanes), ``buffer_bits(random, buffer)`` (a buffer's half of its stream's bits) and
+  ``encode_stochastic_for`` per format (``_STOCHASTIC_ENCODERS``);
 * the exact float32 master as bfloat16 param + int16 remainder (``split_param``,
   ``split_remainder``, ``join_remainder``);
 * how the master is held (``WEIGHT_POLICIES``: float32 copy, the param itself with
@@ -56,7 +57,8 @@ __all__ = [
     "decode_bf16", "decode_f16", "encode_f32", "bf16_rounding_bits", "encode_bf16", "encode_f16",
     "load", "store", "pointer_to", "encode_for", "decode", "round_for", "same_bits",
     "low_half", "high_half", "pair_word",
-    "element_index", "random_bits", "encode_bf16_stochastic", "encode_f16_stochastic", "encode_stochastic_for",
+    "element_index", "random_bits", "buffer_bits", "WEIGHTS", "EXP_AVG", "EXP_AVG_SQ", "MAX_EXP_AVG_SQ",
+    "encode_bf16_stochastic", "encode_f16_stochastic", "encode_stochastic_for",
     "join_remainder", "split_param", "split_remainder",
     "WEIGHT_POLICIES", "MOMENT_ROUNDINGS", "WEIGHT_ARRAYS", "master_value", "encode_master", "encode_moment",
 ]
@@ -395,6 +397,27 @@ def random_bits(key, element):
     return _random_bits_i32(key, element)
 
 
+# Buffer numbers (bf16opt/storage.py's): buffer b rounds with one half of stream b >> 1's bits.
+WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
+
+
+@intrinsic(prefer_literal=True)
+def buffer_bits(typingctx, random, buffer):
+    """The random word buffer ``buffer`` (a constant: WEIGHTS...) rounds with, from its stream's
+    ``random_bits``: its half of the bits as the word's upper 16 (``bf16opt/storage.py``):
+    ``random & 0xFFFF0000`` for an even buffer, ``random << 16`` for an odd one, on i32 lanes."""
+    if not isinstance(random, types.Integer) or not isinstance(buffer, types.IntegerLiteral):
+        return None
+    odd = buffer.literal_value % 2 == 1
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        r = args[0] if args[0].type.width == 32 else builder.trunc(args[0], i32)
+        return builder.shl(r, ir.Constant(i32, 16)) if odd else builder.and_(r, ir.Constant(i32, 0xFFFF0000))
+
+    return types.uint32(random, buffer), codegen
+
+
 @njit
 def encode_bf16_stochastic(x, r):
     """bfloat16 bits (int16) of ``x`` rounded up in magnitude with probability equal to
@@ -485,12 +508,12 @@ def split_remainder(master):
 # array elements and the paired loop over the 32-bit words of 16-bit arrays.  ``fmt``
 # arguments are element classes (np.float32, np.int16, np.uint16): the formats to encode to.
 #
-# * moments: ``encode_moment(rounding, fmt, value, key, element) -> (encoded, stored)``:
+# * moments: ``encode_moment(rounding, fmt, value, random) -> (encoded, stored)``:
 #   the element storing ``value`` and its decoded value (telemetry's underflow test);
-#   ``key``/``element`` name the random stream and the element for stochastic rounding.
+#   ``random``: the element's random word for stochastic rounding (``buffer_bits``).
 # * weights: ``master_value(policy, param, companion) -> w0`` reads the master value from
 #   the stored param and companion elements; ``encode_master(policy, param_fmt,
-#   companion_fmt, param, companion, w0, w, key, element) -> (param, companion, same)`` gives
+#   companion_fmt, param, companion, w0, w, random) -> (param, companion, same)`` gives
 #   the elements storing the updated master ``w`` and True when the bits that hold the
 #   master did not change (telemetry's swallowed-update test).  ``companion`` is the master
 #   policy's element: of the float32 copy, the Kahan compensation or the int16 remainder.
@@ -499,15 +522,16 @@ def split_remainder(master):
 #   Policy names are ``KernelConfig.weights`` (bf16opt/algorithms.py).
 #
 # Results that a configuration does not use (random bits, the flags when telemetry is off)
-# are dead code that LLVM removes.
+# are dead code that LLVM removes; so is the hash of a stream no buffer rounds with, and the
+# two buffers of one stream share its hash (the same operations on the same key and element).
 @njit
-def encode_moment_nearest(fmt, value, key, element):
+def encode_moment_nearest(fmt, value, random):
     return round_for(fmt, value)
 
 
 @njit
-def encode_moment_stochastic(fmt, value, key, element):
-    encoded = encode_stochastic_for(fmt, value, random_bits(key, element))
+def encode_moment_stochastic(fmt, value, random):
+    encoded = encode_stochastic_for(fmt, value, random)
     return encoded, decode(encoded)
 
 
@@ -527,28 +551,28 @@ def master_value_remainder(param, companion):
 
 
 @njit
-def encode_master_copy(param_fmt, companion_fmt, param, companion, w0, w, key, element):
+def encode_master_copy(param_fmt, companion_fmt, param, companion, w0, w, random):
     """float32 master copy, param = its round to nearest even."""
     encoded = encode_for(companion_fmt, w)
     return encode_for(param_fmt, w), encoded, same_bits(companion, encoded)
 
 
 @njit
-def encode_master_param(param_fmt, companion_fmt, param, companion, w0, w, key, element):
+def encode_master_param(param_fmt, companion_fmt, param, companion, w0, w, random):
     """The param is the master: round to nearest even."""
     encoded = encode_for(param_fmt, w)
     return encoded, companion, same_bits(param, encoded)
 
 
 @njit
-def encode_master_stochastic(param_fmt, companion_fmt, param, companion, w0, w, key, element):
+def encode_master_stochastic(param_fmt, companion_fmt, param, companion, w0, w, random):
     """The param is the master: stochastic rounding (stream WEIGHTS)."""
-    encoded = encode_stochastic_for(param_fmt, w, random_bits(key, element))
+    encoded = encode_stochastic_for(param_fmt, w, random)
     return encoded, companion, same_bits(param, encoded)
 
 
 @njit
-def encode_master_kahan(param_fmt, companion_fmt, param, companion, w0, w, key, element):
+def encode_master_kahan(param_fmt, companion_fmt, param, companion, w0, w, random):
     """16-bit master with Kahan compensation ``companion`` (reference.py's formula)."""
     y = w - w0
     y = y + decode(companion)
@@ -559,7 +583,7 @@ def encode_master_kahan(param_fmt, companion_fmt, param, companion, w0, w, key, 
 
 
 @njit
-def encode_master_remainder(param_fmt, companion_fmt, param, companion, w0, w, key, element):
+def encode_master_remainder(param_fmt, companion_fmt, param, companion, w0, w, random):
     """Exact float32 master as bfloat16 param + int16 remainder ``companion``."""
     high = split_param(w)
     low = split_remainder(w)
@@ -589,12 +613,12 @@ def master_value(policy, param, companion):
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
-def encode_master(policy, param_fmt, companion_fmt, param, companion, w0, w, key, element):
+def encode_master(policy, param_fmt, companion_fmt, param, companion, w0, w, random):
     """(param, companion, unchanged) elements storing the updated master ``w`` under ``policy``."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
-def encode_moment(rounding, fmt, value, key, element):
+def encode_moment(rounding, fmt, value, random):
     """(element, its value) storing a moment with ``rounding`` (a key of MOMENT_ROUNDINGS)."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
@@ -615,21 +639,21 @@ def _master_value_impl(policy, param, companion):
 
 
 @overload(encode_master)
-def _encode_master_impl(policy, param_fmt, companion_fmt, param, companion, w0, w, key, element):
+def _encode_master_impl(policy, param_fmt, companion_fmt, param, companion, w0, w, random):
     chosen = _literal(policy, WEIGHT_POLICIES)
     if chosen is None:
         return None
     encode_impl = chosen[1]
 
-    def impl(policy, param_fmt, companion_fmt, param, companion, w0, w, key, element):
-        return encode_impl(param_fmt, companion_fmt, param, companion, w0, w, key, element)
+    def impl(policy, param_fmt, companion_fmt, param, companion, w0, w, random):
+        return encode_impl(param_fmt, companion_fmt, param, companion, w0, w, random)
 
     return impl
 
 
 @overload(encode_moment)
-def _encode_moment_impl(rounding, fmt, value, key, element):
+def _encode_moment_impl(rounding, fmt, value, random):
     encode_impl = _literal(rounding, MOMENT_ROUNDINGS)
     if encode_impl is None:
         return None
-    return lambda rounding, fmt, value, key, element: encode_impl(fmt, value, key, element)
+    return lambda rounding, fmt, value, random: encode_impl(fmt, value, random)

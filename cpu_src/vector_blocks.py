@@ -58,8 +58,8 @@ NESTEROV = 128  # SGD's Nesterov momentum
 MOMENT16 = 256  # the moments are bfloat16 (rounded to nearest even), not float32
 KAHAN = 512  # the master is the bfloat16 param with a Kahan compensation (the companion): PARAM16
 COMPANION16 = 1024  # the Kahan compensation is bfloat16, not float32
-SR_WEIGHTS = 2048  # the bfloat16 param, its own master, rounded stochastically (stream keys[0]): PARAM16
-SR_MOMENTS = 4096  # the bfloat16 moments rounded stochastically (streams keys[1], keys[2]): MOMENT16
+SR_WEIGHTS = 2048  # the bfloat16 param, its own master, rounded stochastically (buffer WEIGHTS): PARAM16
+SR_MOMENTS = 4096  # the bfloat16 moments rounded stochastically (buffers EXP_AVG, EXP_AVG_SQ): MOMENT16
 
 
 def _target_features() -> list:
@@ -115,6 +115,7 @@ class _Block:
     def __init__(self, builder, span: int, flags: int, scalars_at, param_at, grad_at, companion_at, keys_at,
                  element):
         self.builder, self.span, self.keys_at, self.element = builder, span, keys_at, element
+        self.hashes = {}  # (stream, vector k) -> its random bits: the stream's two buffers share them
         self.unit, self.param16, self.grad16, self.copy, self.native16, self.remainder, self.moment16, \
             self.kahan, self.companion16, self.sr_weights, self.sr_moments = (bool(flags & bit) for bit in (
                 UNIT, PARAM16, GRAD16, COPY, NATIVE16, REMAINDER, MOMENT16, KAHAN, COMPANION16, SR_WEIGHTS,
@@ -177,19 +178,31 @@ class _Block:
             x = self.round_bf16_native(x) if self.native16 else self.round_bf16(x)
         return x
 
-    def store(self, x, pointer, sixteen: bool, stream=None, k: int = 0):
-        """:meth:`encode` and store; or, with a ``stream`` (a bfloat16 value), rounded
-        stochastically with the random bits of that stream for the block's vector ``k``."""
-        if stream is None:
+    def store(self, x, pointer, sixteen: bool, buffer=None, k: int = 0):
+        """:meth:`encode` and store; or, with a ``buffer`` number (storage.WEIGHTS...; a bfloat16
+        value), rounded stochastically with that buffer's random bits for the block's vector ``k``."""
+        if buffer is None:
             x = self.encode(x, sixteen)
         else:
-            x = self.round_bf16_stochastic(x, self.random(stream, k))
+            x = self.round_bf16_stochastic(x, self.buffer_bits(buffer, k))
         self.builder.store(x, pointer, align=2 if sixteen else 4)
+
+    def buffer_bits(self, buffer: int, k: int):
+        """storage.buffer_bits: the buffer's half of its stream's bits (the upper, or the lower
+        moved up) as the words' upper 16 bits."""
+        random = self.random(buffer >> 1, k)
+        return self.builder.shl(random, self.word(16)) if buffer % 2 else \
+            self.builder.and_(random, self.word(0xFFFF0000))
 
     def random(self, stream: int, k: int):
         """storage.random_bits of the vector ``k``'s elements in stream ``keys[stream]``:
         ``fmix32(key ^ (element * GOLDEN))``, the elements' products as the block's first
-        times GOLDEN plus constants (the same modulo 2^32)."""
+        times GOLDEN plus constants (the same modulo 2^32); hashed once per block and vector."""
+        if (stream, k) not in self.hashes:
+            self.hashes[stream, k] = self.hash(stream, k)
+        return self.hashes[stream, k]
+
+    def hash(self, stream: int, k: int):
         builder = self.builder
         key = builder.load(builder.gep(self.keys_at, [ir.Constant(self.i64, stream)]))
         first = builder.mul(self.element, ir.Constant(self.i32, GOLDEN))
@@ -202,7 +215,7 @@ class _Block:
         return builder.xor(h, builder.lshr(h, self.word(16)))
 
     def round_bf16_stochastic(self, x, random):
-        """storage.encode_bf16_stochastic: the canonical NaN, then ``(bits + (r >> 16)) >> 16``."""
+        """storage.encode_bf16_stochastic: the canonical NaN, then ``(bits + (u >> 16)) >> 16``."""
         builder = self.builder
         bits = builder.bitcast(self.canonical(x), self.words)
         bits = builder.add(bits, builder.lshr(random, self.word(16)))
@@ -313,8 +326,8 @@ def _block_codegen(flags: int, span: int, scalar_count: int, update):
         results = [update(block, values, w, g, moments) for w, g, *moments in zip(ws, gs, *loaded)]
         for k, (w, moments) in enumerate(results):
             block.store_master(k, ws[k], w)
-            for stream, (x, moment) in enumerate(zip(moments, pointers), start=1):
-                block.store(x, moment[k], block.moment16, stream if block.sr_moments else None, k)
+            for buffer, (x, moment) in enumerate(zip(moments, pointers), start=1):  # EXP_AVG, EXP_AVG_SQ
+                block.store(x, moment[k], block.moment16, buffer if block.sr_moments else None, k)
         return context.get_dummy_value()
 
     return codegen
@@ -329,7 +342,7 @@ def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, sca
     only with ``COPY``, ``REMAINDER`` or ``KAHAN``), in place.  ``form``: a constant of the flags above;
     ``scalars``: the chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias
     correction 2), eps, weight decay, decay); ``scale``: ``inv_grad_scale * sign``, not read
-    with ``UNIT``; ``keys``: the chunk function's random streams (weights, exp_avg, exp_avg_sq)
+    with ``UNIT``; ``keys``: the chunk function's random streams' keys (``chunks.KEYS``)
     and ``element`` the block's first element's counter (``storage.element_index``), read with
     ``SR_WEIGHTS`` / ``SR_MOMENTS``."""
     if not isinstance(form, types.IntegerLiteral):

@@ -35,15 +35,18 @@ typedef unsigned long long u64;
 
 // ---------------------------------------------------------------- random streams
 // Stochastic rounding's random bits (bf16opt/storage.py): a counter-based hash, so
-// every backend, launch shape and thread count draws the same bits.
-//   key = stream_key(seed, step, tensor index, buffer)       once per tensor and buffer
+// every backend, launch shape and thread count draws the same bits.  Buffers pair up into
+// streams (buffer b in stream b >> 1), one hash per stream and element for both:
+//   key = stream_key(seed, step, tensor index, stream)       once per tensor and stream
 //   r   = fmix32(key ^ (element index * 0x9E3779B9 mod 2^32))  per element
+//   u   = r & 0xFFFF0000 (even buffer) or r << 16 (odd)       the buffer's 16 bits, on top
 // inline, not static: NVRTC salts the PTX names of internal-linkage globals (process
 // id and more), so the same compile would not give the same bytes twice.
 inline constexpr u32 kGolden = 0x9E3779B9u;
 
-// Buffer numbers in the hash (storage.WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ).
+// Buffer numbers (storage.WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ) and streams per tensor.
 enum Buffer { kWeights = 0, kExpAvg = 1, kExpAvgSq = 2, kMaxExpAvgSq = 3, kBuffers = 4 };
+enum { kStreams = 2 };
 
 // MurmurHash3's 32-bit finaliser (unsigned arithmetic wraps modulo 2^32).
 __device__ __forceinline__ u32 fmix32(u32 h) {
@@ -55,14 +58,14 @@ __device__ __forceinline__ u32 fmix32(u32 h) {
   return h;
 }
 
-// storage.stream_key: the words (seed low, seed high ^ step high, step, tensor index, buffer),
+// storage.stream_key: the words (seed low, seed high ^ step high, step, tensor index, stream),
 // each folded in as k = fmix32((k ^ word) + golden).
-__device__ __forceinline__ u32 stream_key(u64 seed, i64 step, i64 tensor_index, u32 buffer) {
+__device__ __forceinline__ u32 stream_key(u64 seed, i64 step, i64 tensor_index, u32 stream) {
   // the step's high word shares the seed's slot: unchanged keys below 2^32 steps, and no
   // two steps of one run share a key
   const u32 words[5] = {static_cast<u32>(seed),
                         static_cast<u32>(seed >> 32) ^ static_cast<u32>(static_cast<u64>(step) >> 32),
-                        static_cast<u32>(step), static_cast<u32>(tensor_index), buffer};
+                        static_cast<u32>(step), static_cast<u32>(tensor_index), stream};
   u32 key = 0;
 #pragma unroll
   for (int w = 0; w < 5; ++w) key = fmix32((key ^ words[w]) + kGolden);
@@ -70,29 +73,35 @@ __device__ __forceinline__ u32 stream_key(u64 seed, i64 step, i64 tensor_index, 
 }
 
 // What an encode may hash: the element's random stream.  Round to nearest ignores it
-// (and the compiler drops it).
+// (and the compiler drops it); the two buffers of a stream hash the same key and index,
+// which the compiler computes once.
 struct EncodeContext {
-  u32 key;    // stream_key of the element's tensor and buffer
+  u32 key;    // stream_key of the element's tensor and stream
   u32 index;  // row-major element index, modulo 2^32
-  __device__ __forceinline__ u32 random() const { return fmix32(key ^ (index * kGolden)); }
+  bool odd;   // the stream's odd buffer: the hash's lower half
+  // storage.buffer_bits: the buffer's 16 random bits as the upper half of the word
+  __device__ __forceinline__ u32 random() const {
+    const u32 r = fmix32(key ^ (index * kGolden));
+    return odd ? r << 16 : r & 0xFFFF0000u;
+  }
 };
 
 // The streams of one tensor in one step.  Kernels without stochastic storage never
 // compute the keys (kNeeded = false).
 struct Streams {
-  u32 key[kBuffers];
+  u32 key[kStreams];
   i64 first;  // global index of the tensor's element 0 (a shard's offset in its param)
   __device__ __forceinline__ EncodeContext at(int buffer, i64 index) const {
-    return EncodeContext{key[buffer], static_cast<u32>(index + first)};
+    return EncodeContext{key[buffer >> 1], static_cast<u32>(index + first), (buffer & 1) != 0};
   }
 };
 
 template <bool kNeeded>
 __device__ __forceinline__ Streams make_streams(u64 seed, i64 step, i64 tensor_index, i64 first = 0) {
-  Streams s{{0u, 0u, 0u, 0u}, first};
+  Streams s{{0u, 0u}, first};
   if constexpr (kNeeded) {
 #pragma unroll
-    for (int b = 0; b < kBuffers; ++b) s.key[b] = stream_key(seed, step, tensor_index, static_cast<u32>(b));
+    for (int k = 0; k < kStreams; ++k) s.key[k] = stream_key(seed, step, tensor_index, static_cast<u32>(k));
   }
   return s;
 }
@@ -193,7 +202,7 @@ template <>
 struct Stochastic<Bf16> : Bf16 {
   static constexpr bool kStochastic = true;
 
-  // bits(x) + (r >> 16), upper 16 bits.  No wrap-around: the largest finite pattern
+  // bits(x) + (u >> 16), upper 16 bits.  No wrap-around: the largest finite pattern
   // plus 0xFFFF stays below 2^32 (and may round up to inf, as the reference does).
   static __device__ __forceinline__ bits_t encode(float x, const EncodeContext& ctx) {
     const u32 bits = __float_as_uint(x);
@@ -215,14 +224,14 @@ struct Stochastic<Fp16> : Fp16 {
     if (a == 0x7F800000u) return static_cast<bits_t>(sign | 0x7C00u);
     const u32 r = ctx.random();
     if (a >= 0x38800000u) {
-      // |x| >= 2^-14: (bits(|x|) + (r >> 19)) with the low 13 bits cleared is a float16
+      // |x| >= 2^-14: (bits(|x|) + (u >> 19)) with the low 13 bits cleared is a float16
       // value (exact), or >= 2^16, which float16 holds as inf.
       const u32 up = (a + (r >> 19)) & 0xFFFFE000u;
       if (up >= 0x47800000u) return static_cast<bits_t>(sign | 0x7C00u);
       return static_cast<bits_t>(sign | ((up - 0x38000000u) >> 13));  // rebias 127 -> 15
     }
     // float16's subnormal grid (step 2^-24): y = |x| * 2^24, n = floor(y), round up when
-    // float(r >> 8) < (y - n) * 2^24.  Every float operation here is exact.
+    // float(u >> 8) < (y - n) * 2^24 (16 random bits).  Every float operation here is exact.
     const float y = __uint_as_float(a) * 16777216.0f;
     const float n = floorf(y);
     const bool round_up = static_cast<float>(r >> 8) < (y - n) * 16777216.0f;

@@ -504,13 +504,15 @@ def test_encoders_match_storage_spec(dtype):
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     expected = bits(storage.encode(torch.from_numpy(x), dtype))
     assert np.array_equal(emulator.encode(name, x), expected)
-    for key in (0, 0x9E3779B9, int(rng.integers(0, 2 ** 32))):
-        random = storage.random_bits(key, x.shape)
+    for key, buffer in ((0, storage.WEIGHTS), (0x9E3779B9, storage.EXP_AVG),
+                        (int(rng.integers(0, 2 ** 32)), storage.EXP_AVG_SQ),
+                        (int(rng.integers(0, 2 ** 32)), storage.MAX_EXP_AVG_SQ)):
+        random = storage.buffer_bits(storage.random_bits(key, x.shape), buffer)
         expected = bits(storage.encode_stochastic(torch.from_numpy(x), dtype, random))
-        actual = emulator.encode(f"{name}-stochastic", x, key)
+        actual = emulator.encode(f"{name}-stochastic", x, key, buffer)
         bad = np.flatnonzero(expected != actual)
-        assert bad.size == 0, (f"{name} stochastic, key {key:#x}: {bad.size} differ, first x bits "
-                               f"{x.view(np.uint32)[bad[0]]:#x}: spec {expected[bad[0]]:#x}, "
+        assert bad.size == 0, (f"{name} stochastic, key {key:#x}, buffer {buffer}: {bad.size} differ, "
+                               f"first x bits {x.view(np.uint32)[bad[0]]:#x}: spec {expected[bad[0]]:#x}, "
                                f"CUDA {actual[bad[0]]:#x}")
 
 
@@ -529,8 +531,8 @@ def test_stream_keys_match_storage_spec():
     cases = [(0, 0, 0, 0), (2 ** 64 - 1, 2 ** 32, 2 ** 32 + 5, 3), (2 ** 63, 2 ** 40 + 1, 1, 1)]
     cases += [(int(rng.integers(0, 2 ** 64, dtype=np.uint64)), int(rng.integers(0, 2 ** 40)),
                int(rng.integers(0, 2 ** 36)), int(rng.integers(0, 4))) for _ in range(200)]
-    for seed, step, index, buffer in cases:
-        assert emulator.stream_key(seed, step, index, buffer) == storage.stream_key(seed, step, index, buffer)
+    for seed, step, index, stream in cases:
+        assert emulator.stream_key(seed, step, index, stream) == storage.stream_key(seed, step, index, stream)
 
 
 def test_remainder_split_matches_storage_spec():

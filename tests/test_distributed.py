@@ -13,6 +13,7 @@ import copy
 import os
 import socket
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -353,8 +354,9 @@ def test_named_params_in_any_order_round_alike(backend, offload):
 
 def test_format_1_state_dicts_keep_position_streams():
     """A state dict saved by format 1 (which named every stream by position) loads into a named
-    optimizer with sr_streams='position' in its groups: it continues as the old run would, and
-    the entry survives the next save and load.  A format-2 state dict loads with name streams."""
+    optimizer with sr_streams='position' in its groups: it continues as the old run would (with
+    this version's bits: it warns that an older bf16opt drew others), and the entry survives the
+    next save and load.  A format-3 state dict loads with name streams, without a warning."""
     def optimizer(named: bool):
         model = make_model()
         params = model.named_parameters() if named else model.parameters()
@@ -367,19 +369,22 @@ def test_format_1_state_dicts_keep_position_streams():
     saved["param_groups"][0]["param_names"] = [name for name, _ in old_model.named_parameters()]
     model, opt = optimizer(named=True)
     model.load_state_dict(old_model.state_dict())
-    opt.load_state_dict(saved)
+    with pytest.warns(UserWarning, match="state-dict format 1"):
+        opt.load_state_dict(saved)
     assert opt.param_groups[0]["sr_streams"] == "position"
     resaved = copy.deepcopy(opt.state_dict())
-    assert resaved["bf16opt"]["format"] == 2 and resaved["param_groups"][0]["sr_streams"] == "position"
+    assert resaved["bf16opt"]["format"] == 3 and resaved["param_groups"][0]["sr_streams"] == "position"
     train(old_model, old_opt, 2, 2)
     train(model, opt, 2, 2)
     assert all(torch.equal(bits(p), bits(q)) for p, q in zip(old_model.parameters(), model.parameters()))
 
     again_model, again = optimizer(named=True)
     again_model.load_state_dict(model.state_dict())
-    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a format-3 state dict: nothing to warn about
+        again.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert again.param_groups[0]["sr_streams"] == "position"
     fresh_model, fresh = optimizer(named=True)
     current = copy.deepcopy(fresh.state_dict())
-    again.load_state_dict(current)  # a format-2 state dict of a named optimizer: name streams
+    again.load_state_dict(current)  # a format-3 state dict of a named optimizer: name streams
     assert "sr_streams" not in again.param_groups[0]

@@ -17,8 +17,8 @@ import bf16opt
 from bf16opt.algorithms import ADAM, ALGORITHMS, LION, SGD
 from bf16opt.backends import numba as numba_backend
 from bf16opt.precision import PRESETS, all_plans, plan_for
-from bf16opt.storage import (encode, encode_stochastic, fmix32_int, join_remainder, random_bits, split_remainder,
-                             stream_key)
+from bf16opt.storage import (EXP_AVG, EXP_AVG_SQ, STREAMS, buffer_bits, encode, encode_stochastic, fmix32_int,
+                             join_remainder, random_bits, split_remainder, stream_key)
 
 pytest.importorskip("numba")
 
@@ -51,6 +51,14 @@ def helpers():
         for i in range(elements.size):
             out[i] = storage.random_bits(key, elements[i])
 
+    even_buffer, odd_buffer = storage.EXP_AVG_SQ, storage.EXP_AVG  # (closure constants: literals)
+
+    @njit
+    def buffer_bits_all(randoms, even, odd):
+        for i in range(randoms.size):
+            even[i] = storage.buffer_bits(randoms[i], even_buffer)
+            odd[i] = storage.buffer_bits(randoms[i], odd_buffer)
+
     @njit
     def encode_stochastic_all(values, randoms, out):
         for i in range(values.size):
@@ -67,7 +75,7 @@ def helpers():
         for i in range(params.size):
             out[i] = storage.join_remainder(params[i], remainders[i])
 
-    return random_all, encode_stochastic_all, split_all, join_all
+    return random_all, encode_stochastic_all, split_all, join_all, buffer_bits_all
 
 
 def test_random_bits_match_reference(helpers):
@@ -84,12 +92,22 @@ def test_random_bits_match_reference(helpers):
         assert out.tolist() == [fmix32_int(key ^ (int(i) * 0x9E3779B9 % 2**32)) for i in big]
 
 
+def test_buffer_bits_match_reference(helpers):
+    randoms = np.random.default_rng(9).integers(0, 1 << 32, 10000, dtype=np.uint64).astype(np.uint32)
+    randoms[:4] = (0, 0xFFFFFFFF, 0xFFFF0000, 0x0000FFFF)
+    even, odd = np.empty_like(randoms), np.empty_like(randoms)
+    helpers[4](randoms, even, odd)
+    wide = torch.from_numpy(randoms.astype(np.int64))
+    assert np.array_equal(even, buffer_bits(wide, EXP_AVG_SQ).numpy().astype(np.uint32))
+    assert np.array_equal(odd, buffer_bits(wide, EXP_AVG).numpy().astype(np.uint32))
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2**32 + 7, 2**64 - 1, 123456789123])
 def test_stream_keys_match_reference(seed):
     indices = [0, 1, 5, 149, 2**31, 2**32 + 3]
     for step in (1, 2, 1000, 2**32 + 1):
         keys = numba_backend.stream_keys(seed, step, indices)
-        expected = [[stream_key(seed, step, t, b) for b in range(4)] for t in indices]
+        expected = [[stream_key(seed, step, t, k) for k in range(STREAMS)] for t in indices]
         assert keys.dtype == np.uint32 and keys.tolist() == expected
 
 
@@ -115,7 +133,7 @@ def test_encode_stochastic_matches_reference(helpers, dtype):
 
 
 def test_remainder_split_and_join_match_reference(helpers):
-    _, _, split_all, join_all = helpers
+    _, _, split_all, join_all, _ = helpers
     values = _interesting_f32_bits().view(np.float32)
     params = np.empty(values.size, dtype=np.int16)
     remainders = np.empty(values.size, dtype=np.int16)

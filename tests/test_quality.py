@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 
 import numpy as np
 import pytest
@@ -12,12 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bf16opt
-from bf16opt.storage import (WEIGHTS, encode, encode_stochastic, join_remainder, random_bits,
-                             split_remainder, stream_key)
+from bf16opt.storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, STREAMS, WEIGHTS, buffer_bits, encode,
+                             encode_stochastic, join_remainder, random_bits, split_remainder, stream_key,
+                             stream_of)
 from oracles import bits
 from snapshots import same_bits
 
 SIXTEEN_BIT = [torch.bfloat16, torch.float16]
+BUFFERS = [WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ]
 
 
 # ------------------------------------------------------------------ stochastic rounding
@@ -31,18 +34,34 @@ def neighbours(value: float, dtype: torch.dtype) -> tuple:
     return tuple(float(t.item()) for t in pair)
 
 
+def buffer_random(seed: int, step: int, tensor: int, buffer: int, shape, offset: int = 0) -> torch.Tensor:
+    """The random words ``buffer`` of a tensor rounds with (storage.py's contract)."""
+    stream = random_bits(stream_key(seed, step, tensor, stream_of(buffer)), shape, offset=offset)
+    return buffer_bits(stream, buffer)
+
+
+@pytest.mark.parametrize("buffer", BUFFERS)
 @pytest.mark.parametrize("dtype", SIXTEEN_BIT)
 @pytest.mark.parametrize("value", [1.0 + 2.0 ** -10, -3.14159, 1e-3, 7e-6, 3e-7, 1e-30, 60000.0])
-def test_stochastic_rounding_is_unbiased(dtype, value):
+def test_stochastic_rounding_is_unbiased(dtype, value, buffer):
+    """Each buffer's half of its stream's bits rounds up with probability equal to the dropped
+    fraction: exactly for bfloat16 and float16 normals (the fraction has at most 16 bits), to
+    within 2**-16 on float16's subnormal grid (7e-6, 3e-7, 1e-30: 16 random bits against a
+    longer fraction, the probability ``ceil(fraction * 2**16) / 2**16``)."""
     n = 200_000
     x = torch.full((n,), value, dtype=torch.float32)
     exact = x[0].item()
-    rounded = encode_stochastic(x, dtype, random_bits(stream_key(7, 1, 0, WEIGHTS), x.shape)).double()
+    rounded = encode_stochastic(x, dtype, buffer_random(7, 1, 0, buffer, x.shape)).double()
     lower, upper = neighbours(exact, dtype)
     assert set(rounded.unique().tolist()) <= {lower, upper}  # only the two neighbours
     p = (exact - lower) / (upper - lower)
-    sigma = (upper - lower) * np.sqrt(p * (1 - p) / n)
-    assert abs(rounded.mean().item() - exact) <= 4 * sigma
+    if dtype == torch.float16 and abs(exact) < 2.0 ** -14:
+        p_up = math.ceil(p * 2 ** 16) / 2 ** 16
+        assert abs(p_up - p) <= 2.0 ** -16
+    else:
+        p_up = p
+    sigma = (upper - lower) * np.sqrt(p_up * (1 - p_up) / n)
+    assert abs(rounded.mean().item() - (lower + p_up * (upper - lower))) <= 4 * sigma
 
 
 @given(seed=st.integers(0, 2 ** 63), step=st.integers(1, 10 ** 6), index=st.integers(0, 10 ** 4),
@@ -51,15 +70,64 @@ def test_stochastic_rounding_keeps_representable_values(seed, step, index, dtype
     generator = torch.Generator().manual_seed(seed % 2 ** 32)
     exact = (torch.randn(4096, generator=generator) * 10.0 ** torch.randint(-6, 4, (4096,), generator=generator))
     exact = torch.cat([exact.to(dtype).float(), torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
-    random = random_bits(stream_key(seed, step, index, WEIGHTS), exact.shape)
+    random = buffer_random(seed, step, index, EXP_AVG, exact.shape)
     np.testing.assert_array_equal(bits(encode_stochastic(exact, dtype, random)), bits(encode(exact, dtype)))
 
 
-def test_random_streams_differ_by_seed_step_tensor_and_buffer():
-    keys = {stream_key(s, t, i, b) for s in (0, 1) for t in (1, 2) for i in (0, 1) for b in (0, 1)}
+def test_random_streams_differ_by_seed_step_tensor_and_stream():
+    keys = {stream_key(s, t, i, k) for s in (0, 1) for t in (1, 2) for i in (0, 1) for k in range(STREAMS)}
     assert len(keys) == 16
     r = random_bits(stream_key(0, 1, 0, 0), (100_000,)).double()
     assert abs(r.mean().item() / 2 ** 32 - 0.5) < 0.005  # roughly uniform
+
+
+def test_buffers_take_the_halves_of_their_streams():
+    """WEIGHTS and EXP_AVG share stream 0, EXP_AVG_SQ and MAX_EXP_AVG_SQ stream 1: the even
+    buffer the upper 16 bits, the odd one the lower, each as the upper half of its word."""
+    assert [stream_of(b) for b in BUFFERS] == [0, 0, 1, 1]
+    r = random_bits(stream_key(3, 4, 5, 0), (4096,))
+    upper, lower = buffer_bits(r, WEIGHTS), buffer_bits(r, EXP_AVG)
+    assert torch.equal(upper >> 16, r >> 16) and torch.equal(lower >> 16, r & 0xFFFF)
+    assert not bool(((upper | lower) & 0xFFFF).any()) and int(max(upper.max(), lower.max())) < 2 ** 32
+
+
+def _chi_square_uniform(first: torch.Tensor, second: torch.Tensor, bins: int = 16) -> float:
+    """Pearson's chi-square of the joint histogram of two uint32 word tensors' top 4 bits
+    against independent uniform draws (bins**2 - 1 = 255 degrees of freedom)."""
+    cell = (first >> 28) * bins + (second >> 28)
+    counts = torch.bincount(cell.flatten(), minlength=bins * bins).double()
+    expected = first.numel() / bins ** 2
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# 255 degrees of freedom: mean 255, standard deviation 22.6; the bound is mean + 6 sd
+CHI_SQUARE_BOUND = 255 + 6 * 22.6
+
+
+@pytest.mark.parametrize("pair", [(WEIGHTS, EXP_AVG), (EXP_AVG_SQ, MAX_EXP_AVG_SQ), (WEIGHTS, EXP_AVG_SQ),
+                                  (EXP_AVG, MAX_EXP_AVG_SQ)])
+def test_buffers_of_one_element_draw_independent_bits(pair):
+    """The two halves of one hash (and the buffers of different streams) are independent:
+    the joint histogram of the two buffers' words is uniform, and so is the joint frequency of
+    their rounding decisions at two different probabilities."""
+    n = 1 << 20
+    first, second = (buffer_random(11, 3, 42, buffer, (n,)) for buffer in pair)
+    assert _chi_square_uniform(first, second) < CHI_SQUARE_BOUND
+    up_first = (first >> 16).double() < 0.3 * 2 ** 16  # rounds up with probability 0.3
+    up_second = (second >> 16).double() < 0.6 * 2 ** 16
+    both = (up_first & up_second).double().mean().item()
+    p = 0.3 * 0.6
+    assert abs(both - p) <= 5 * np.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("buffer", BUFFERS)
+def test_a_buffers_bits_are_independent_across_steps_tensors_and_elements(buffer):
+    """One buffer's words at consecutive steps, of two tensors, and of neighbouring elements
+    (the counter's i and i + 1) show no joint structure."""
+    n = 1 << 20
+    now = buffer_random(11, 3, 42, buffer, (n + 1,))
+    for other in (buffer_random(11, 4, 42, buffer, (n,)), buffer_random(11, 3, 43, buffer, (n,)), now[1:]):
+        assert _chi_square_uniform(now[:n], other) < CHI_SQUARE_BOUND
 
 
 # ------------------------------------------------------------------ Kahan compensation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -78,6 +79,32 @@ def test_state_dict_keeps_configured_dtypes_and_plain_precision():
         assert state["master"].dtype == torch.float32
     assert state_dict["param_groups"][0]["precision"]["exp_avg"] == "bf16"
     assert state_dict["bf16opt"]["family"] == "adam"
+
+
+@pytest.mark.parametrize("saved_format", [1, 2, 3])
+@pytest.mark.parametrize("preset", ["bf16-sr", "bf16"])
+def test_state_dicts_of_older_formats_warn_only_under_stochastic_rounding(saved_format, preset):
+    """Formats 1 and 2 drew a hash per buffer: loading one into groups that round
+    stochastically warns (the run goes on with this version's bits); nearest rounding, and a
+    format-3 state dict, load silently.  Either way the state loads and the step runs."""
+    model, batches = model_and_batches(torch.bfloat16)
+    opt = bf16opt.AdamW(model.parameters(), precision=preset)
+    train(model, opt, batches[:1])
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["bf16opt"]["format"] == 3
+    saved["bf16opt"]["format"] = saved_format
+    loaded = bf16opt.AdamW(model.parameters(), precision=preset)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded.load_state_dict(saved)
+    texts = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    older_sr = saved_format < 3 and preset == "bf16-sr"
+    assert len(texts) == older_sr
+    if older_sr:
+        assert f"state-dict format {saved_format}" in texts[0] and "two buffers per hash" in texts[0]
+    for p in model.parameters():
+        assert same_bits(loaded.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+    train(model, loaded, batches[1:2])
 
 
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from ..algorithms import ELEMENT_BYTES, SGD, KernelConfig
-from ..storage import MASK32
+from ..storage import MASK32, STREAMS
 from .base import Bucket
 from .staging import check, stage
 
@@ -173,11 +173,11 @@ def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: l
 
 
 def stream_keys(seed: int, step: int, indices, out: "np.ndarray | None" = None) -> np.ndarray:
-    """uint32 (len(indices), 4): ``storage.stream_key(seed, step, index, buffer)`` for the
-    buffers WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ (0..3), one compiled loop over tensors
-    (negative indices as their two's complement); written into ``out`` when given."""
+    """uint32 (len(indices), STREAMS): ``storage.stream_key(seed, step, index, stream)`` for
+    the streams 0 and 1, one compiled loop over tensors (negative indices
+    as their two's complement); written into ``out`` when given."""
     tensors = np.asarray(indices, dtype=np.int64)
-    keys = np.empty((tensors.size, 4), dtype=np.uint32) if out is None else out
+    keys = np.empty((tensors.size, STREAMS), dtype=np.uint32) if out is None else out
     helpers().stream_keys(helpers().step_key(seed_words(seed), step), tensors, keys)
     return keys
 

@@ -95,9 +95,9 @@ from __future__ import annotations
 
 import torch
 
-from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, decode, encode,
-                       encode_stochastic, join_remainder, random_bits, split_remainder,
-                       stream_key)
+from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, buffer_bits, decode, encode,
+                       encode_stochastic, join_remainder, random_bits, split_remainder, stream_key,
+                       stream_of)
 from .base import Bucket
 from .staging import check
 
@@ -119,14 +119,16 @@ def _master_value(bucket: Bucket, i: int) -> torch.Tensor:
 
 
 def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer: int) -> torch.Tensor:
-    """Encode with the plan's rounding; ``buffer`` names the random stream.  float64 results
-    are stored as they are (NaN canonical) or rounded to float32 first, then encoded."""
+    """Encode with the plan's rounding; ``buffer`` names the random bits
+    (``storage.buffer_bits``).  float64 results are stored as they are (NaN canonical) or
+    rounded to float32 first, then encoded."""
     if dtype == torch.float64:
         return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x)
     x = x.float()  # a no-op for float32 math
     if bucket.config.stochastic and dtype != torch.float32:
-        key = stream_key(bucket.seed, bucket.step, bucket.stream_id(i), buffer)
-        return encode_stochastic(x, dtype, random_bits(key, x.shape, x.device, bucket.offset(i)))
+        key = stream_key(bucket.seed, bucket.step, bucket.stream_id(i), stream_of(buffer))
+        random = random_bits(key, x.shape, x.device, bucket.offset(i))
+        return encode_stochastic(x, dtype, buffer_bits(random, buffer))
     return encode(x, dtype)
 
 

@@ -85,19 +85,20 @@ PROBE_SOURCE = r"""
 namespace probe {
 using namespace bf16opt;
 template <class S>
-void encode_all(const float* x, long long n, unsigned key, unsigned short* out) {
-  for (long long i = 0; i < n; ++i) out[i] = S::encode(x[i], EncodeContext{key, static_cast<u32>(i)});
+void encode_all(const float* x, long long n, unsigned key, int buffer, unsigned short* out) {
+  for (long long i = 0; i < n; ++i)
+    out[i] = S::encode(x[i], EncodeContext{key, static_cast<u32>(i), (buffer & 1) != 0});
 }
 }  // namespace probe
 
-extern "C" void bf16opt_probe_encode(int format, const float* x, long long n, unsigned key,
+extern "C" void bf16opt_probe_encode(int format, const float* x, long long n, unsigned key, int buffer,
                                      unsigned short* out) {
   using namespace bf16opt;
   switch (format) {
-    case 0: probe::encode_all<Bf16>(x, n, key, out); break;
-    case 1: probe::encode_all<Fp16>(x, n, key, out); break;
-    case 2: probe::encode_all<Stochastic<Bf16>>(x, n, key, out); break;
-    case 3: probe::encode_all<Stochastic<Fp16>>(x, n, key, out); break;
+    case 0: probe::encode_all<Bf16>(x, n, key, buffer, out); break;
+    case 1: probe::encode_all<Fp16>(x, n, key, buffer, out); break;
+    case 2: probe::encode_all<Stochastic<Bf16>>(x, n, key, buffer, out); break;
+    case 3: probe::encode_all<Stochastic<Fp16>>(x, n, key, buffer, out); break;
   }
 }
 
@@ -106,8 +107,8 @@ extern "C" unsigned long long bf16opt_probe_misaligned_vector_accesses() {
 }
 
 extern "C" unsigned bf16opt_probe_stream_key(unsigned long long seed, long long step, long long index,
-                                             unsigned buffer) {
-  return bf16opt::stream_key(seed, step, index, buffer);
+                                             unsigned stream) {
+  return bf16opt::stream_key(seed, step, index, stream);
 }
 
 // Remainder::write then Remainder::read for each value: (param, remainder, joined master).
@@ -115,7 +116,7 @@ extern "C" void bf16opt_probe_remainder(const float* x, long long n, unsigned sh
                                         unsigned short* remainder, float* joined) {
   using namespace bf16opt;
   for (long long i = 0; i < n; ++i) {
-    Remainder::write<Bf16>(0.0f, x[i], param[i], remainder[i], EncodeContext{0u, 0u});
+    Remainder::write<Bf16>(0.0f, x[i], param[i], remainder[i], EncodeContext{0u, 0u, false});
     joined[i] = Remainder::read<Bf16>(param[i], remainder[i]);
   }
 }
@@ -206,23 +207,24 @@ def misaligned_vector_accesses() -> int:
     return function()
 
 
-def encode(format: str, x: np.ndarray, key: int = 0) -> np.ndarray:
+def encode(format: str, x: np.ndarray, key: int = 0, buffer: int = 0) -> np.ndarray:
     """uint16 bits of ``x`` (float32) encoded by the CUDA helper ``format`` (PROBE_FORMATS);
-    element i uses the random stream (key, i)."""
+    element i uses buffer ``buffer``'s half of the random stream (key, i)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty(x.size, dtype=np.uint16)
     function = library().bf16opt_probe_encode
     function.restype = None
     function(ctypes.c_int(PROBE_FORMATS.index(format)), ctypes.c_void_p(x.ctypes.data),
-             ctypes.c_longlong(x.size), ctypes.c_uint(key), ctypes.c_void_p(out.ctypes.data))
+             ctypes.c_longlong(x.size), ctypes.c_uint(key), ctypes.c_int(buffer),
+             ctypes.c_void_p(out.ctypes.data))
     return out
 
 
-def stream_key(seed: int, step: int, index: int, buffer: int) -> int:
+def stream_key(seed: int, step: int, index: int, stream: int) -> int:
     function = library().bf16opt_probe_stream_key
     function.restype = ctypes.c_uint
     return function(ctypes.c_ulonglong(seed), ctypes.c_longlong(step), ctypes.c_longlong(index),
-                    ctypes.c_uint(buffer))
+                    ctypes.c_uint(stream))
 
 
 def remainder_split_join(x: np.ndarray) -> tuple:
