@@ -37,7 +37,10 @@ medians are reported):
   (``fp32_optimizer_states=True``), fp32 params with fp32 states.
 
 ``--peers``: only bf16opt against each peer with the same storage, as the median of paired
-per-repetition ratios (the robust figure for "never slower than a peer").
+per-repetition ratios (the robust figure for "never slower than a peer"): the two above, and,
+where installed from PyPI (never a dependency), ``torchao``'s ``_AdamW(bf16_stochastic_round=True)``
+against ``bf16-sr``, ``torch-optimi``'s AdamW, Lion and SGD (``kahan_sum`` on and off) against
+``bf16-kahan`` and ``bf16``, and ``lion-pytorch``'s Lion against Lion ``bf16``.
 ``--same-arrays``: AdamW with fp32 params and states (then bf16 params with fp32 states, against
 DeepSpeed), bf16opt and the peers stepping one set of arrays, beside the memory limit and the
 streamed limit, exact and with fused multiply-adds (what the fusing a peer's C compiler does is
@@ -293,6 +296,40 @@ def deepspeed_step(params: list, fp32_states: bool):
     return opt.step, opt
 
 
+def python_peer_step(params: list, module: str, make):
+    """A peer from PyPI built by ``make(imported module, params)``, stepped once; (None, None)
+    when it is not installed or does not run here (these peers are never dependencies)."""
+    import importlib  # noqa: PLC0415
+    try:
+        opt = make(importlib.import_module(module), params)
+        opt.step()  # torchao's compiles here
+    except Exception:  # noqa: BLE001
+        return None, None
+    return opt.step, opt
+
+
+LION_HYPER, SGD_HYPER = OPTIMIZERS["Lion"][1], OPTIMIZERS["SGD"][1]
+# peers that store a configuration's bytes the way a bf16opt preset does, all bf16 params:
+# (algorithm, preset, peer name, module, maker(module, params)).  Their arithmetic differs (torch's
+# eager or compiled ops on float32 values); torchao rounds the moments to nearest (bf16opt's
+# "bf16-sr" rounds them stochastically too); optimi's SGD is torch's with ``torch_init``.
+PYPI_PEERS = [
+    ("AdamW", "bf16", "optimi AdamW", "optimi", lambda m, p: m.AdamW(p, kahan_sum=False, **HYPER)),
+    ("AdamW", "bf16-kahan", "optimi AdamW(kahan_sum)", "optimi",
+     lambda m, p: m.AdamW(p, kahan_sum=True, **HYPER)),
+    ("AdamW", "bf16-sr", "torchao _AdamW(bf16 SR)", "torchao.optim",
+     lambda m, p: m._AdamW(p, bf16_stochastic_round=True, **HYPER)),
+    ("Lion", "bf16", "lion-pytorch Lion", "lion_pytorch", lambda m, p: m.Lion(p, **LION_HYPER)),
+    ("Lion", "bf16", "optimi Lion", "optimi", lambda m, p: m.Lion(p, kahan_sum=False, **LION_HYPER)),
+    ("Lion", "bf16-kahan", "optimi Lion(kahan_sum)", "optimi",
+     lambda m, p: m.Lion(p, kahan_sum=True, **LION_HYPER)),
+    ("SGD", "bf16", "optimi SGD", "optimi",
+     lambda m, p: m.SGD(p, kahan_sum=False, torch_init=True, **SGD_HYPER)),
+    ("SGD", "bf16-kahan", "optimi SGD(kahan_sum)", "optimi",
+     lambda m, p: m.SGD(p, kahan_sum=True, torch_init=True, **SGD_HYPER)),
+]
+
+
 def timings(contenders: dict, repeats: int) -> dict:
     """Seconds of each repetition per contender, repetitions interleaved."""
     times = {name: [] for name, fn in contenders.items() if fn is not None}
@@ -462,10 +499,11 @@ def runs_summary(runs: list) -> None:
 
 
 def peer_table(n: int, repeats: int) -> list:
-    """bf16opt against each peer doing the same storage (AdamW), as the median over
+    """bf16opt against each peer doing the same storage (AdamW: torch's fused and DeepSpeed's;
+    then the PyPI peers of ``PYPI_PEERS`` for AdamW, Lion and SGD), as the median over
     repetitions of each repetition's paired ratio (the two steps run back to back, so a
     drift of memory bandwidth between repetitions cancels); returns the rows."""
-    print(f"\nAdamW step against peers with the same storage, 2^{n.bit_length() - 1} params, {get_num_threads()} "
+    print(f"\nSteps against peers with the same storage, 2^{n.bit_length() - 1} params, {get_num_threads()} "
           f"Numba threads, {cpu_name()}; {repeats} interleaved repetitions; ms (medians) and the median of "
           f"the paired ratios bf16opt / peer (below 1: bf16opt faster);\n"
           f"of limit: each step's share of the memory-limit kernel run on its own tensors (a tensor's placement "
@@ -474,18 +512,24 @@ def peer_table(n: int, repeats: int) -> list:
               f"{'bf16opt of limit':>16} {'peer of limit':>13}")
     print(header)
     print("-" * len(header))
-    pairs = [  # (label, param dtype, preset, peer name, peer step maker)
-        ("bf16 params, bf16", torch.bfloat16, "bf16", "torch AdamW(fused=True)", torch_fused_step),
-        ("bf16 params, bf16", torch.bfloat16, "bf16", "DeepSpeedCPUAdam bf16", lambda p: deepspeed_step(p, False)),
-        ("bf16 params, bf16-master", torch.bfloat16, "bf16-master", "DeepSpeedCPUAdam fp32",
+    pairs = [  # (label, algorithm, param dtype, preset, peer name, peer step maker)
+        ("AdamW bf16 params, bf16", "AdamW", torch.bfloat16, "bf16", "torch AdamW(fused=True)",
+         torch_fused_step),
+        ("AdamW bf16 params, bf16", "AdamW", torch.bfloat16, "bf16", "DeepSpeedCPUAdam bf16",
+         lambda p: deepspeed_step(p, False)),
+        ("AdamW bf16 params, bf16-master", "AdamW", torch.bfloat16, "bf16-master", "DeepSpeedCPUAdam fp32",
          lambda p: deepspeed_step(p, True)),
-        ("fp32 params, fp32", torch.float32, "fp32", "torch AdamW(fused=True)", torch_fused_step),
-        ("fp32 params, fp32", torch.float32, "fp32", "DeepSpeedCPUAdam fp32", lambda p: deepspeed_step(p, True)),
-    ]
+        ("AdamW fp32 params, fp32", "AdamW", torch.float32, "fp32", "torch AdamW(fused=True)",
+         torch_fused_step),
+        ("AdamW fp32 params, fp32", "AdamW", torch.float32, "fp32", "DeepSpeedCPUAdam fp32",
+         lambda p: deepspeed_step(p, True)),
+    ] + [(f"{algorithm} bf16 params, {preset}", algorithm, torch.bfloat16, preset, peer,
+          lambda p, module=module, make=make: python_peer_step(p, module, make))
+         for algorithm, preset, peer, module, make in PYPI_PEERS]
     rows = []
-    for label, dtype, preset, peer, make in pairs:
+    for label, algorithm, dtype, preset, peer, make in pairs:
         mine, theirs = [_param(n, dtype, 0)], [_param(n, dtype, 0)]
-        ours, opt = bf16opt_step(mine, preset)
+        ours, opt = bf16opt_step(mine, preset, algorithm)
         other, peer_opt = make(theirs)
         if other is None:
             print(f"{label:36} {peer:24} (not installed or does not build here)")
@@ -686,7 +730,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1,
                         help="runs of the preset table, then each row's shares and classes over them")
     parser.add_argument("--peers", action="store_true",
-                        help="only the paired comparison with the peers (AdamW), --repeats repetitions")
+                        help="only the paired comparisons with the peers doing the same storage, "
+                             "--repeats repetitions")
     parser.add_argument("--same-arrays", action="store_true",
                         help="only AdamW with fp32 states (fp32 params, then bf16-master): bf16opt, the peers "
                              "and the limits on the same arrays")

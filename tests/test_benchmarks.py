@@ -130,6 +130,15 @@ def test_cpu_benchmark_compares_with_peers():
         # (whole percents; at this size and on a loaded machine a share can round to 0)
         assert int(ours_of_limit[:-1]) >= 0 and int(theirs_of_limit[:-1]) >= 0
     assert sum("DeepSpeedCPUAdam" in line for line in peers.splitlines()) == 3, result.stdout
+    # the PyPI peers (optional): a row each, with figures where installed
+    cpu_step, = benchmark_modules("cpu_step")
+    for algorithm, preset, peer, _, _ in cpu_step.PYPI_PEERS:
+        lines = [line for line in peers.splitlines()
+                 if line.startswith(f"{algorithm} bf16 params, {preset} ") and f" {peer:24} " in line]
+        assert len(lines) == 1, (peer, result.stdout)
+        if "(not installed" not in lines[0]:
+            ours, theirs, ratio = lines[0].split(f" {peer:24} ")[1].split()[:3]
+            assert float(ours) >= 0 and float(theirs) >= 0 and float(ratio) > 0, lines[0]
 
 
 def test_fused_limit_kernel_fuses():
