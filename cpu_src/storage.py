@@ -566,7 +566,7 @@ def encode_master_param(param_fmt, companion_fmt, param, companion, w0, w, rando
 
 @njit
 def encode_master_stochastic(param_fmt, companion_fmt, param, companion, w0, w, random):
-    """The param is the master: stochastic rounding (stream WEIGHTS)."""
+    """The param is the master: stochastic rounding (``random``: buffer WEIGHTS' bits)."""
     encoded = encode_stochastic_for(param_fmt, w, random)
     return encoded, companion, same_bits(param, encoded)
 

@@ -203,6 +203,7 @@ class _Block:
         return self.hashes[stream, k]
 
     def hash(self, stream: int, k: int):
+        """The IR of :meth:`random`'s hash (built once per stream and vector)."""
         builder = self.builder
         key = builder.load(builder.gep(self.keys_at, [ir.Constant(self.i64, stream)]))
         first = builder.mul(self.element, ir.Constant(self.i32, GOLDEN))

@@ -174,8 +174,8 @@ def _table(pointers: np.ndarray, numels: list, itemsizes: np.ndarray, offsets: l
 
 def stream_keys(seed: int, step: int, indices, out: "np.ndarray | None" = None) -> np.ndarray:
     """uint32 (len(indices), STREAMS): ``storage.stream_key(seed, step, index, stream)`` for
-    the streams 0 and 1, one compiled loop over tensors (negative indices
-    as their two's complement); written into ``out`` when given."""
+    the streams 0 and 1, one compiled loop over tensors (negative indices as their two's
+    complement); written into ``out`` when given."""
     tensors = np.asarray(indices, dtype=np.int64)
     keys = np.empty((tensors.size, STREAMS), dtype=np.uint32) if out is None else out
     helpers().stream_keys(helpers().step_key(seed_words(seed), step), tensors, keys)
