@@ -205,10 +205,13 @@ struct Stochastic<Bf16> : Bf16 {
   // bits(x) + (u >> 16), upper 16 bits.  No wrap-around: the largest finite pattern
   // plus 0xFFFF stays below 2^32 (and may round up to inf, as the reference does).
   static __device__ __forceinline__ bits_t encode(float x, const EncodeContext& ctx) {
+    // hashed before any branch: the two buffers of a stream then share one hash (the
+    // compiler merges the same operations on the same key and index, not in sibling branches)
+    const u32 r = ctx.random();
     const u32 bits = __float_as_uint(x);
     if (is_nan_bits32(bits)) return kCanonicalNaN;
     if ((bits & 0x7FFFFFFFu) == 0x7F800000u) return static_cast<bits_t>(bits >> 16);
-    return static_cast<bits_t>((bits + (ctx.random() >> 16)) >> 16);
+    return static_cast<bits_t>((bits + (r >> 16)) >> 16);
   }
 };
 
@@ -217,12 +220,12 @@ struct Stochastic<Fp16> : Fp16 {
   static constexpr bool kStochastic = true;
 
   static __device__ __forceinline__ bits_t encode(float x, const EncodeContext& ctx) {
+    const u32 r = ctx.random();  // (before any branch, as Stochastic<Bf16>'s)
     const u32 bits = __float_as_uint(x);
     const u32 sign = (bits >> 16) & 0x8000u;
     const u32 a = bits & 0x7FFFFFFFu;
     if (a > 0x7F800000u) return kCanonicalNaN;
     if (a == 0x7F800000u) return static_cast<bits_t>(sign | 0x7C00u);
-    const u32 r = ctx.random();
     if (a >= 0x38800000u) {
       // |x| >= 2^-14: (bits(|x|) + (u >> 19)) with the low 13 bits cleared is a float16
       // value (exact), or >= 2^16, which float16 holds as inf.
