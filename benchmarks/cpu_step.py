@@ -286,26 +286,21 @@ def torch_fused_step(params: list):
     return opt.step, opt
 
 
-def deepspeed_step(params: list, fp32_states: bool):
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except Exception:  # noqa: BLE001  (not installed, or its op does not build here)
-        return None, None
-    opt = DeepSpeedCPUAdam(params, adamw_mode=True, fp32_optimizer_states=fp32_states, **HYPER)
-    opt.step()
-    return opt.step, opt
-
-
 def python_peer_step(params: list, module: str, make):
     """A peer from PyPI built by ``make(imported module, params)``, stepped once; (None, None)
-    when it is not installed or does not run here (these peers are never dependencies)."""
+    when it is not installed or does not build or run here (these peers are never dependencies)."""
     import importlib  # noqa: PLC0415
     try:
         opt = make(importlib.import_module(module), params)
-        opt.step()  # torchao's compiles here
+        opt.step()  # (torchao's compiles here)
     except Exception:  # noqa: BLE001
         return None, None
     return opt.step, opt
+
+
+def deepspeed_step(params: list, fp32_states: bool):
+    return python_peer_step(params, "deepspeed.ops.adam", lambda m, p: m.DeepSpeedCPUAdam(
+        p, adamw_mode=True, fp32_optimizer_states=fp32_states, **HYPER))
 
 
 LION_HYPER, SGD_HYPER = OPTIMIZERS["Lion"][1], OPTIMIZERS["SGD"][1]
