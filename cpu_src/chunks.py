@@ -16,12 +16,14 @@ three telemetry counters.  :func:`run_chunks` is the one parallel kernel: it giv
 thread one contiguous range of rows holding about the same number of elements
 (:func:`balanced_bounds`: a model's many small tensors make rows of unequal length, so an
 equal number of rows per thread would not be equal work) and calls the chunk function
-through its address.  It is compiled once for all configurations; each configuration
-costs only a serial compile, several times cheaper than compiling a ``parallel=True``
-kernel.
+through its address; a thread done with its range takes the rows left at the back of the
+others' (work stealing), so a thread slowed by other work on its core does not hold up the
+step.  It is compiled once for all configurations; each configuration costs only a serial
+compile, several times cheaper than compiling a ``parallel=True`` kernel.
 
 Every element is computed independently of the others and each row writes its own
-counters, so results do not depend on the chunk size or the number of threads.
+counters, so results do not depend on the chunk size, the number of threads or which thread
+ran a row.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ TRAILING_COLUMNS = 3
 KEYS = 2
 #: telemetry counters per row (swallowed, exp_avg underflow, exp_avg_sq underflow)
 COUNTERS = 3
+#: a range's rows still to run, packed in one int64 word (claimed with one compare-exchange):
+#: the first in the low 32 bits, the end in the high 32 bits
+_ROW_MASK = (1 << 31) - 1
+#: int64 words between two ranges' words: one cache line each (the owners' claims do not
+#: contend for a line)
+_CURSOR_STRIDE = 8
 
 
 def _sources_digest(directory: pathlib.Path) -> str:
@@ -149,6 +157,8 @@ def build_chunk_table(addresses: np.ndarray, itemsizes: np.ndarray, numels: np.n
 def balanced_bounds(table: np.ndarray, parts: int) -> np.ndarray:
     """int64 row boundaries (parts + 1 of them, from 0 to the row count) cutting ``table`` into
     ``parts`` contiguous ranges with about equal element counts (within one chunk)."""
+    if table.shape[0] > _ROW_MASK:  # (2**31 rows of 2**15 elements: beyond any machine's memory)
+        raise ValueError(f"the chunk table has {table.shape[0]} rows; the driver counts up to {_ROW_MASK}")
     done = np.cumsum(table[:, -3])  # elements in rows 0..r
     total = int(done[-1]) if done.size else 0
     targets = np.arange(1, parts, dtype=np.int64) * total // parts
@@ -194,21 +204,78 @@ def _call_chunk(typingctx, address, row, scalars, keys, counts):
     return types.void(address, row, scalars, keys, counts), codegen
 
 
+@intrinsic
+def _atomic_load(typingctx, array, index):
+    """``array[index]`` of an int64 array, read atomically (other threads write it)."""
+    if not isinstance(array, types.Array) or array.dtype != types.int64 or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        return builder.load_atomic(builder.gep(data, [args[1]]), "monotonic", 8)
+
+    return types.int64(array, index), codegen
+
+
+@intrinsic
+def _compare_exchange(typingctx, array, index, expected, desired):
+    """Atomically: if ``array[index] == expected``, store ``desired``.  Returns the value
+    found (``expected`` when it stored)."""
+    if not isinstance(array, types.Array) or array.dtype != types.int64 \
+            or not all(isinstance(a, types.Integer) for a in (index, expected, desired)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        found = builder.cmpxchg(builder.gep(data, [args[1]]), args[2], args[3], "acq_rel", "monotonic")
+        return builder.extract_value(found, 0)
+
+    return types.int64(array, index, expected, desired), codegen
+
+
+@njit(inline="always")
+def _claim_row(cursors, part, from_back):
+    """A row of range ``part`` no thread has claimed, taken from the range's front (its own
+    thread, in order) or back (another thread, done with its own range); -1 when none is left."""
+    place = part * _CURSOR_STRIDE
+    word = _atomic_load(cursors, place)
+    while True:
+        first, end = word & _ROW_MASK, word >> 32
+        if first >= end:
+            return -1
+        row = end - 1 if from_back else first
+        remaining = first | (row << 32) if from_back else (first + 1) | (end << 32)
+        found = _compare_exchange(cursors, place, word, remaining)
+        if found == word:
+            return row
+        word = found
+
+
 @cached_njit(parallel=True, nogil=True)
 def run_chunks(address, table, scalars, keys, row_counts, bounds):
-    """Run the chunk function at ``address`` on every row of ``table``: the rows
-    ``bounds[k]:bounds[k + 1]`` in order, the ranges ``k`` in parallel (one per thread).
+    """Run the chunk function at ``address`` on every row of ``table``, each row once: the
+    rows ``bounds[k]:bounds[k + 1]`` in order by thread ``k`` (the ranges in parallel); a
+    thread done with its range runs rows from the back of the others' ranges.
 
     ``keys``: uint32 (n_tensors, KEYS); ``row_counts``: int64 (n_rows, COUNTERS), written
     by chunk functions that count (telemetry), never read by others.
     """
     width = table.shape[1]
-    for part in prange(bounds.size - 1):
-        for row in range(bounds[part], bounds[part + 1]):
-            tensor = table[row, width - 1]
-            _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
-                        _element_pointer(keys, tensor * KEYS),
-                        _element_pointer(row_counts, row * COUNTERS))
+    parts = bounds.size - 1
+    cursors = np.empty(parts * _CURSOR_STRIDE, dtype=np.int64)
+    for part in range(parts):
+        cursors[part * _CURSOR_STRIDE] = bounds[part] | (bounds[part + 1] << 32)
+    for part in prange(parts):
+        for k in range(parts):  # its own range, then the others' (stealing from their backs)
+            other = (part + k) % parts
+            while True:
+                row = _claim_row(cursors, other, k != 0)
+                if row < 0:
+                    break
+                tensor = table[row, width - 1]
+                _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
+                            _element_pointer(keys, tensor * KEYS),
+                            _element_pointer(row_counts, row * COUNTERS))
 
 
 @cached_njit(nogil=True)

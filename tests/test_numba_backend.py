@@ -9,6 +9,7 @@ algorithm.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -591,6 +592,69 @@ def test_balanced_bounds_give_each_thread_about_equal_elements(numels, parts):
     per_part = done[bounds[1:]] - done[bounds[:-1]]
     assert per_part.sum() == sum(numels)
     assert np.all(np.abs(per_part - sum(numels) / parts) < chunk + 1)  # +1: targets are floored
+
+
+def test_balanced_bounds_refuse_more_rows_than_the_driver_counts():
+    from bf16opt._cpu.chunks import balanced_bounds
+    huge = np.lib.stride_tricks.as_strided(np.zeros(4, dtype=np.int64), shape=(1 << 31, 4), strides=(0, 8))
+    with pytest.raises(ValueError, match="rows"):
+        balanced_bounds(huge, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_work():
+    """A chunk function marking its row: counts[0] += 1, counts[1] = the Numba thread that ran
+    it, after ``scalars[0]`` rounds of xorshift (work the compiler cannot fold)."""
+    import numba
+    from bf16opt._cpu.chunks import CHUNK_SIGNATURE
+
+    @numba.cfunc(CHUNK_SIGNATURE)
+    def row_work(row, scalars, keys, counts):
+        x = np.uint32(row[1] + 1)
+        for _ in range(np.int64(scalars[0])):
+            x ^= x << np.uint32(13)
+            x ^= x >> np.uint32(17)
+            x ^= x << np.uint32(5)
+        counts[0] += 1
+        counts[1] = numba.get_thread_id()
+        counts[2] = x
+
+    return row_work
+
+
+def _drive(rows: int, bounds, rounds: int) -> np.ndarray:
+    from bf16opt._cpu.chunks import COUNTERS, KEYS, run_chunks
+    table = np.zeros((rows, 4), dtype=np.int64)
+    table[:, 1] = np.arange(rows)
+    row_counts = np.zeros((rows, COUNTERS), dtype=np.int64)
+    run_chunks(_row_work().address, table, np.array([rounds], dtype=np.float32),
+               np.zeros((1, KEYS), dtype=np.uint32), row_counts, np.asarray(bounds, dtype=np.int64))
+    return row_counts
+
+
+@settings(max_examples=40)
+@given(rows=st.integers(0, 80), cuts=st.lists(st.integers(0, 80), max_size=5))
+def test_parallel_driver_runs_every_row_once_however_the_ranges_are_cut(rows, cuts):
+    """Threads done with their own range take rows from the others': still each row exactly
+    once, for ranges of any sizes (empty ones, all rows in one range, more ranges than threads)."""
+    bounds = [0, *sorted(min(c, rows) for c in cuts), rows]
+    row_counts = _drive(rows, bounds, rounds=50)
+    assert row_counts[:, 0].tolist() == [1] * rows
+
+
+def test_parallel_driver_shares_a_range_left_to_one_thread():
+    """All rows in thread 0's range: the other threads take rows from its back (work stealing),
+    so a thread slowed by other work on its core does not hold up the step."""
+    import numba
+    if numba.get_num_threads() < 2:
+        pytest.skip("needs 2 Numba threads (this process has one core)")
+    rows = 200
+    for _ in range(5):  # (a thread the OS keeps off its core for the whole call takes nothing)
+        row_counts = _drive(rows, [0, rows] + [rows] * (numba.get_num_threads() - 1), rounds=100_000)
+        assert row_counts[:, 0].tolist() == [1] * rows
+        if np.unique(row_counts[:, 1]).size > 1:
+            break
+    assert np.unique(row_counts[:, 1]).size > 1
 
 
 # ---------------------------------------------------------------- backend selection
