@@ -34,9 +34,10 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cfunc, njit
+from numba import cfunc, njit, prange
 
-from bf16opt._cpu.chunks import CHUNK_SIGNATURE, COUNTERS, KEYS, chunk_compiler, run_chunks, run_chunks_serial
+from bf16opt._cpu.chunks import (CHUNK_SIGNATURE, COUNTERS, KEYS, _call_chunk, _element_pointer, chunk_compiler,
+                                 run_chunks, run_chunks_serial)
 from bf16opt._cpu.storage import (EXP_AVG, EXP_AVG_SQ, WEIGHTS, bits_to_f32, buffer_bits, element_index,
                                   f32_to_bits, high_half, low_half, pair_word, pointer_to, random_bits)
 
@@ -283,11 +284,25 @@ def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int
     return Operands(g, p, w, m, v, np.array(SCALARS[algorithm], dtype=np.float32), keys)
 
 
+@njit(parallel=True, nogil=True)
+def run_chunks_static(address, table, scalars, keys, row_counts, bounds):
+    """bf16opt's chunk driver without its work stealing: thread ``k`` runs the rows
+    ``bounds[k]:bounds[k + 1]`` and no others.  For the in-cache kernels, whose rows point at
+    one cache-resident block per thread: a row stolen there moves a block between cores (the
+    rows of a real step each have memory of their own)."""
+    width = table.shape[1]
+    for part in prange(bounds.size - 1):
+        for row in range(bounds[part], bounds[part + 1]):
+            _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
+                        _element_pointer(keys, table[row, width - 1] * KEYS),
+                        _element_pointer(row_counts, row * COUNTERS))
+
+
 def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, serial: bool = False,
-           contract: bool = False):
+           contract: bool = False, static: bool = False):
     """A call updating each thread's block of ``operands`` ``passes`` times through bf16opt's
     chunk driver (``run_chunks``, one thread per block; ``serial``: ``run_chunks_serial``;
-    ``contract``: see :func:`chunk_function`)."""
+    ``static``: :func:`run_chunks_static`; ``contract``: see :func:`chunk_function`)."""
     chunk = chunk_function(algorithm, storage, contract)
     threads, block = operands.p.shape
     addresses = np.array([[a[t].ctypes.data if a.shape[1] else 0 for a in
@@ -300,7 +315,7 @@ def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, se
     table[:, -1] = np.repeat(np.arange(threads, dtype=np.int64), passes)
     bounds = np.arange(threads + 1, dtype=np.int64) * passes
     counts = np.zeros((table.shape[0], COUNTERS), dtype=np.int64)
-    run = run_chunks_serial if serial else run_chunks
+    run = run_chunks_serial if serial else run_chunks_static if static else run_chunks
 
     def call():
         run(chunk.address, table, operands.scalars, operands.keys, counts, bounds)

@@ -140,13 +140,14 @@ def limit_step(param, grad, buffers):
     return lambda: kernel(*arrays)
 
 
-def compute_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str, block: int = 1 << 13):
+def compute_limit_step(n: int, algorithm: str, dtype: torch.dtype, preset: str, block: int = 1 << 13,
+                       static: bool = False):
     """The compute-limit kernel (``compute_limit.py``) doing ``n`` element updates over one
-    cache-resident block per thread."""
+    cache-resident block per thread (``static``: through the chunk driver without stealing)."""
     storage = compute_limit.FP32_PARAMS if dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
     threads = get_num_threads()
     operands = compute_limit.arrays(threads, block, algorithm, storage)
-    return compute_limit.runner(algorithm, storage, operands, max(1, n // (threads * block)))
+    return compute_limit.runner(algorithm, storage, operands, max(1, n // (threads * block)), static=static)
 
 
 def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str, contract: bool = False):
@@ -261,23 +262,27 @@ def kernel_step(opt):
     return lambda: _cpu.chunks.run_chunks(*args)
 
 
-def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13, algorithm: str = "AdamW"):
+def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13, algorithm: str = "AdamW",
+                  static: bool = False):
     """bf16opt's kernel updating ``n`` elements as repeated passes over one cache-resident
     ``block`` per thread: its chunk table, captured from a real step, with every thread's
-    rows pointing at that thread's block."""
+    rows pointing at that thread's block (``static``: through the chunk driver without
+    stealing, which moves a block between cores here)."""
     threads = get_num_threads()
     params = [_param(block, dtype, 10 + t) for t in range(threads)]
     _, opt = bf16opt_step(params, preset, algorithm)
     address, table, scalars, keys, _, _ = captured_kernel_call(opt)
     if table.shape[0] != threads:
         raise RuntimeError(f"expected one chunk-table row per block, got {table.shape[0]}")
-    # each thread runs one contiguous range of rows: fill thread t's range with block t's row
+    # each thread runs one contiguous range of rows (then takes the rows left in the others'): fill
+    # thread t's range with block t's row
     rows = n // block
     per_thread = -(-rows // threads)
     big = np.repeat(table, per_thread, axis=0)[:rows]
     bounds = np.minimum(np.arange(threads + 1, dtype=np.int64) * per_thread, rows)
     counts = np.zeros((rows, _cpu.chunks.COUNTERS), dtype=np.int64)
-    return (lambda: _cpu.chunks.run_chunks(address, big, scalars, keys, counts, bounds)), opt
+    run = compute_limit.run_chunks_static if static else _cpu.chunks.run_chunks
+    return (lambda: run(address, big, scalars, keys, counts, bounds)), opt
 
 
 def torch_fused_step(params: list):
@@ -349,6 +354,16 @@ def ceiling_of(memory: float, compute: float, in_cache: float) -> float:
     return max(memory, min(compute, in_cache))
 
 
+def fold_static(runs: dict) -> dict:
+    """``runs`` with each in-cache kernel's time the faster of its two forms in each repetition:
+    through bf16opt's chunk driver, and through it without stealing (``<name> static``, dropped)."""
+    for name in ("compute", "in cache"):
+        static = runs.pop(f"{name} static", None)
+        if static is not None:
+            runs[name] = [min(a, b) for a, b in zip(runs[name], static)]
+    return runs
+
+
 # ---------------------------------------------------------------- tables
 CONFIGS = [  # (label, param dtype, preset, torch fused equivalent?, DeepSpeed fp32 states or None)
     ("bf16 params, fp32", torch.bfloat16, "fp32", False, None),
@@ -382,7 +397,8 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
     print(f"step of 2^{n.bit_length() - 1} params, {get_num_threads()} Numba threads, {cpu_name()}, "
           f"median of {repeats} interleaved repetitions; times in ms.\n"
           f"memory: the memory-limit kernel (same arrays, trivial math); compute: the compute-limit kernel "
-          f"in cache (compute_limit.py); in cache: bf16opt's kernel in cache;\n"
+          f"in cache (compute_limit.py); in cache: bf16opt's kernel in cache (both: each repetition's faster "
+          f"of the chunk driver with and without stealing);\n"
           f"ceiling = the slower of memory and the faster of compute and in cache; shares are "
           f"medians of each repetition's ratio;\n"
           f"streamed: the compute-limit kernel over the step's own tensors (out of cache), of str: the step's "
@@ -413,7 +429,12 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
             contenders["limit step"] = protocol_step(mine, contenders["streamed"], [mine[0], *state_buffers(state)])
             contenders["kernel"] = kernel_step(opt)
             contenders["in cache"], cache_opt = in_cache_step(n, dtype, preset, algorithm=algorithm)
-            keep = [opt, cache_opt]
+            # the in-cache kernels also without the driver's stealing (see in_cache_step); the faster
+            # of the two forms in each repetition is taken (fold_static)
+            contenders["compute static"] = compute_limit_step(n, family, dtype, preset, static=True)
+            contenders["in cache static"], static_opt = in_cache_step(n, dtype, preset, algorithm=algorithm,
+                                                                      static=True)
+            keep = [opt, cache_opt, static_opt]
             if has_torch:
                 theirs = [_param(n, dtype, 0)]
                 contenders["torch"], t_opt = torch_fused_step(theirs)
@@ -422,7 +443,7 @@ def preset_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion"
                 ds = [_param(n, dtype, 0)]
                 contenders["deepspeed"], ds_opt = deepspeed_step(ds, ds_fp32)
                 keep.append(ds_opt)
-            runs = timings(contenders, repeats)
+            runs = fold_static(timings(contenders, repeats))
             t = {name: statistics.median(times) for name, times in runs.items()}
             ceiling = ceiling_of(t["memory"], t["compute"], t["in cache"])
             # shares as medians of each repetition's own ratio: the speed of memory and of the

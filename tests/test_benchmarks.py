@@ -83,6 +83,15 @@ def test_preset_rows_are_classified_against_the_target():
     assert cpu_step.classify(_row("d", 0.89, 0.90, 0.91)) == "not met"
 
 
+def test_in_cache_times_are_the_faster_driver_form_per_repetition():
+    """The in-cache kernels run with and without the driver's stealing; each repetition keeps
+    the faster, and the static forms leave the table."""
+    cpu_step, = benchmark_modules("cpu_step")
+    runs = {"bf16opt": [5.0, 6.0], "compute": [3.0, 2.0], "compute static": [2.5, 2.5],
+            "in cache": [4.0, 1.0], "in cache static": [1.5, 3.0]}
+    assert cpu_step.fold_static(runs) == {"bf16opt": [5.0, 6.0], "compute": [2.5, 2.0], "in cache": [1.5, 1.0]}
+
+
 def test_several_runs_are_summarised_row_by_row(capsys):
     cpu_step, = benchmark_modules("cpu_step")
     runs = [[_row("x", 0.91, 0.95, 0.95), _row("y", 0.85, 0.95, 0.93)],
