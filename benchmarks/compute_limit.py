@@ -34,7 +34,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cfunc, njit, prange
+from numba import cfunc, get_num_threads, njit, prange
 
 from bf16opt._cpu.chunks import (CHUNK_SIGNATURE, COUNTERS, KEYS, _call_chunk, _element_pointer, chunk_compiler,
                                  run_chunks, run_chunks_serial)
@@ -300,20 +300,23 @@ def run_chunks_static(address, table, scalars, keys, row_counts, bounds):
 
 def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, serial: bool = False,
            contract: bool = False, static: bool = False):
-    """A call updating each thread's block of ``operands`` ``passes`` times through bf16opt's
-    chunk driver (``run_chunks``, one thread per block; ``serial``: ``run_chunks_serial``;
-    ``static``: :func:`run_chunks_static`; ``contract``: see :func:`chunk_function`)."""
+    """A call updating each block (row) of ``operands`` ``passes`` times through bf16opt's chunk
+    driver (``run_chunks``: the blocks' rows in one contiguous range per Numba thread, as a
+    step's chunk table, stealing included; ``serial``: ``run_chunks_serial``; ``static``:
+    :func:`run_chunks_static`; ``contract``: see :func:`chunk_function`).  In cache: one
+    block per thread; over a step's tensors (``cpu_step.streamed_limit_step``): its chunks."""
     chunk = chunk_function(algorithm, storage, contract)
-    threads, block = operands.p.shape
+    blocks, block = operands.p.shape
     addresses = np.array([[a[t].ctypes.data if a.shape[1] else 0 for a in
                            (operands.p, operands.g, operands.w, operands.m, operands.v)]
-                          for t in range(threads)], dtype=np.int64)
-    table = np.empty((threads * passes, addresses.shape[1] + 3), dtype=np.int64)
+                          for t in range(blocks)], dtype=np.int64)
+    table = np.empty((blocks * passes, addresses.shape[1] + 3), dtype=np.int64)
     table[:, :-3] = np.repeat(addresses, passes, axis=0)
     table[:, -3] = block
-    table[:, -2] = np.tile(np.arange(passes, dtype=np.int64) * block, threads)  # the counter goes on
-    table[:, -1] = np.repeat(np.arange(threads, dtype=np.int64), passes)
-    bounds = np.arange(threads + 1, dtype=np.int64) * passes
+    table[:, -2] = np.tile(np.arange(passes, dtype=np.int64) * block, blocks)  # the counter goes on
+    table[:, -1] = np.repeat(np.arange(blocks, dtype=np.int64), passes)
+    parts = get_num_threads()
+    bounds = np.arange(parts + 1, dtype=np.int64) * table.shape[0] // parts
     counts = np.zeros((table.shape[0], COUNTERS), dtype=np.int64)
     run = run_chunks_serial if serial else run_chunks_static if static else run_chunks
 

@@ -158,21 +158,24 @@ def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str, contr
     ``contract``: its multiply-adds fused (``compute_limit.chunk_function``; not a limit)."""
     storage = compute_limit.FP32_PARAMS if param.dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
     threads = get_num_threads()
-    if param.numel() % (2 * threads):
-        raise ValueError(f"{param.numel()} elements do not split into even blocks for {threads} threads")
+    # blocks of bf16opt's chunk size, as the step's chunk table has (the driver's threads then
+    # share them out as they do the step's chunks)
+    blocks = threads * max(1, param.numel() // (threads * _cpu.chunks.CHUNK))
+    if param.numel() % (2 * blocks):
+        raise ValueError(f"{param.numel()} elements do not split into {blocks} even blocks")
 
-    def rows(t):  # [thread, block] view of the tensor's memory (only addresses and shapes are used)
-        return _raw(t).reshape(threads, -1)
+    def rows(t):  # [block, element] view of the tensor's memory (only addresses and shapes are used)
+        return _raw(t).reshape(blocks, -1)
 
     companion = storage.master == "copy" or storage.master == "remainder" or storage.kahan
     if len(buffers) != int(companion) + compute_limit.MOMENTS[algorithm]:
         raise ValueError(f"{preset}: {len(buffers)} state buffers, the compute limit's storage has "
                          f"{int(companion) + compute_limit.MOMENTS[algorithm]}")
-    w = rows(buffers[0]) if companion else np.zeros((threads, 0), dtype=np.float32)
+    w = rows(buffers[0]) if companion else np.zeros((blocks, 0), dtype=np.float32)
     moments = [rows(b) for b in buffers[int(companion):]]
     m = moments[0]
     v = moments[1] if compute_limit.MOMENTS[algorithm] == 2 else m[:, :0]
-    keys = np.arange(1, threads * compute_limit.KEYS + 1, dtype=np.uint32).reshape(threads, compute_limit.KEYS)
+    keys = np.arange(1, blocks * compute_limit.KEYS + 1, dtype=np.uint32).reshape(blocks, compute_limit.KEYS)
     operands = compute_limit.Operands(rows(grad), rows(param), w, m, v,
                                       np.array(compute_limit.SCALARS[algorithm], dtype=np.float32), keys)
     return compute_limit.runner(algorithm, storage, operands, 1)
