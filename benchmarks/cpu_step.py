@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import statistics
 import time
 
@@ -333,13 +334,17 @@ PYPI_PEERS = [
 ]
 
 
-def timings(contenders: dict, repeats: int) -> dict:
-    """Seconds of each repetition per contender, repetitions interleaved."""
+def timings(contenders: dict, repeats: int, seed: int = 0) -> dict:
+    """Seconds of each repetition per contender, repetitions interleaved, in an order shuffled
+    anew for each repetition (``seed``): what ran just before a contender (a stream over the
+    same tensors, or kernels in cache) leaves the caches in a state that favours or hinders
+    it, and a fixed order would give each contender the same neighbour every time."""
     times = {name: [] for name, fn in contenders.items() if fn is not None}
     for name in times:  # warm-up
         contenders[name]()
+    order = random.Random(seed)
     for _ in range(repeats):
-        for name in times:
+        for name in order.sample(list(times), len(times)):
             start = time.perf_counter()
             contenders[name]()
             times[name].append(time.perf_counter() - start)
