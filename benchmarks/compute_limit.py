@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cfunc, get_num_threads, njit, prange
 
-from bf16opt._cpu.chunks import (CHUNK_SIGNATURE, COUNTERS, KEYS, _call_chunk, _element_pointer, chunk_compiler,
-                                 run_chunks, run_chunks_serial)
+from bf16opt._cpu.chunks import (CHUNK_SIGNATURE, COUNTERS, KEYS, _call_chunk, _element_pointer, cached_njit,
+                                 chunk_compiler, run_chunks, run_chunks_serial)
 from bf16opt._cpu.storage import (EXP_AVG, EXP_AVG_SQ, WEIGHTS, bits_to_f32, buffer_bits, element_index,
                                   f32_to_bits, high_half, low_half, pair_word, pointer_to, random_bits)
 
@@ -284,7 +284,7 @@ def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int
     return Operands(g, p, w, m, v, np.array(SCALARS[algorithm], dtype=np.float32), keys)
 
 
-@njit(parallel=True, nogil=True)
+@cached_njit(parallel=True, nogil=True)
 def run_chunks_static(address, table, scalars, keys, row_counts, bounds):
     """bf16opt's chunk driver without its work stealing: thread ``k`` runs the rows
     ``bounds[k]:bounds[k + 1]`` and no others.  For the in-cache kernels, whose rows point at
