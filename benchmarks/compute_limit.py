@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cfunc, get_num_threads, njit, prange
 
-from bf16opt._cpu.chunks import (CHUNK_SIGNATURE, COUNTERS, KEYS, _call_chunk, _element_pointer, cached_njit,
-                                 chunk_compiler, run_chunks, run_chunks_serial)
+from bf16opt._cpu.chunks import (CHUNK_SIGNATURE, COUNTERS, KEYS, _run_row, cached_njit, chunk_compiler, run_chunks,
+                                 run_chunks_serial)
 from bf16opt._cpu.storage import (EXP_AVG, EXP_AVG_SQ, WEIGHTS, bits_to_f32, buffer_bits, element_index,
                                   f32_to_bits, high_half, low_half, pair_word, pointer_to, random_bits)
 
@@ -290,12 +290,9 @@ def run_chunks_static(address, table, scalars, keys, row_counts, bounds):
     ``bounds[k]:bounds[k + 1]`` and no others.  For the in-cache kernels, whose rows point at
     one cache-resident block per thread: a row stolen there moves a block between cores (the
     rows of a real step each have memory of their own)."""
-    width = table.shape[1]
     for part in prange(bounds.size - 1):
         for row in range(bounds[part], bounds[part + 1]):
-            _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
-                        _element_pointer(keys, table[row, width - 1] * KEYS),
-                        _element_pointer(row_counts, row * COUNTERS))
+            _run_row(address, table, scalars, keys, row_counts, row)
 
 
 def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, serial: bool = False,

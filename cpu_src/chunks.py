@@ -234,6 +234,14 @@ def _compare_exchange(typingctx, array, index, expected, desired):
 
 
 @njit(inline="always")
+def _run_row(address, table, scalars, keys, row_counts, row):
+    """The chunk function at ``address`` on row ``row`` of ``table`` (every driver's call)."""
+    width = table.shape[1]
+    _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
+                _element_pointer(keys, table[row, width - 1] * KEYS), _element_pointer(row_counts, row * COUNTERS))
+
+
+@njit(inline="always")
 def _claim_row(cursors, part, from_back):
     """A row of range ``part`` no thread has claimed, taken from the range's front (its own
     thread, in order) or back (another thread, done with its own range); -1 when none is left."""
@@ -260,7 +268,6 @@ def run_chunks(address, table, scalars, keys, row_counts, bounds):
     ``keys``: uint32 (n_tensors, KEYS); ``row_counts``: int64 (n_rows, COUNTERS), written
     by chunk functions that count (telemetry), never read by others.
     """
-    width = table.shape[1]
     parts = bounds.size - 1
     cursors = np.empty(parts * _CURSOR_STRIDE, dtype=np.int64)
     for part in range(parts):
@@ -272,20 +279,13 @@ def run_chunks(address, table, scalars, keys, row_counts, bounds):
                 row = _claim_row(cursors, other, k != 0)
                 if row < 0:
                     break
-                tensor = table[row, width - 1]
-                _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
-                            _element_pointer(keys, tensor * KEYS),
-                            _element_pointer(row_counts, row * COUNTERS))
+                _run_row(address, table, scalars, keys, row_counts, row)
 
 
 @cached_njit(nogil=True)
 def run_chunks_serial(address, table, scalars, keys, row_counts, bounds):
     """:func:`run_chunks` on the calling thread only: for forked children, where the parent's
     OpenMP thread pool (Numba's ``omp`` layer) is not usable.  Same rows, same bits."""
-    width = table.shape[1]
     for part in range(bounds.size - 1):
         for row in range(bounds[part], bounds[part + 1]):
-            tensor = table[row, width - 1]
-            _call_chunk(address, _element_pointer(table, row * width), _element_pointer(scalars, 0),
-                        _element_pointer(keys, tensor * KEYS),
-                        _element_pointer(row_counts, row * COUNTERS))
+            _run_row(address, table, scalars, keys, row_counts, row)
