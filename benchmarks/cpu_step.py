@@ -266,12 +266,10 @@ def kernel_step(opt):
     return lambda: _cpu.chunks.run_chunks(*args)
 
 
-def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13, algorithm: str = "AdamW",
-                  static: bool = False):
-    """bf16opt's kernel updating ``n`` elements as repeated passes over one cache-resident
-    ``block`` per thread: its chunk table, captured from a real step, with every thread's
-    rows pointing at that thread's block (``static``: through the chunk driver without
-    stealing, which moves a block between cores here)."""
+def in_cache_call(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13, algorithm: str = "AdamW") -> tuple:
+    """The arguments of ``run_chunks`` for bf16opt's kernel updating ``n`` elements as repeated
+    passes over one cache-resident ``block`` per thread: its chunk table, captured from a real
+    step, with every thread's rows pointing at that thread's block; and the optimizer."""
     threads = get_num_threads()
     params = [_param(block, dtype, 10 + t) for t in range(threads)]
     _, opt = bf16opt_step(params, preset, algorithm)
@@ -285,8 +283,16 @@ def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13,
     big = np.repeat(table, per_thread, axis=0)[:rows]
     bounds = np.minimum(np.arange(threads + 1, dtype=np.int64) * per_thread, rows)
     counts = np.zeros((rows, _cpu.chunks.COUNTERS), dtype=np.int64)
+    return (address, big, scalars, keys, counts, bounds), opt
+
+
+def in_cache_step(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13, algorithm: str = "AdamW",
+                  static: bool = False):
+    """bf16opt's kernel in cache (:func:`in_cache_call`), through the chunk driver (``static``:
+    without stealing, which moves a block between cores here)."""
+    args, opt = in_cache_call(n, dtype, preset, block, algorithm)
     run = compute_limit.run_chunks_static if static else _cpu.chunks.run_chunks
-    return (lambda: run(address, big, scalars, keys, counts, bounds)), opt
+    return (lambda: run(*args)), opt
 
 
 def torch_fused_step(params: list):
@@ -711,6 +717,90 @@ def same_array_table(n: int, repeats: int, preset: str = "fp32") -> list:
     return rows
 
 
+class _ChunkFunctionsKept:
+    """While entered, every chunk function the numba backend gets is kept alive here, and
+    :meth:`forget` drops the ones memoised in this process (their memo keys do not hold the
+    blocks' prefetching), so the next are compiled anew: a chunk function no longer referenced
+    is freed with its machine code, and a table still pointing at it would crash the process."""
+
+    def __enter__(self):
+        from bf16opt._cpu import adam, lion, sgd  # noqa: PLC0415
+
+        self.kept, self.originals = [], {module: module.chunk_function for module in (adam, lion, sgd)}
+        for module, original in self.originals.items():
+            module.chunk_function = self._keeping(original)
+        return self
+
+    def _keeping(self, original):
+        def chunk_function(*args, **kwargs):
+            function = original(*args, **kwargs)
+            self.kept.append(function)
+            return function
+        return chunk_function
+
+    def forget(self) -> None:
+        for original in self.originals.values():
+            original.cache_clear()
+
+    def __exit__(self, *exc):
+        for module, original in self.originals.items():
+            module.chunk_function = original
+        self.forget()
+
+
+def prefetch_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lion", "SGD")) -> None:
+    """``--prefetch-ab``: bf16opt's kernel call with and without the hand-vectorised blocks'
+    prefetches (``vector_blocks.PREFETCH``) on one chunk table -- streamed, over the step's own
+    2^N-element tensors, and in cache, as the ``in cache`` column -- as the median of the paired
+    per-repetition ratios (below 1: prefetching faster).  A configuration without blocks (AdamW
+    ``bf16-sr``, or every one on a CPU without AVX-512) runs the same code twice: the harness's
+    own spread."""
+    from bf16opt._cpu import vector_blocks  # noqa: PLC0415
+
+    print(f"\nThe blocks' prefetches ({vector_blocks.PREFETCH_DISTANCE} bytes ahead) on and off, 2^"
+          f"{n.bit_length() - 1} params, {get_num_threads()} Numba threads, {cpu_name()}; {repeats} interleaved "
+          f"repetitions; ms (medians), with / without: the median of the paired ratios")
+    header = (f"{'configuration':38} {'streamed off':>12} {'on':>7} {'ratio':>6} {'in cache off':>12} {'on':>7} "
+              f"{'ratio':>6}")
+    print(header)
+    print("-" * len(header))
+    with _ChunkFunctionsKept() as chunk_functions:
+        try:
+            for algorithm in algorithms:
+                for label, dtype, preset, _, _ in CONFIGS:
+                    if presets is None or preset in presets:
+                        cells = [_prefetch_cell(n, repeats, algorithm, dtype, preset, in_cache, chunk_functions)
+                                 for in_cache in (False, True)]
+                        print(f"{algorithm + ' ' + label:38} {cells[0]} {cells[1]}", flush=True)
+        finally:
+            vector_blocks.PREFETCH_ON = None
+
+
+def _prefetch_cell(n: int, repeats: int, algorithm: str, dtype: torch.dtype, preset: str, in_cache: bool,
+                   chunk_functions: _ChunkFunctionsKept) -> str:
+    """One half of a row of :func:`prefetch_table`: off and on (ms), and the ratio."""
+    from bf16opt._cpu import vector_blocks  # noqa: PLC0415
+
+    calls, alive = {}, []  # (the tables point into the optimizers' tensors)
+    for on in (False, True):
+        vector_blocks.PREFETCH_ON = on
+        chunk_functions.forget()
+        if in_cache:
+            args, opt = in_cache_call(n, dtype, preset, algorithm=algorithm)
+        else:
+            _, opt = bf16opt_step([_param(n, dtype, 1)], preset, algorithm)
+            args = captured_kernel_call(opt)
+        calls[on] = args
+        alive.append(opt)
+    on_address, args = calls[True][0], calls[False]  # the same table (arrays) for both
+    runs = timings({"off": lambda: _cpu.chunks.run_chunks(*args),
+                    "on": lambda: _cpu.chunks.run_chunks(on_address, *args[1:])}, repeats)
+    ratio = statistics.median(b / a for a, b in zip(runs["off"], runs["on"]))
+    del calls, alive
+    gc.collect()
+    return f"{_ms(statistics.median(runs['off'])):>12} {_ms(statistics.median(runs['on'])):>7} {ratio:6.3f}"
+
+
 def gpt2_small_shapes() -> list:
     d, vocab, ctx, layers = 768, 50257, 1024, 12
     shapes = [(vocab, d), (ctx, d)]
@@ -759,7 +849,14 @@ def main() -> None:
     parser.add_argument("--same-arrays", action="store_true",
                         help="only AdamW with fp32 states (fp32 params, then bf16-master): bf16opt, the peers "
                              "and the limits on the same arrays")
+    parser.add_argument("--prefetch-ab", action="store_true",
+                        help="only bf16opt's kernel call with and without the blocks' prefetches, streamed and in "
+                             "cache, --repeats repetitions")
     args = parser.parse_args()
+    presets = set(args.presets.split(",")) if args.presets else None
+    if args.prefetch_ab:
+        prefetch_table(1 << args.log2_params, args.repeats, presets, tuple(args.algorithms.split(",")))
+        return
     if args.peers or args.same_arrays:
         if args.peers:
             peer_table(1 << args.log2_params, args.repeats)
@@ -767,7 +864,6 @@ def main() -> None:
             for preset in ("fp32", "bf16-master"):
                 same_array_table(1 << args.log2_params, args.repeats, preset)
         return
-    presets = set(args.presets.split(",")) if args.presets else None
     runs = [preset_table(1 << args.log2_params, args.repeats, presets, tuple(args.algorithms.split(",")))
             for _ in range(args.runs)]
     if len(runs) > 1:

@@ -33,7 +33,7 @@ def kernel():
     """``run(p, g, m, v, scalars, parts)``: float32 arrays of one size, a multiple of
     ``parts * BLOCK``; ``scalars`` from :func:`scalars`; ``parts`` contiguous ranges, one per
     parallel task."""
-    form = vector_blocks.UNIT
+    form = vector_blocks.UNIT | vector_blocks.PREFETCH * vector_blocks.prefetching()  # (as bf16opt's)
 
     @njit(parallel=True, nogil=True)
     def run(p, g, m, v, scalars, parts):
@@ -45,6 +45,7 @@ def kernel():
             for j in range(t * per, (t + 1) * per, BLOCK):
                 at = 4 * j
                 vector_blocks.adam_block(form, p.ctypes.data + at, g.ctypes.data + at, 0, m.ctypes.data + at,
-                                         v.ctypes.data + at, values, scale, keys, j)
+                                         v.ctypes.data + at, values, scale, keys, j,
+                                         vector_blocks.prefetch_ahead(j - t * per, per, BLOCK))
 
     return run

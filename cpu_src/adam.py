@@ -207,7 +207,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
                 vector_blocks.adam_block(form, row[0] + param_size * j, row[1] + grad_size * j,
                                          row[2] + companion_size * j, row[3] + moment_size * j,
                                          row[4] + moment_size * j, scalars, scale, keys,
-                                         element_index(start, j))
+                                         element_index(start, j),
+                                         vector_blocks.prefetch_ahead(j, n, block))
         for i in range(first, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0), exp_avg[i], exp_avg_sq[i],

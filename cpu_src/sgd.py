@@ -134,7 +134,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
             for j in range(0, first_element, block):
                 vector_blocks.sgd_block(form, row[0] + param_size * j, row[1] + grad_size * j,
                                         row[2] + companion_size * j, row[3] + moment_size * j, scalars, scale,
-                                        keys, element_index(start, j))
+                                        keys, element_index(start, j),
+                                        vector_blocks.prefetch_ahead(j, n, block))
         for i in range(first_element, n):
             out = update(grad[i], param[i] if reads_param else param_format(0),
                          companion[i] if has_companion else companion_format(0),

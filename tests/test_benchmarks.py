@@ -150,6 +150,31 @@ def test_cpu_benchmark_compares_with_peers():
             assert float(ours) >= 0 and float(theirs) >= 0 and float(ratio) > 0, lines[0]
 
 
+def test_cpu_benchmark_compares_prefetching_on_and_off():
+    """``--prefetch-ab``: a row per (algorithm, configuration asked for) with the kernel call's
+    times with the blocks' prefetches off and on and their paired ratio, streamed and in cache;
+    the process's choice restored afterwards (the module's switch back to the target CPU's)."""
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--prefetch-ab", "--log2-params", "14",
+                             "--repeats", "3", "--algorithms", "AdamW,SGD", "--presets", "fp32,bf16-sr"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    rows = [row for row in lines[lines.index("-" * len(lines[lines.index("") + 2])) + 1:] if row.strip()]
+    # fp32 twice (bf16 and fp32 params), bf16-sr once, for each algorithm
+    assert [row[:38].strip() for row in rows] == [
+        f"{algorithm} {label}" for algorithm in ("AdamW", "SGD")
+        for label in ("bf16 params, fp32", "fp32 params, fp32", "bf16 params, bf16-sr")], result.stdout
+    for row in rows:
+        off, on, ratio, cache_off, cache_on, cache_ratio = row[38:].split()
+        assert min(map(float, (off, on, cache_off, cache_on))) >= 0 and float(ratio) > 0 and float(cache_ratio) > 0
+    cpu_step, = benchmark_modules("cpu_step")
+    from bf16opt._cpu import adam, vector_blocks
+
+    memoised = adam.chunk_function
+    cpu_step.prefetch_table(1 << 12, 1, {"bf16"}, ("AdamW",))
+    assert vector_blocks.PREFETCH_ON is None and adam.chunk_function is memoised
+
+
 def test_fused_limit_kernel_fuses():
     """The ``contract`` variant of the compute-limit kernel (``--same-arrays``' fused row) really
     fuses multiply-adds: from the same operands its float32 results differ from the exact

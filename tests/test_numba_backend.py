@@ -321,7 +321,8 @@ def _adam_master_blocks(form: int):
         for j in range(0, param.size, block):
             vector_blocks.adam_block(form, param.ctypes.data + 2 * j, grad.ctypes.data + 2 * j,
                                      companion.ctypes.data + companion_size * j, exp_avg.ctypes.data + 4 * j,
-                                     exp_avg_sq.ctypes.data + 4 * j, values, np.float32(1.0), keys, j)
+                                     exp_avg_sq.ctypes.data + 4 * j, values, np.float32(1.0), keys, j,
+                                     vector_blocks.prefetch_ahead(j, param.size, block))
 
     return run
 
@@ -380,6 +381,75 @@ def test_vectorised_blocks_split_every_interesting_master_as_the_reference():
     for got, want in zip((param, remainder), expected):
         bad = np.nonzero(got != want)[0]
         assert bad.size == 0, [(hex(bits[i]), int(got[i]), int(want[i])) for i in bad[:5]]
+
+
+@pytest.mark.parametrize("cpu, on", [("rocketlake", True), ("sapphirerapids", True), ("znver4", False),
+                                     ("znver5", False)])
+def test_blocks_prefetch_by_target_cpu(monkeypatch, cpu, on):
+    """The blocks prefetch on CPUs where it was measured to pay (Intel's), not on AMD's
+    (``znver*``: unmeasured); ``PREFETCH_ON`` overrides the choice; ``form`` carries it."""
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", cpu)
+    assert vector_blocks.prefetching() is on
+    monkeypatch.setattr(vector_blocks, "available", lambda: True)
+    form = vector_blocks.form("param", np.float32, np.float32, None, (np.float32, np.float32), "nearest",
+                              False, True)
+    assert bool(form & vector_blocks.PREFETCH) is on
+    for forced in (True, False):
+        monkeypatch.setattr(vector_blocks, "PREFETCH_ON", forced)
+        assert vector_blocks.prefetching() is forced
+
+
+@given(st.integers(0, 1 << 16), st.sampled_from([vector_blocks.ADAM_BLOCK, vector_blocks.SGD_BLOCK]))
+@settings(max_examples=200)
+def test_prefetches_stop_short_of_a_short_rows_end(n, block):
+    """A block's prefetches ask for lines ``PREFETCH_DISTANCE`` bytes on, except in a row shorter
+    than a chunk (its tensor's last), where none reaches past the row's end -- for the
+    narrowest, 2-byte arrays: ``ahead + (2 * block bytes) <= 2 * n`` counted from the block."""
+    from bf16opt._cpu.chunks import CHUNK
+
+    distance = vector_blocks.PREFETCH_DISTANCE
+    for j in range(0, n - n % block, block):
+        ahead = vector_blocks.prefetch_ahead(j, n, block)
+        assert ahead in (0, distance)
+        if n < CHUNK:
+            assert ahead == 0 or 2 * j + distance + 2 * block <= 2 * n
+            # the last blocks that can prefetch do
+            assert ahead == distance or j + distance // 2 + block > n
+        else:
+            assert ahead == distance
+
+
+@needs_avx512
+def test_block_prefetches_come_before_its_loads():
+    """In the machine code of a block with ``PREFETCH``, every prefetch comes before the block's
+    first vector instruction: LLVM, left to itself, sinks them among the arithmetic, where they
+    gained nothing (the fence after them keeps them first).  fp32 Adam: four arrays of eight
+    cache lines each."""
+    from numba import njit
+
+    from bf16opt._cpu.storage import pointer_to
+
+    block = vector_blocks.ADAM_BLOCK
+    form = vector_blocks.UNIT | vector_blocks.PREFETCH
+
+    @njit
+    def run(param, grad, exp_avg, exp_avg_sq, scalars):
+        values = pointer_to(scalars.ctypes.data, np.float32)
+        keys = pointer_to(scalars.ctypes.data, np.uint32)
+        for j in range(0, param.size, block):
+            vector_blocks.adam_block(form, param.ctypes.data + 4 * j, grad.ctypes.data + 4 * j, 0,
+                                     exp_avg.ctypes.data + 4 * j, exp_avg_sq.ctypes.data + 4 * j, values,
+                                     np.float32(1.0), keys, j, vector_blocks.prefetch_ahead(j, param.size, block))
+
+    arrays = [np.zeros(4 * block, np.float32) for _ in range(4)]
+    run(*arrays, _STILL_ADAM)
+    lines = [line.strip() for line in next(iter(run.inspect_asm().values())).splitlines()]
+    prefetches = [k for k, line in enumerate(lines) if line.startswith("prefetcht0")]
+    assert len(prefetches) == 4 * 8
+    loop = max(k for k in range(prefetches[0]) if lines[k].endswith(":") and lines[k].startswith("."))
+    assert not any("zmm" in line for line in lines[loop:prefetches[-1]]), lines[loop:prefetches[-1] + 1]
 
 
 # ---------------------------------------------------------------- property tests
