@@ -99,11 +99,11 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         ((companion_format,) if has_companion else ())
     # whole blocks hand-vectorised where vector_blocks.py covers the configuration, the rest
     # in the element loop below
-    # (not with stochastic rounding: AdamW bf16-sr's blocks ran 1.03-1.18x the paired loop's time
-    # in cache with eight vectors per array, 1.12x with four, on an AVX-512 Xeon, the same out of
-    # cache; Lion's and SGD's 0.86-0.93x; with a hash per stream, not per buffer, still 1.00-1.03x)
+    # (with stochastic rounding only where they prefetch: without, AdamW bf16-sr's blocks ran
+    # 1.03-1.18x the paired loop's time in cache and out of it on an AVX-512 Xeon (Lion's and
+    # SGD's 0.86-0.93x); prefetching, 0.98x in cache and 0.87x streamed on another)
     stochastic = weights == "param-stochastic" or moments == "stochastic"
-    form = None if amsgrad or stochastic else vector_blocks.form(
+    form = None if amsgrad or (stochastic and not vector_blocks.prefetching()) else vector_blocks.form(
         weights, param_format, grad_format, companion_format, (exp_avg_format, exp_avg_sq_format), moments,
         track, unit, l2)
     vector = form is not None
