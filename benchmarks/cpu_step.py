@@ -266,7 +266,8 @@ def kernel_step(opt):
     return lambda: _cpu.chunks.run_chunks(*args)
 
 
-def in_cache_call(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13, algorithm: str = "AdamW") -> tuple:
+def in_cache_call(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13,
+                  algorithm: str = "AdamW") -> tuple:
     """The arguments of ``run_chunks`` for bf16opt's kernel updating ``n`` elements as repeated
     passes over one cache-resident ``block`` per thread: its chunk table, captured from a real
     step, with every thread's rows pointing at that thread's block; and the optimizer."""
@@ -758,10 +759,10 @@ def prefetch_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lio
     from bf16opt._cpu import vector_blocks  # noqa: PLC0415
 
     print(f"\nThe blocks' prefetches ({vector_blocks.PREFETCH_DISTANCE} bytes ahead) on and off, 2^"
-          f"{n.bit_length() - 1} params, {get_num_threads()} Numba threads, {cpu_name()}; {repeats} interleaved "
-          f"repetitions; ms (medians), with / without: the median of the paired ratios")
-    header = (f"{'configuration':38} {'streamed off':>12} {'on':>7} {'ratio':>6} {'in cache off':>12} {'on':>7} "
-              f"{'ratio':>6}")
+          f"{n.bit_length() - 1} params, {get_num_threads()} Numba threads, {cpu_name()}; {repeats} "
+          f"interleaved repetitions; ms (medians), with / without: the median of the paired ratios")
+    header = (f"{'configuration':38} {'streamed off':>12} {'on':>7} {'ratio':>6} {'in cache off':>12} "
+              f"{'on':>7} {'ratio':>6}")
     print(header)
     print("-" * len(header))
     with _ChunkFunctionsKept() as chunk_functions:
@@ -769,8 +770,8 @@ def prefetch_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lio
             for algorithm in algorithms:
                 for label, dtype, preset, _, _ in CONFIGS:
                     if presets is None or preset in presets:
-                        cells = [_prefetch_cell(n, repeats, algorithm, dtype, preset, in_cache, chunk_functions)
-                                 for in_cache in (False, True)]
+                        cells = [_prefetch_cell(n, repeats, algorithm, dtype, preset, in_cache,
+                                                chunk_functions) for in_cache in (False, True)]
                         print(f"{algorithm + ' ' + label:38} {cells[0]} {cells[1]}", flush=True)
         finally:
             vector_blocks.PREFETCH_ON = None
@@ -850,8 +851,8 @@ def main() -> None:
                         help="only AdamW with fp32 states (fp32 params, then bf16-master): bf16opt, the peers "
                              "and the limits on the same arrays")
     parser.add_argument("--prefetch-ab", action="store_true",
-                        help="only bf16opt's kernel call with and without the blocks' prefetches, streamed and in "
-                             "cache, --repeats repetitions")
+                        help="only bf16opt's kernel call with and without the blocks' prefetches, streamed "
+                             "and in cache, --repeats repetitions")
     args = parser.parse_args()
     presets = set(args.presets.split(",")) if args.presets else None
     if args.prefetch_ab:

@@ -22,10 +22,10 @@ store) runs in the loop over the row's elements, or, when every array of the
 configuration is 16-bit and 4-byte aligned, in the paired loop: one uint32 word of each
 array holds two elements, so decoding is one shift or mask and encoding one merge per pair
 (cheaper than widening and narrowing 16-bit lanes); an odd last element goes through the
-element loop.  Where ``vector_blocks.py`` covers the configuration (moments rounded to
-nearest, no amsgrad, no telemetry: ``vector_blocks.form``) on a CPU with AVX-512, whole blocks
-of ``ADAM_BLOCK`` (128) elements go through its hand-vectorised update (the same operations,
-the same bits) instead, the rest through the element loop.
+element loop.  Where ``vector_blocks.py`` covers the configuration (no amsgrad, no telemetry,
+stochastic rounding only where the blocks prefetch: ``vector_blocks.form``) on a CPU with
+AVX-512, whole blocks of ``ADAM_BLOCK`` (128) elements go through its hand-vectorised update
+(the same operations, the same bits) instead, the rest through the element loop.
 """
 
 from __future__ import annotations

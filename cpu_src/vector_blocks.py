@@ -1,6 +1,6 @@
 """Adam, Lion and SGD, hand-vectorised: the blocks of ``adam.py``'s, ``lion.py``'s and
 ``sgd.py``'s element loops for the configurations of :func:`form` -- float32 or bfloat16
-params that are their own master (rounded to nearest, or stochastically: Lion and SGD),
+params that are their own master (rounded to nearest, or stochastically),
 bfloat16 params with a float32 master copy, an int16 remainder (the exact float32 master) or
 a Kahan compensation; float32 or bfloat16 grads; float32 or bfloat16 moments; no amsgrad, no
 telemetry -- where the target CPU has AVX-512.
@@ -11,6 +11,8 @@ before computing any (DeepSpeedCPUAdam's form) is 5-10% faster on an AVX-512 Xeo
 same arithmetic (``benchmarks/cpu_step.py --same-arrays``).  LLVM does not build that form
 from Numba source (512-bit vectors, forced interleaving, blocked loops: measured, none
 faster), so it is written here as LLVM vector IR, from an ``@intrinsic`` per algorithm.
+On Intel CPUs each block also first asks for its arrays' lines ``PREFETCH_DISTANCE`` bytes on
+(:meth:`_Block.prefetch`): streamed steps 0.73-0.95x the time without.
 
 Bits: each operation is the element loop's (so ``reference.py``'s), in its order, on
 ``LANES`` lanes at once -- IEEE multiplication, addition, square root and division, each
@@ -64,10 +66,11 @@ SR_WEIGHTS = 2048  # the bfloat16 param, its own master, rounded stochastically 
 SR_MOMENTS = 4096  # the bfloat16 moments rounded stochastically (buffers EXP_AVG, EXP_AVG_SQ): MOMENT16
 PREFETCH = 8192  # each array's lines PREFETCH_DISTANCE ahead asked for as the block starts (_Block.prefetch)
 
-# bytes ahead of a block's start in each array that its prefetches ask for: on an AVX-512 Xeon
-# (2 threads, 2^25 params, the same chunk table with and without), streamed steps 0.93-0.99x
-# (fp32 arrays) and 0.87-0.95x (bfloat16) the time without prefetching at 512 bytes, 1024 a further
-# 0.93-0.98x for bfloat16 arrays, 2048 0.96-1.00x beyond that, 4096 1.00-1.06x slower than 2048
+# bytes ahead of a block's start in each array that its prefetches ask for.  Measured on an AVX-512
+# Xeon (2 threads, 2^25 params, one chunk table, 21 shuffled repetitions), each distance against
+# the one before: one block (256-512 bytes) -> 512 bytes 0.87-1.00x the streamed time (bfloat16
+# arrays gain most) -> 1024 0.92-1.00x -> 2048 0.96-1.00x -> 4096 1.00-1.06x (slower).  At 2048
+# against no prefetching: 0.73-0.95x streamed, 0.79-1.11x in cache (cpu_step.py --prefetch-ab).
 PREFETCH_DISTANCE = 2048
 #: whether :func:`form` asks for PREFETCH: None = by the target CPU (:func:`prefetching`); the
 #: benchmarks' A/B sets it
@@ -172,14 +175,14 @@ class _Block:
         self.compensations = []  # the Kahan compensations' vectors, loaded with the masters
 
     def prefetch(self, arrays: list, ahead) -> None:
-        """Ask for each array's lines ``ahead`` bytes on (:data:`PREFETCH_DISTANCE`, or 0 near
-        the row's end), as many as the block spans (``prefetcht0``, a cache line each), before
-        the block's first load; ``arrays``: (address, bytes per element).  Why: LLVM schedules each load next to its arithmetic,
-        behind the divisions of the vectors before it, and the hardware prefetchers alone kept
-        fewer lines in flight (the exact C loop GCC schedules with its loads first ran 3-7% ahead
-        of the blocks).  A compiler-only fence keeps the prefetches first: without it LLVM sank
-        them among the arithmetic, where they gained nothing.  A prefetch past an array's end is
-        dropped by the CPU, never a fault."""
+        """Ask for each array's lines ``ahead`` bytes on (:func:`prefetch_ahead`), as many as the
+        block spans (``prefetcht0``, a cache line each), before the block's first load;
+        ``arrays``: (address, bytes per element).  Why: LLVM schedules each load next to its
+        arithmetic, behind the divisions of the vectors before it, and the hardware prefetchers
+        alone kept fewer lines in flight (the exact C loop GCC schedules with its loads first ran
+        3-7% ahead of the blocks).  A compiler-only fence keeps the prefetches first: without it
+        LLVM sank them among the arithmetic, where they gained nothing.  A prefetch past an
+        array's end is dropped by the CPU, never a fault."""
         builder = self.builder
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         prefetch = _intrinsic(builder, "llvm.prefetch.p0", ir.VoidType(), [i8p, i32, i32, i32])
@@ -402,7 +405,8 @@ def _block_codegen(flags: int, span: int, scalar_count: int, update):
 @intrinsic(prefer_literal=True)
 def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element,
                ahead):
-    """``adam_block(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element, ahead)``:
+    """``adam_block(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element,
+    ahead)``:
     ``adam.py``'s update of the ``ADAM_BLOCK`` elements at the addresses (int64; the companion's
     only with ``COPY``, ``REMAINDER`` or ``KAHAN``), in place.  ``form``: a constant of the flags above;
     ``scalars``: the chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, step size, 1 / sqrt(bias
@@ -429,13 +433,15 @@ def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, sca
         w = builder.fsub(w, builder.fmul(builder.fdiv(m, d), step_size))
         return w, (m, v)
 
-    return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element, ahead),
+    return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element,
+                       ahead),
             _block_codegen(flags, ADAM_SPAN, 9, update))
 
 
 @intrinsic(prefer_literal=True)
 def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead):
-    """``lion_block(form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead)``: ``lion.py``'s
+    """``lion_block(form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead)``:
+    ``lion.py``'s
     update of the ``LION_BLOCK`` elements at the addresses, in place, as :func:`adam_block` (no
     ``L2``); ``scalars``: the chunk function's (beta1, beta2, 1 - beta1, 1 - beta2, lr,
     decay)."""

@@ -465,7 +465,8 @@ def test_block_prefetches_come_before_its_loads():
         for j in range(0, param.size, block):
             vector_blocks.adam_block(form, param.ctypes.data + 4 * j, grad.ctypes.data + 4 * j, 0,
                                      exp_avg.ctypes.data + 4 * j, exp_avg_sq.ctypes.data + 4 * j, values,
-                                     np.float32(1.0), keys, j, vector_blocks.prefetch_ahead(j, param.size, block))
+                                     np.float32(1.0), keys, j,
+                                     vector_blocks.prefetch_ahead(j, param.size, block))
 
     arrays = [np.zeros(4 * block, np.float32) for _ in range(4)]
     run(*arrays, _STILL_ADAM)
