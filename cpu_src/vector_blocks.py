@@ -68,8 +68,8 @@ PREFETCH = 8192  # each array's lines PREFETCH_DISTANCE ahead asked for as the b
 
 # bytes ahead of a block's start in each array that its prefetches ask for.  Measured on an AVX-512
 # Xeon (2 threads, 2^25 params, one chunk table, 21 shuffled repetitions), each distance against
-# the one before: one block (256-512 bytes) -> 512 bytes 0.87-1.00x the streamed time (bfloat16
-# arrays gain most) -> 1024 0.92-1.00x -> 2048 0.96-1.00x -> 4096 1.00-1.06x (slower).  At 2048
+# the one before: one block (256-512 bytes) -> 512 bytes 0.87-1.06x the streamed time (bfloat16
+# arrays gain most) -> 1024 0.86-1.01x -> 2048 0.89-1.01x -> 4096 1.00-1.06x (slower).  At 2048
 # against no prefetching: 0.73-0.95x streamed, 0.79-1.11x in cache (cpu_step.py --prefetch-ab).
 PREFETCH_DISTANCE = 2048
 #: whether :func:`form` asks for PREFETCH: None = by the target CPU (:func:`prefetching`); the
