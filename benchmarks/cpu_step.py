@@ -75,6 +75,7 @@ from numba import get_num_threads, njit, prange  # noqa: E402
 
 import bf16opt  # noqa: E402
 from bf16opt import _cpu  # noqa: E402
+from bf16opt._cpu import vector_blocks  # noqa: E402
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.cpu_step
     import compute_limit  # noqa: E402
@@ -156,7 +157,9 @@ def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str, contr
     (the memory-limit kernel's arrays, out of cache): the unavoidable instructions together
     with the step's memory traffic, on the same memory, with nothing else in the way.
     ``buffers``: the state's tensors, the master's companion first (``state_buffers``);
-    ``contract``: its multiply-adds fused (``compute_limit.chunk_function``; not a limit)."""
+    ``contract``: its multiply-adds fused (``compute_limit.chunk_function``; not a limit).  Where
+    bf16opt's blocks prefetch (``vector_blocks.prefetching``), the kernel's prefetching form: the
+    same memory access, so the streamed limit is not one a step beats by its prefetches alone."""
     storage = compute_limit.FP32_PARAMS if param.dtype == torch.float32 else compute_limit.PRESET_STORAGE[preset]
     threads = get_num_threads()
     # blocks of bf16opt's chunk size, as the step's chunk table has (the driver's threads then
@@ -179,7 +182,8 @@ def streamed_limit_step(param, grad, buffers, algorithm: str, preset: str, contr
     keys = np.arange(1, blocks * compute_limit.KEYS + 1, dtype=np.uint32).reshape(blocks, compute_limit.KEYS)
     operands = compute_limit.Operands(rows(grad), rows(param), w, m, v,
                                       np.array(compute_limit.SCALARS[algorithm], dtype=np.float32), keys)
-    return compute_limit.runner(algorithm, storage, operands, 1)
+    return compute_limit.runner(algorithm, storage, operands, 1, contract=contract,
+                                prefetch=vector_blocks.available() and vector_blocks.prefetching())
 
 
 class ProtocolStep(torch.optim.Optimizer):
@@ -756,8 +760,6 @@ def prefetch_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lio
     per-repetition ratios (below 1: prefetching faster).  A configuration without blocks (AdamW
     ``bf16-sr``, or every one on a CPU without AVX-512) runs the same code twice: the harness's
     own spread."""
-    from bf16opt._cpu import vector_blocks  # noqa: PLC0415
-
     print(f"\nThe blocks' prefetches ({vector_blocks.PREFETCH_DISTANCE} bytes ahead) on and off, 2^"
           f"{n.bit_length() - 1} params, {get_num_threads()} Numba threads, {cpu_name()}; {repeats} "
           f"interleaved repetitions; ms (medians), with / without: the median of the paired ratios")
@@ -780,8 +782,6 @@ def prefetch_table(n: int, repeats: int, presets=None, algorithms=("AdamW", "Lio
 def _prefetch_cell(n: int, repeats: int, algorithm: str, dtype: torch.dtype, preset: str, in_cache: bool,
                    chunk_functions: _ChunkFunctionsKept) -> str:
     """One half of a row of :func:`prefetch_table`: off and on (ms), and the ratio."""
-    from bf16opt._cpu import vector_blocks  # noqa: PLC0415
-
     calls, alive = {}, []  # (the tables point into the optimizers' tensors)
     for on in (False, True):
         vector_blocks.PREFETCH_ON = on

@@ -39,8 +39,8 @@ from .storage import CANONICAL_NAN_F32, GOLDEN
 
 __all__ = ["ADAM_BLOCK", "COMPANION16", "COPY", "GRAD16", "KAHAN", "L2", "LION_BLOCK", "MOMENT16", "NATIVE16",
            "NESTEROV", "PARAM16", "PREFETCH", "REMAINDER", "SGD_BLOCK", "SR_MOMENTS", "SR_WEIGHTS", "UNIT",
-           "adam_block", "available", "form", "lion_block", "native_bf16", "prefetch_ahead", "prefetching",
-           "sgd_block"]
+           "adam_block", "available", "form", "lion_block", "native_bf16", "prefetch_ahead", "prefetch_span",
+           "prefetching", "sgd_block"]
 
 LANES = 16  # float32 lanes of one vector: a 512-bit register
 # vectors of each array loaded before any is computed: Adam eight (DeepSpeed's form); Lion four
@@ -183,15 +183,8 @@ class _Block:
         3-7% ahead of the blocks).  A compiler-only fence keeps the prefetches first: without it
         LLVM sank them among the arithmetic, where they gained nothing.  A prefetch past an
         array's end is dropped by the CPU, never a fault."""
-        builder = self.builder
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        prefetch = _intrinsic(builder, "llvm.prefetch.p0", ir.VoidType(), [i8p, i32, i32, i32])
-        read, all_levels, data = (ir.Constant(i32, k) for k in (0, 3, 1))
-        for address, size in arrays:
-            for line in range(0, size * LANES * self.span, 64):
-                at = builder.add(builder.add(address, ahead), ir.Constant(self.i64, line))
-                builder.call(prefetch, [builder.inttoptr(at, i8p), read, all_levels, data])
-        builder.fence("acq_rel", "singlethread")
+        _prefetch_lines(self.builder, [(address, size * LANES * self.span) for address, size in arrays],
+                        ahead)
 
     def splat(self, x, kind=None):
         undefined = ir.Constant(kind or self.vector, ir.Undefined)
@@ -361,6 +354,34 @@ class _Block:
         self.store(w, self.param_pointers[k], self.param16, 0 if self.sr_weights else None, k)
         if self.copy:
             self.store(w, self.master_pointers[k], False)
+
+
+def _prefetch_lines(builder, spans: list, ahead) -> None:
+    """``prefetcht0`` of every cache line of each (address, bytes) span moved ``ahead`` bytes on,
+    then a compiler-only fence that keeps them before what follows (:meth:`_Block.prefetch`)."""
+    i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+    prefetch = _intrinsic(builder, "llvm.prefetch.p0", ir.VoidType(), [i8p, i32, i32, i32])
+    read, all_levels, data = (ir.Constant(i32, k) for k in (0, 3, 1))
+    for address, size in spans:
+        for line in range(0, size, 64):
+            at = builder.add(builder.add(address, ahead), ir.Constant(i64, line))
+            builder.call(prefetch, [builder.inttoptr(at, i8p), read, all_levels, data])
+    builder.fence("acq_rel", "singlethread")
+
+
+@intrinsic(prefer_literal=True)
+def prefetch_span(typingctx, address, size, ahead):
+    """``prefetch_span(address, size, ahead)``: the blocks' prefetch (:meth:`_Block.prefetch`)
+    of the ``size`` bytes (a constant) at ``address`` (int64) moved ``ahead`` bytes on, for a
+    plain loop over groups of elements (the benchmarks' streamed limit kernel)."""
+    if not isinstance(size, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _prefetch_lines(builder, [(args[0], size.literal_value)], args[2])
+        return context.get_dummy_value()
+
+    return types.void(address, size, ahead), codegen
 
 
 def _intrinsic(builder, name: str, result, arguments: list):

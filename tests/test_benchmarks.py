@@ -192,6 +192,38 @@ def test_fused_limit_kernel_fuses():
     np.testing.assert_allclose(fused, exact, rtol=1e-5)
 
 
+@pytest.mark.parametrize("algorithm, preset", [("adam", "fp32"), ("adam", "bf16-sr"), ("lion", "bf16-kahan"),
+                                               ("sgd", "fp32-remainder"), ("adam", None)])
+def test_prefetching_limit_kernel_gives_the_plain_bits(algorithm, preset):
+    """The compute-limit kernel's prefetching form (the streamed limit where bf16opt's blocks
+    prefetch) does the plain form's work in groups: the same bits from the same operands, over
+    rows that are not whole groups (the paired loop for all-16-bit storage, the element loop
+    else; ``None``: fp32 params).  And the streamed limit takes that form exactly where bf16opt's
+    blocks prefetch."""
+    compute_limit, cpu_step = benchmark_modules("compute_limit", "cpu_step")
+    storage = compute_limit.FP32_PARAMS if preset is None else compute_limit.PRESET_STORAGE[preset]
+    results = []
+    for prefetch in (False, True):
+        operands = compute_limit.arrays(3, 2 * compute_limit.GROUP + 6, algorithm, storage, seed=5)
+        compute_limit.runner(algorithm, storage, operands, 2, prefetch=prefetch)()
+        results.append([a.copy() for a in (operands.p, operands.w, operands.m, operands.v)])
+    for plain, prefetched in zip(*results):
+        np.testing.assert_array_equal(prefetched.view(np.uint8), plain.view(np.uint8))
+    import torch
+
+    param = torch.zeros(1 << 16)
+    calls = []
+    real = compute_limit.runner
+    compute_limit.runner = lambda *args, **kwargs: calls.append(kwargs["prefetch"])
+    try:
+        cpu_step.streamed_limit_step(param, param.clone(), [param.clone(), param.clone()], "adam", "fp32")
+    finally:
+        compute_limit.runner = real
+    from bf16opt._cpu import vector_blocks
+
+    assert calls == [vector_blocks.available() and vector_blocks.prefetching()]
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler (cc) with OpenMP")
 def test_exact_c_kernels_give_the_compute_limit_bits():
     """``exact_adamw.c``'s hand-written kernels (``--same-arrays``' C rows) do the exact work of
