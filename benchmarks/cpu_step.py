@@ -725,8 +725,8 @@ def same_array_table(n: int, repeats: int, preset: str = "fp32") -> list:
 class _ChunkFunctionsKept:
     """While entered, every chunk function the numba backend gets is kept alive here, and
     :meth:`forget` drops the ones memoised in this process (their memo keys do not hold the
-    blocks' prefetching), so the next are compiled anew: a chunk function no longer referenced
-    is freed with its machine code, and a table still pointing at it would crash the process."""
+    blocks' prefetching), so the next are compiled anew -- while the tables captured earlier
+    still point at the forgotten ones' machine code, which must outlive them."""
 
     def __enter__(self):
         from bf16opt._cpu import adam, lion, sgd  # noqa: PLC0415

@@ -174,15 +174,19 @@ class _Block:
         self.compensation_pointers = self.pointers(companion_at, self.companion16) if self.kahan else []
         self.compensations = []  # the Kahan compensations' vectors, loaded with the masters
 
-    def prefetch(self, arrays: list, ahead) -> None:
+    def prefetch(self, param_at, grad_at, companion_at, moments_at: list, ahead) -> None:
         """Ask for each array's lines ``ahead`` bytes on (:func:`prefetch_ahead`), as many as the
-        block spans (``prefetcht0``, a cache line each), before the block's first load;
-        ``arrays``: (address, bytes per element).  Why: LLVM schedules each load next to its
+        block spans (``prefetcht0``, a cache line each), before the block's first load.  Why: LLVM schedules each load next to its
         arithmetic, behind the divisions of the vectors before it, and the hardware prefetchers
         alone kept fewer lines in flight (the exact C loop GCC schedules with its loads first ran
         3-7% ahead of the blocks).  A compiler-only fence keeps the prefetches first: without it
         LLVM sank them among the arithmetic, where they gained nothing.  A prefetch past an
         array's end is dropped by the CPU, never a fault."""
+        companion = 4 if self.copy or (self.kahan and not self.companion16) else \
+            2 if self.remainder or self.kahan else 0  # (bytes per element; 0: none)
+        arrays = [(param_at, 2 if self.param16 else 4), (grad_at, 2 if self.grad16 else 4)] \
+            + ([(companion_at, companion)] if companion else []) \
+            + [(at, 2 if self.moment16 else 4) for at in moments_at]
         _prefetch_lines(self.builder, [(address, size * LANES * self.span) for address, size in arrays],
                         ahead)
 
@@ -402,11 +406,7 @@ def _block_codegen(flags: int, span: int, scalar_count: int, update):
         element = builder.trunc(element, ir.IntType(32)) if element.type.width > 32 else element
         block = _Block(builder, span, flags, scalars_at, param_at, grad_at, companion_at, keys_at, element)
         if flags & PREFETCH:
-            companion = 4 if block.copy or (block.kahan and not block.companion16) else \
-                2 if block.remainder or block.kahan else 0
-            block.prefetch([(param_at, 2 if block.param16 else 4), (grad_at, 2 if block.grad16 else 4)]
-                           + ([(companion_at, companion)] if companion else [])
-                           + [(at, 2 if block.moment16 else 4) for at in moments_at], ahead)
+            block.prefetch(param_at, grad_at, companion_at, moments_at, ahead)
         values = [block.scalar(k) for k in range(scalar_count)]
         pointers = [block.pointers(at, block.moment16) for at in moments_at]
         ws, gs = block.masters(), block.grads(scale)

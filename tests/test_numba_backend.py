@@ -265,31 +265,26 @@ def test_vectorised_blocks_match_the_reference(algorithm, preset, dtype, grad, w
 @pytest.fixture
 def integer_rounding(monkeypatch):
     """The blocks built as for an AVX-512 CPU without AVX512-BF16 (every bfloat16 value rounded
-    on the integer lanes), the chunk functions memoised in this process forgotten before and
-    after (their memo keys do not hold the rounding)."""
-    from bf16opt._cpu import adam, lion, sgd
-
-    def forget():
-        for module in (adam, lion, sgd):
-            module.chunk_function.cache_clear()
-
-    monkeypatch.setattr(vector_blocks, "native_bf16", lambda: False)
-    forget()
-    yield
-    forget()
+    on the integer lanes)."""
+    yield from _blocks_built_with(monkeypatch, "native_bf16", lambda: False)
 
 
 @pytest.fixture
 def prefetching_blocks(monkeypatch):
-    """The blocks built prefetching, the chunk functions memoised in this process forgotten
-    before and after (their memo keys do not hold the prefetching)."""
+    """The blocks built prefetching."""
+    yield from _blocks_built_with(monkeypatch, "PREFETCH_ON", True)
+
+
+def _blocks_built_with(monkeypatch, name: str, value):
+    """A fixture's body: ``vector_blocks.<name>`` set to ``value``, the chunk functions memoised
+    in this process forgotten before and after (their memo keys do not hold the blocks' form)."""
     from bf16opt._cpu import adam, lion, sgd
 
     def forget():
         for module in (adam, lion, sgd):
             module.chunk_function.cache_clear()
 
-    monkeypatch.setattr(vector_blocks, "PREFETCH_ON", True)
+    monkeypatch.setattr(vector_blocks, name, value)
     forget()
     yield
     forget()
