@@ -109,23 +109,27 @@ def without_kernel(step):
     from bf16opt.backends import numba as backend  # noqa: PLC0415
 
     driver_users()
-    rerun = backend.Relaunch.run
+    rerun, run_alone = backend.Relaunch.run, backend.Relaunch.run_alone
 
-    def bookkeeping_only(self, *args):
-        bounds, self.bounds = self.bounds, _NO_PARTS
-        forked, backend._FORKED = backend._FORKED, True  # (the serial driver: no thread woken)
-        try:
-            rerun(self, *args)
-        finally:
-            self.bounds, backend._FORKED = bounds, forked
+    def bookkeeping_only(call):
+        def over_no_rows(self, *args):
+            bounds, self.bounds = self.bounds, _NO_PARTS
+            forked, backend._FORKED = backend._FORKED, True  # (the serial driver: no thread woken)
+            try:
+                return call(self, *args)
+            finally:
+                self.bounds, backend._FORKED = bounds, forked
+        return over_no_rows
 
     def run():
         driver, _cpu.chunks.run_chunks = _cpu.chunks.run_chunks, _no_kernel
-        backend.Relaunch.run = bookkeeping_only
+        backend.Relaunch.run = bookkeeping_only(rerun)
+        backend.Relaunch.run_alone = bookkeeping_only(run_alone)
         try:
             step()
         finally:
-            _cpu.chunks.run_chunks, backend.Relaunch.run = driver, rerun
+            _cpu.chunks.run_chunks = driver
+            backend.Relaunch.run, backend.Relaunch.run_alone = rerun, run_alone
     return run
 
 
@@ -242,20 +246,23 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
     """The step's Python with the caches cold, as a training step runs it: a step's own kernel
     streams its tensors through the caches, so the bookkeeping of the next step starts cold.
     Times the Python before and after the kernel call inside each step (the call is timed
-    by wrapping the backend's ``_call`` and ``Relaunch.run``, a reused step's one compiled
-    call), for one large param and (``with_list``) for the
+    by wrapping the backend's ``_call``, ``Relaunch.run`` and ``Relaunch.run_alone``, a reused
+    step's one compiled call -- for a single group, with the compiled checks in it), and the
+    whole step's excess over the floor's (paired by repetition), for one large param and
+    (``with_list``) for the
     full-size GPT-2-small list; and, interleaved, the same kernel call inside
     ``cpu_step.ProtocolStep`` (the least Python a drop-in optimizer's step runs: the floor)."""
     from bf16opt.backends import numba as backend  # noqa: PLC0415
 
     marks = []
-    call, rerun = backend._call, backend.Relaunch.run
+    call, rerun, run_alone = backend._call, backend.Relaunch.run, backend.Relaunch.run_alone
 
     def timed(kernel):
         def run(*args):
             start = time.perf_counter()
-            kernel(*args)
+            answer = kernel(*args)
             marks.append((start, time.perf_counter()))
+            return answer
         return run
 
     def python_around_kernel(step) -> tuple:
@@ -266,17 +273,19 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
         if len(marks) != 1:
             raise RuntimeError(f"expected one kernel call per step, got {len(marks)}")
         (enter, leave), = marks
-        return enter - start, leave - enter, end - leave
+        return enter - start, leave - enter, end - leave, end - start
 
     cases = [(f"1 param of 2^{log2_params}, {preset}", algorithm, [(1 << log2_params,)], preset)
              for algorithm, preset in (("SGD", "bf16-sr"), ("AdamW", "bf16"))]
     if with_list:
         cases.append((f"GPT-2 small list ({len(gpt2_small_shapes())})", "AdamW", gpt2_small_shapes(), "bf16"))
     print(f"\nThe step's Python with cold caches (bf16 params, numba backend), {cpu_name()}; medians of {repeats} "
-          f"steps; before / after: the step's time before its kernel call and after it, ms; floor: the same "
+          f"steps; before / after: the step's time before its kernel call and after it, ms; step excess: the "
+          f"whole step's time over the floor's, paired by repetition (with the compiled checks a single "
+          f"group's kernel call holds); floor: the same "
           f"kernel call inside the least Python a drop-in step runs (cpu_step.ProtocolStep), interleaved")
     header = (f"{'params':30} {'optimizer':9} {'before':>7} {'after':>7} {'Python':>7} {'kernel':>8} {'share':>6} "
-              f"{'floor':>7} {'excess':>7}")
+              f"{'floor':>7} {'excess':>7} {'step excess':>11}")
     print(header)
     print("-" * len(header))
     try:
@@ -287,18 +296,21 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
             floor = ProtocolStep(params, timed(kernel_step(opt)), written)
             ours, theirs = [], []
             for _ in range(repeats):
-                backend._call, backend.Relaunch.run = timed(call), timed(rerun)
+                backend._call, backend.Relaunch.run, backend.Relaunch.run_alone = \
+                    timed(call), timed(rerun), timed(run_alone)
                 ours.append(python_around_kernel(opt.step))
-                backend._call, backend.Relaunch.run = call, rerun
+                backend._call, backend.Relaunch.run, backend.Relaunch.run_alone = call, rerun, run_alone
                 theirs.append(python_around_kernel(floor.step))
-            (b, k, a), (fb, _, fa) = ([statistics.median(x) for x in zip(*runs)] for runs in (ours, theirs))
+            (b, k, a, _), (fb, _, fa, _) = ([statistics.median(x) for x in zip(*runs)]
+                                            for runs in (ours, theirs))
+            step_excess = statistics.median(mine[3] - floors[3] for mine, floors in zip(ours, theirs))
             print(f"{label:30} {algorithm:9} {1e3 * b:7.3f} {1e3 * a:7.3f} {1e3 * (b + a):7.3f} {1e3 * k:8.2f} "
-                  f"{100 * (b + a) / (b + a + k):5.1f}% {1e3 * (fb + fa):7.3f} {1e3 * (b + a - fb - fa):7.3f}",
-                  flush=True)
+                  f"{100 * (b + a) / (b + a + k):5.1f}% {1e3 * (fb + fa):7.3f} "
+                  f"{1e3 * (b + a - fb - fa):7.3f} {1e3 * step_excess:11.3f}", flush=True)
             del opt, floor, params, written
             gc.collect()
     finally:
-        backend._call, backend.Relaunch.run = call, rerun
+        backend._call, backend.Relaunch.run, backend.Relaunch.run_alone = call, rerun, run_alone
 
 
 def profile(preset: str, steps: int, lines: int = 25) -> None:

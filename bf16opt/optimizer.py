@@ -545,18 +545,28 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         plan.stale_launches = bool(kept) and max(kept) >= len(self.param_groups)  # (groups removed)
         return plan
 
-    def _reused_step(self, inv_grad_scale: float = 1.0) -> list:
+    def _reused_step(self, inv_grad_scale: float = 1.0) -> Optional[list]:
         """Phase one of the common training step, in which every group reuses the launch kept
         from its last step (step_cache.py), without the full path's plan and its loops (tens of
         µs with the caches cold after the last step's kernel stream): (group, precision, phase
         two) of each group in order, up to and with a None for the first group that cannot
         reuse -- then :meth:`_prepare_step` takes these answers and goes on from there.  Asks
         no group when one has no kept launch, or host buffers may be released (offload).
-        Changes nothing (but the view each launch last found its states under)."""
+        Changes nothing (but the view each launch last found its states under) -- except where
+        the optimizer's only group has a launch that runs its whole step in one compiled call
+        (``GroupLaunch.step_alone``): then None once that step ran."""
         kept, groups = self._group_launches, self.param_groups
         if len(kept) != len(groups) or "_offloader_instance" in self.__dict__:
             return []
         view = step_cache.StateView(self.state)
+        alone = kept.get(0) if len(groups) == 1 else None
+        if alone is not None and alone.alone is not None:  # the whole step in one compiled call
+            group = groups[0]
+            precision = self._group_precision(0, group)
+            if not alone.step_alone(self, group, 0, precision, inv_grad_scale, view):
+                return [None]  # (the full path, which asks this launch no more)
+            group["precision"] = precision
+            return None
         asked, first_index = [], 0
         for number, group in enumerate(groups):
             precision = self._group_precision(number, group)
@@ -676,6 +686,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if skip:  # inf/NaN grads: GradScaler lowers its scale, the optimizer changes nothing
             return loss
         asked = self._reused_step(inv_grad_scale)
+        if asked is None:  # the step ran, its group's kept launch reused in one compiled call
+            return loss
         if len(asked) == len(self.param_groups) and all(asked):  # every group reuses its kept launch
             for group, precision, _ in asked:
                 group["precision"] = precision

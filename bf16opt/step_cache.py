@@ -70,6 +70,14 @@ builds the launch again.  As in a full step, ``prepare`` (phase one) changes not
 step that raises, here or in another group, leaves the optimizer as it was -- and the
 callable it returns (phase two) advances the counters and runs the kernels.
 
+An optimizer whose only group has a launch of one kernel call, checked through the shim and
+bumping the version counters in compiled code (:attr:`GroupLaunch.alone`), runs both phases
+in one compiled call (:meth:`GroupLaunch.step_alone`, ``step_helpers.checked_relaunch``):
+the checks above, then the scalars rounded to float32 and checked finite, then -- only when
+all hold, else changing nothing -- the counters, versions and kernel, the GIL released for
+the kernel as in the other kernel calls.  One compiled call less with cold caches: 15-58 µs
+off a step over one 2^25 param, 8-13 µs off steps of 0.1-0.3 ms (model-167 Xeon).
+
 Qualifies: a group updated by the numba backend (not offloaded; float64 params go to the
 reference backend), of plain real tensors (no DTensor, no complex), without precision
 telemetry, whose full step made or converted no state (the next step's kernels run
@@ -548,6 +556,14 @@ class GroupLaunch:
         places = version_places() if self.shim is not None else None
         self.compiled_bump = () if places is None else \
             (np.fromiter(map(id, self.written), dtype=np.int64, count=len(self.written)), places)
+        # step_alone's arguments where it can run: one kernel call, every check and bump compiled
+        # (the grads' addresses read into a kept array: the call uses them and returns)
+        self.alone = None if len(relaunches) != 1 or not self.compiled_bump else (
+            (self.shim, self.dicts, self.dict_word or 0, self.expected_versions, self.ids, self.form_starts,
+             self.forms_read, self.counter_addresses, self.steps),
+            (self.grad_form_starts, self.grad_forms_read, np.empty(len(grads), dtype=np.int64),
+             self.sized_grads, self.threads),
+            *self.compiled_bump)
 
     def prepare(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
                 view: Optional[StateView] = None) -> Optional[Callable[[], None]]:
@@ -555,26 +571,10 @@ class GroupLaunch:
         still holds (then the caller takes the full path); else the step's phase two, which
         advances the counters and runs the kernels.  Changes nothing (but the view it last
         found its states under).  ``view``: ``StateView(optimizer.state)`` now."""
-        params = group["params"]
-        if first_index != self.first_index or not same_objects(params, self.params) \
-                or settings(optimizer, group, precision) != self.settings:
+        checked = self._checked_in_python(optimizer, group, first_index, precision, view)
+        if checked is None:
             return None
-        grads = list(map(_GRAD, params))
-        if self.has_grad is not None:
-            if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
-                return None
-            grads = list(compress(grads, self.has_grad))
-        guarded = False  # (by torch's check; with the shim, the forms are read with the addresses below)
-        if self.shim is None:
-            guarded = self.guards is not None and self.guards.check(*self.addressed, *grads) is True
-            if not guarded and not self._forms_hold(grads):
-                return None
-        if view is None or not view.matches(self.found_under):
-            if not same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
-                return None
-            self.found_under = view
-        if self.dict_word is None and self._state_dicts_changed():  # (else compared in the compiled call)
-            return None
+        grads, guarded = checked
         grad_addresses = self._grad_addresses(grads, guarded)
         if grad_addresses is None:
             return None
@@ -600,6 +600,53 @@ class GroupLaunch:
                 torch.autograd.graph.increment_version(self.written)
 
         return run
+
+    def step_alone(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
+                   view: Optional[StateView] = None) -> bool:
+        """The whole step of an optimizer whose only group this is, where :attr:`alone`: the
+        checks of :meth:`prepare` made in Python, then everything else in one compiled call
+        (``Relaunch.run_alone``: the compiled checks, the scalars, the counters, the versions,
+        the kernel).  True when the step ran; False when it changed nothing (the caller takes
+        the full path), as :meth:`prepare` answers None."""
+        checked = self._checked_in_python(optimizer, group, first_index, precision, view)
+        if checked is None:
+            return False
+        grads = checked[0]
+        relaunch, first = self.relaunches[0]
+        counted = int(self.steps[first])
+        if counted >= 2 ** 53:  # the full path refuses it
+            return False
+        checks, grad_checks, written, places = self.alone
+        return relaunch.run_alone(checks, np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
+                                  grad_checks, first, optimizer._scalars(group, counted + 1, float),
+                                  inv_grad_scale, counted + 1, written, places)
+
+    def _checked_in_python(self, optimizer, group: dict, first_index: int, precision,
+                           view: Optional[StateView]) -> "Optional[tuple]":
+        """The checks of a step made in Python (all but the compiled call's): (the grads of
+        the params with grads, whether torch's check confirmed their forms) when they hold,
+        else None.  Changes nothing but the view the states were last found under."""
+        params = group["params"]
+        if first_index != self.first_index or not same_objects(params, self.params) \
+                or settings(optimizer, group, precision) != self.settings:
+            return None
+        grads = list(map(_GRAD, params))
+        if self.has_grad is not None:
+            if list(map(operator.is_not, grads, repeat(None))) != self.has_grad:
+                return None
+            grads = list(compress(grads, self.has_grad))
+        guarded = False  # (by torch's check; with the shim, the forms are read with the addresses)
+        if self.shim is None:
+            guarded = self.guards is not None and self.guards.check(*self.addressed, *grads) is True
+            if not guarded and not self._forms_hold(grads):
+                return None
+        if view is None or not view.matches(self.found_under):
+            if not same_objects(list(map(optimizer.state.get, self.updated, repeat(_NO_STATE))), self.states):
+                return None
+            self.found_under = view
+        if self.dict_word is None and self._state_dicts_changed():  # (else compared in the compiled call)
+            return None
+        return grads, guarded
 
     def _state_dicts_changed(self) -> bool:
         """Whether a state dict changed: its version, else its keys and values."""

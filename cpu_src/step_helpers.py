@@ -350,3 +350,81 @@ def launch_holds(reader, tensors, expected, counters, steps, grads, grad_address
         return False
     read_addresses(reader, grads, grad_addresses)
     return have_memory(grad_addresses, sized)
+
+
+@intrinsic
+def _release_gil(typingctx):
+    """``PyEval_SaveThread()``: the GIL released (its thread state, for :func:`_take_gil`), as
+    Numba's ``nogil`` wrapper releases it, here inside a function that needed it so far."""
+    def codegen(context, builder, signature, args):
+        save = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.voidptr_t, []),
+                                              "PyEval_SaveThread")
+        return builder.call(save, [])
+    return types.voidptr(), codegen
+
+
+@intrinsic
+def _take_gil(typingctx, state):
+    """``PyEval_RestoreThread(state)``: the GIL taken back."""
+    def codegen(context, builder, signature, args):
+        restore = cgutils.get_or_insert_function(builder.module,
+                                                 ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t]),
+                                                 "PyEval_RestoreThread")
+        builder.call(restore, [args[0]])
+        return context.get_dummy_value()
+    return types.void(types.voidptr), codegen
+
+
+#: :func:`checked_relaunch`'s answers (``UNCOMPILED + unit``: the chunk function of that variant)
+RAN, CHANGED, NOT_FINITE, UNCOMPILED = 0, 1, 2, 3
+
+
+@cached_njit()
+def kernel_scalars(scalars, inv_grad_scale, sign, values):
+    """The kernel's float32 scalars written into ``values``: the algorithm's ``scalars``
+    (float64, unrounded; the last, ``inv_grad_scale``'s place, replaced by ``inv_grad_scale``),
+    then ``sign``, each rounded to float32 once (as ``numpy.float32``); False when one is
+    not finite."""
+    n = len(scalars)
+    for i in range(n - 1):
+        values[i] = np.float32(scalars[i])
+    values[n - 1] = np.float32(inv_grad_scale)
+    values[n] = np.float32(sign)
+    for i in range(n + 1):
+        if not np.isfinite(values[i]):
+            return False
+    return True
+
+
+@cached_njit()
+def checked_relaunch(shim, dicts, dict_word, versions, tensors, starts, forms, counters, steps, grads,
+                     grad_starts, grad_forms, grad_addresses, sized, threads, first, step, scalars,
+                     inv_grad_scale, sign, dampening, values, addresses, serial, table, keys, row_counts,
+                     bounds, grad_column, grad_of_row, row_bytes, seed_words, streams, written, places):
+    """A kept launch's whole step in one compiled call, where it is its optimizer's only
+    kernel call (each call costs tens of µs with the caches cold): :func:`launch_forms_hold`'s
+    checks, with the counter at ``steps[first]`` one below ``step``, the step's scalars
+    (:func:`kernel_scalars`), and, only when all of that holds, :func:`relaunch` with the
+    chunk function at ``addresses[unit]`` -- ``unit``: the grad scale times the sign is 1, and
+    so is ``values[dampening]`` unless ``dampening`` < 0 (``backends/numba.py``'s
+    ``unit_scalars``) -- with the GIL released, as :func:`relaunch`'s ``nogil`` releases it.
+    Answers :data:`RAN`, or why nothing changed: :data:`CHANGED` (a check failed),
+    :data:`NOT_FINITE` (a scalar), ``UNCOMPILED + unit`` (``addresses[unit]`` is 0)."""
+    if steps[first] + 1.0 != step:
+        return CHANGED
+    if not launch_forms_hold(shim, dicts, dict_word, versions, tensors, starts, forms, counters, steps, grads,
+                             grad_starts, grad_forms, grad_addresses, sized, threads):
+        return CHANGED
+    if not kernel_scalars(scalars, inv_grad_scale, sign, values):
+        return NOT_FINITE
+    n = len(scalars)
+    unit = values[n - 1] * values[n] == 1 and (dampening < 0 or values[dampening] == 1)
+    variant = 1 if unit else 0
+    address = addresses[variant]
+    if address == 0:
+        return UNCOMPILED + variant
+    state = _release_gil()
+    relaunch(serial, address, table, values, keys, row_counts, bounds, grad_column, grad_of_row, row_bytes,
+             grad_addresses, seed_words, step, streams, counters, steps, written, places)
+    _take_gil(state)
+    return RAN

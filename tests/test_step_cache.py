@@ -13,6 +13,9 @@ from __future__ import annotations
 import copy
 import ctypes
 import gc
+import sys
+import threading
+import time
 import weakref
 
 import pytest
@@ -22,6 +25,7 @@ from hypothesis import strategies as st
 
 import bf16opt
 from bf16opt import step_cache
+from bf16opt.backends import numba as numba_backend
 from snapshots import assert_unchanged, same_bits, snapshot
 
 pytest.importorskip("numba")
@@ -30,11 +34,21 @@ SHAPES = [(6, 6), (5,), (3, 4), (1,), (7,)]
 
 
 class Spy:
-    """Counts of GroupLaunch.prepare's answers (reused / refused) and of launches built."""
+    """Counts of the kept launches' answers (reused / refused: GroupLaunch.prepare's, and
+    step_alone's, a step of an optimizer whose only group it is) and of launches built."""
 
     def __init__(self, monkeypatch):
         self.reused = self.refused = self.built = 0
-        prepare, build = step_cache.GroupLaunch.prepare, step_cache.build
+        prepare, step_alone = step_cache.GroupLaunch.prepare, step_cache.GroupLaunch.step_alone
+        build = step_cache.build
+        self.alone = 0  # (how many of the reused ran through step_alone)
+
+        def spied_step_alone(launch, *args, **kwargs):
+            ran = step_alone(launch, *args, **kwargs)
+            self.reused += ran
+            self.refused += not ran
+            self.alone += ran
+            return ran
 
         def spied_prepare(launch, *args, **kwargs):
             run = prepare(launch, *args, **kwargs)
@@ -50,6 +64,7 @@ class Spy:
             return launch
 
         monkeypatch.setattr(step_cache.GroupLaunch, "prepare", spied_prepare)
+        monkeypatch.setattr(step_cache.GroupLaunch, "step_alone", spied_step_alone)
         monkeypatch.setattr(step_cache, "build", spied_build)
 
     def counts(self) -> tuple:
@@ -276,6 +291,76 @@ def test_lr_from_a_scheduler_and_a_grad_scale_reuse_the_launch(spy):
         for scheduler in schedulers:
             scheduler.step()
     assert spy.counts() == (3, 0, 1)
+
+
+def test_a_single_group_step_runs_in_one_compiled_call(spy, form_checks):
+    """An optimizer of one group whose kept launch is one kernel call runs its reused steps
+    whole in one compiled call (step_alone) where the checks are compiled (the C shim); with
+    two groups, or the checks made elsewhere, each group's prepare and run; the bits the same."""
+    twins = Twins(precision="bf16-sr")
+    for _ in range(5):
+        twins.grads_and_step()
+    compiled = form_checks == "compiled checks" and step_cache.version_places() is not None
+    assert spy.counts() == (3, 0, 1) and spy.alone == (3 if compiled else 0)
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    opt = bf16opt.AdamW([{"params": params[:1]}, {"params": params[1:]}], precision="bf16", backend="numba")
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn(4)
+        opt.step()
+    assert spy.counts() == (3 + 4, 0, 1 + 2) and spy.alone == (3 if compiled else 0)
+
+
+def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_checks, monkeypatch):
+    """The one compiled call of a single group's reused step (step_alone) holds the GIL for its
+    checks and releases it for its kernel, as the kernel calls of the full path do: another
+    Python thread runs meanwhile -- on the serial driver (a fork child's) too, where no parallel
+    region releases it.  Held, it would leave that thread a gap of the kernel's length."""
+    if form_checks != "compiled checks" or step_cache.version_places() is None:
+        pytest.skip("the one-call step needs the C shim's getters and version counters' places")
+    monkeypatch.setattr(numba_backend, "_FORKED", True)
+    param = torch.nn.Parameter(torch.zeros(1 << 25, dtype=torch.bfloat16))
+    opt = bf16opt.SGD([param], lr=1e-3, momentum=0.9, precision="bf16", backend="numba")
+    param.grad = torch.ones_like(param)
+    for _ in range(3):  # state made, launch built, reused once
+        opt.step()
+    assert spy.alone == 1
+    ticks, done = [], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # (Python code hands the GIL over within 0.1 ms when asked)
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        durations = []
+        for _ in range(4):
+            start = time.perf_counter()
+            opt.step()
+            durations.append(time.perf_counter() - start)
+    finally:
+        done.set()
+        ticker.join()
+        sys.setswitchinterval(interval)
+    longest_gap = max(later - earlier for earlier, later in zip(ticks, ticks[1:]))
+    assert spy.alone == 5 and longest_gap < min(durations) / 2, (longest_gap, durations)
+
+
+def test_the_other_chunk_function_variant_is_compiled_for_a_reused_launch(spy):
+    """SGD without dampening and with grad scale 1 runs the chunk function for unit scalars; a
+    dampening set later (no new launch: it chooses no configuration) needs the other variant,
+    which the reused launch compiles or loads then, the bits as the reference's."""
+    twins = Twins(bf16opt.SGD, momentum=0.9, precision="bf16")
+    warm(twins, spy)
+    twins.each(lambda opt, params: opt.param_groups[0].__setitem__("dampening", 0.5))
+    for _ in range(2):
+        twins.grads_and_step()
+    twins.each(lambda opt, params: opt.param_groups[0].__setitem__("dampening", 0.0))
+    twins.grads_and_step()
+    assert spy.counts() == (4, 0, 1)
 
 
 def test_an_lr_schedule_rechecks_lr_alone_and_still_refuses_a_bad_lr(spy, monkeypatch):

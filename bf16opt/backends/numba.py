@@ -271,6 +271,7 @@ class Relaunch:
         config = self.config = bucket.config
         chunks = _chunks()
         self.addresses = {}  # unit_scalars -> the chunk function's address (one of two variants)
+        self.unit_addresses = np.zeros(2, dtype=np.int64)  # the same, by int(unit); 0: not compiled yet
         self.table, self.bounds = table.copy(), bounds
         # row r reads the grad at grad_addresses[grad_of_row[r]] (run's argument), from element start
         self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
@@ -282,6 +283,10 @@ class Relaunch:
         self.key_streams = np.array(bucket.streams() if config.stochastic else [], dtype=np.int64)
         self.step_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
+        # run_alone's: the kernel's float32 scalars (written in its compiled call), and where
+        # unit_scalars reads SGD's dampening among them (-1: not SGD)
+        self.kernel_values = np.zeros(len(config.algorithm.scalars._fields) + 1, dtype=np.float32)
+        self.dampening = _ONE_MINUS_DAMPENING if config.algorithm is SGD else -1
 
     def arguments(self, scalars, inv_grad_scale: float, step: int) -> "tuple | None":
         """A step's phase one: the chunk function's address for these scalars (compiled or
@@ -293,11 +298,15 @@ class Relaunch:
         rounded = values.tolist()  # (Python floats: numpy's ufuncs cost tens of µs with cold caches)
         if not all(map(math.isfinite, rounded)):
             return None
-        unit = unit_scalars(self.config, rounded)
+        return self.address(unit_scalars(self.config, rounded)), values, step
+
+    def address(self, unit: bool) -> int:
+        """The address of the chunk function of the variant ``unit`` (compiled or loaded now)."""
         address = self.addresses.get(unit)
         if address is None:
             address = self.addresses[unit] = chunk_function(self.config, unit).address
-        return address, values, step
+            self.unit_addresses[int(unit)] = address
+        return address
 
     def run(self, grad_addresses: np.ndarray, address: int, values: np.ndarray, step: int,
             counters: np.ndarray = _NO_COUNTERS, steps: np.ndarray = _NO_STEPS,
@@ -315,6 +324,33 @@ class Relaunch:
             helpers().relaunch(_FORKED, address, self.table, values, self.step_keys, self.row_counts, self.bounds,
                                _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
                                self.seed_words, step, self.key_streams, counters, steps, written, places)
+
+
+    def run_alone(self, checks: tuple, grad_ids: np.ndarray, grad_checks: tuple, first: int, scalars,
+                  inv_grad_scale: float, step: int, written: np.ndarray, places: np.ndarray) -> bool:
+        """A step whose only kernel call this is, checks, scalars and all, in one compiled call
+        (``step_helpers.checked_relaunch``; one call less with cold caches than
+        :meth:`arguments` and :meth:`run` after the step cache's own): True when it ran;
+        False when it changed nothing, for a check that failed or a scalar that is not a
+        finite float32 (the full path then decides and names it).  ``checks``: the step cache's
+        kept arguments of ``step_helpers.launch_forms_hold`` before the grads' ids, ending
+        with the step counters' addresses and their kept copy; ``grad_checks``: those after
+        them; ``first``: the counter of this call's first param among them; ``scalars``,
+        ``inv_grad_scale`` and ``step`` as :meth:`arguments` takes them; ``written`` and
+        ``places`` as :meth:`run`'s.  A chunk function not compiled yet is compiled (or
+        loaded) and the call made again."""
+        compiled = helpers()
+        for _ in range(2):
+            with _KERNEL_LOCK:
+                answer = compiled.checked_relaunch(
+                    *checks, grad_ids, *grad_checks, first, step, tuple(scalars), inv_grad_scale, self.sign,
+                    self.dampening, self.kernel_values, self.unit_addresses, _FORKED, self.table,
+                    self.step_keys, self.row_counts, self.bounds, _GRAD_COLUMN, self.grad_of_row,
+                    self.grad_row_bytes, self.seed_words, self.key_streams, written, places)
+            if answer < compiled.UNCOMPILED:
+                return answer == compiled.RAN
+            self.address(bool(answer - compiled.UNCOMPILED))
+        raise AssertionError("checked_relaunch: a chunk function's address stayed unknown")
 
 
 def relaunch(bucket: Bucket, grad_positions: list) -> "Relaunch | None":
