@@ -472,6 +472,25 @@ def test_block_prefetches_come_before_its_loads():
     assert not any("zmm" in line for line in lines[loop:prefetches[-1]]), lines[loop:prefetches[-1] + 1]
 
 
+@needs_avx512
+def test_native_rounding_converts_alone_unless_a_lane_is_nan_or_subnormal():
+    """In the machine code of a block with ``NATIVE16``, each bfloat16 vector stored is
+    classified once (``vfpclassps``: NaN or subnormal) and converted on two paths: by the
+    conversion alone, nearly always, and with the canonical NaN and the subnormal correction
+    (the bits of both: the rounding tests above).  A bfloat16 param with a float32 master."""
+    if not vector_blocks.native_bf16():
+        pytest.skip("needs a CPU with AVX512-BF16 (the blocks' native rounding)")
+    form = vector_blocks.COPY | vector_blocks.PARAM16 | vector_blocks.GRAD16 | vector_blocks.UNIT \
+        | vector_blocks.NATIVE16
+    run = _adam_master_blocks(form)
+    param = np.zeros(2 * vector_blocks.ADAM_BLOCK, dtype=np.int16)
+    zeros = np.zeros(param.size, dtype=np.float32)
+    run(param, np.zeros_like(param), zeros.copy(), zeros.copy(), zeros.copy(), _STILL_ADAM)
+    code = next(iter(run.inspect_asm().values()))
+    vectors = vector_blocks.ADAM_BLOCK // vector_blocks.LANES
+    assert code.count("vfpclassps") == vectors and code.count("vcvtneps2bf16") == 2 * vectors
+
+
 # ---------------------------------------------------------------- property tests
 shape_strategy = st.one_of(
     st.sampled_from([(), (1,), (7,), (22,), (64,), (0,)]),
