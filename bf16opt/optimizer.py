@@ -559,11 +559,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if len(kept) != len(groups) or "_offloader_instance" in self.__dict__:
             return []
         view = step_cache.StateView(self.state)
-        alone = kept.get(0) if len(groups) == 1 else None
-        if alone is not None and alone.alone is not None:  # the whole step in one compiled call
+        only = kept.get(0) if len(groups) == 1 else None  # (the only group's kept launch)
+        if only is not None and only.alone is not None:  # the whole step in one compiled call
             group = groups[0]
             precision = self._group_precision(0, group)
-            if not alone.step_alone(self, group, 0, precision, inv_grad_scale, view):
+            if not only.step_alone(self, group, 0, precision, inv_grad_scale, view):
                 return [None]  # (the full path, which asks this launch no more)
             group["precision"] = precision
             return None

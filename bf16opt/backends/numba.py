@@ -325,7 +325,6 @@ class Relaunch:
                                _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
                                self.seed_words, step, self.key_streams, counters, steps, written, places)
 
-
     def run_alone(self, checks: tuple, grad_ids: np.ndarray, grad_checks: tuple, first: int, scalars,
                   inv_grad_scale: float, step: int, written: np.ndarray, places: np.ndarray) -> bool:
         """A step whose only kernel call this is, checks, scalars and all, in one compiled call
