@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import pathlib
 import platform
@@ -289,8 +290,9 @@ def test_offload_benchmark_prints_its_tables():
 
 def test_step_overhead_benchmark_prints_its_table():
     """benchmarks/step_overhead.py runs and measures every row (figures mean nothing here),
-    with the floor of each (ProtocolStep's Python CPU) and bf16opt's excess over it; with --cold: the Python before and after each step's kernel call, for SGD and AdamW, and
-    the floor (the same call inside cpu_step.ProtocolStep)."""
+    with the floor of each (ProtocolStep's Python CPU) and bf16opt's excess over it; with --cold:
+    the Python before and after each step's kernel call, for SGD and AdamW, the floor (the same
+    call inside cpu_step.ProtocolStep), and the whole step's excess over the floor's step."""
     result = subprocess.run([sys.executable, str(BENCHMARKS / "step_overhead.py"), "--repeats", "1", "--steps", "1",
                              "--cold", "--cold-log2-params", "12", "--multi-tensor-repeats", "2"],
                             capture_output=True, text=True, timeout=600)
@@ -309,6 +311,7 @@ def test_step_overhead_benchmark_prints_its_table():
         assert row[10].endswith("%")
         floor, excess = map(float, row[11:13])  # the same kernel call inside ProtocolStep, and the difference
         assert floor > 0 and excess == pytest.approx(python - floor, abs=2e-3)
+        assert len(row) == 14 and math.isfinite(float(row[13]))  # the whole step's excess over the floor's step
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None or platform.machine() != "x86_64",
