@@ -311,7 +311,7 @@ def test_step_overhead_benchmark_prints_its_table():
         assert row[10].endswith("%")
         floor, excess = map(float, row[11:13])  # the same kernel call inside ProtocolStep, and the difference
         assert floor > 0 and excess == pytest.approx(python - floor, abs=2e-3)
-        assert len(row) == 14 and math.isfinite(float(row[13]))  # the whole step's excess over the floor's step
+        assert len(row) == 14 and math.isfinite(float(row[13]))  # the step's excess over the floor's step
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None or platform.machine() != "x86_64",
