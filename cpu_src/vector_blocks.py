@@ -119,8 +119,11 @@ def prefetch_ahead(j, n, block):
 
 
 def native_bf16() -> bool:
-    """Whether Numba's target CPU converts float32 to bfloat16 itself (AVX512-BF16)."""
-    return "+avx512bf16" in _target_features()
+    """Whether Numba's target CPU converts float32 to bfloat16 itself (AVX512-BF16), and
+    classifies floats (AVX512DQ's ``vfpclassps``: :meth:`_Block.encode_bf16_native`; every CPU
+    with the first has the second so far)."""
+    features = _target_features()
+    return "+avx512bf16" in features and "+avx512dq" in features
 
 
 def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple, moments: str,

@@ -420,6 +420,18 @@ def test_blocks_prefetch_by_target_cpu(monkeypatch, cpu, on):
         assert vector_blocks.prefetching() is forced
 
 
+@pytest.mark.parametrize("features, native", [("+avx512f,+avx512dq,+avx512bf16", True),
+                                               ("+avx512f,-avx512dq,+avx512bf16", False),
+                                               ("+avx512f,+avx512dq,-avx512bf16", False)])
+def test_native_rounding_needs_the_conversion_and_the_classification(monkeypatch, features, native):
+    """The blocks round bfloat16 through the CPU's conversion only where the target has it
+    (AVX512-BF16) and the classification its fast path runs first (AVX512DQ's vfpclassps)."""
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_FEATURES", features)
+    assert vector_blocks.native_bf16() is native
+
+
 @given(st.integers(0, 1 << 16), st.sampled_from([vector_blocks.ADAM_BLOCK, vector_blocks.SGD_BLOCK]))
 @settings(max_examples=200)
 def test_prefetches_stop_short_of_a_short_rows_end(n, block):
