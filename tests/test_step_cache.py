@@ -315,8 +315,10 @@ def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_ch
     """The one compiled call of a single group's reused step (step_alone) holds the GIL for its
     checks and releases it for its kernel, as the kernel calls of the full path do: another
     Python thread runs meanwhile -- on the serial driver (a fork child's) too, where no parallel
-    region releases it.  Held, it would leave that thread a gap of the kernel's length.  (With
-    the checks made elsewhere, the step's kernel call releases it likewise.)"""
+    region releases it.  Held, that thread would run only in the step's Python, a few percent of
+    its time; measured against the thread's pace alone, in the best of four steps (a VM may stop
+    a thread for milliseconds).  (With the checks made elsewhere, the step's kernel call releases
+    it likewise.)"""
     monkeypatch.setattr(numba_backend, "_FORKED", True)
     param = torch.nn.Parameter(torch.zeros(1 << 25, dtype=torch.bfloat16))
     opt = bf16opt.SGD([param], lr=1e-3, momentum=0.9, precision="bf16", backend="numba")
@@ -331,22 +333,28 @@ def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_ch
         while not done.is_set():
             ticks.append(time.perf_counter())
 
+    def ticks_within(start: float, end: float) -> int:
+        return sum(start <= t <= end for t in ticks)
+
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)  # (Python code hands the GIL over within 0.1 ms when asked)
     ticker = threading.Thread(target=tick)
     ticker.start()
     try:
-        durations = []
+        start = time.perf_counter()
+        time.sleep(0.05)  # the thread's pace alone
+        pace = ticks_within(start, time.perf_counter()) / (time.perf_counter() - start)
+        windows = []
         for _ in range(4):
             start = time.perf_counter()
             opt.step()
-            durations.append(time.perf_counter() - start)
+            windows.append((start, time.perf_counter()))
     finally:
         done.set()
         ticker.join()
         sys.setswitchinterval(interval)
-    longest_gap = max(later - earlier for earlier, later in zip(ticks, ticks[1:]))
-    assert spy.alone == 5 * alone and longest_gap < min(durations) / 2, (longest_gap, durations)
+    shares = [ticks_within(start, end) / (pace * (end - start)) for start, end in windows]
+    assert spy.alone == 5 * alone and max(shares) > 0.5, shares
 
 
 def test_the_other_chunk_function_variant_is_compiled_for_a_reused_launch(spy):
