@@ -343,7 +343,8 @@ def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_ch
     try:
         start = time.perf_counter()
         time.sleep(0.05)  # the thread's pace alone
-        pace = ticks_within(start, time.perf_counter()) / (time.perf_counter() - start)
+        end = time.perf_counter()
+        pace = ticks_within(start, end) / (end - start)
         windows = []
         for _ in range(4):
             start = time.perf_counter()
