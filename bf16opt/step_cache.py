@@ -580,12 +580,11 @@ class GroupLaunch:
             return None
         calls = []
         for relaunch, first in self.relaunches:
-            counted = int(self.steps[first])
-            if counted >= 2 ** 53:  # the full path refuses it
+            step = self._next_step(first)
+            if step is None:
                 return None
             # unrounded: the kernel's array rounds each to float32 once, as a full step does
-            arguments = relaunch.arguments(optimizer._scalars(group, counted + 1, float), inv_grad_scale,
-                                           counted + 1)
+            arguments = relaunch.arguments(optimizer._scalars(group, step, float), inv_grad_scale, step)
             if arguments is None:  # a scalar is not a finite float32: the full path names it
                 return None
             calls.append((relaunch, arguments))
@@ -613,13 +612,19 @@ class GroupLaunch:
             return False
         grads = checked[0]
         relaunch, first = self.relaunches[0]
-        counted = int(self.steps[first])
-        if counted >= 2 ** 53:  # the full path refuses it
+        step = self._next_step(first)
+        if step is None:
             return False
         checks, grad_checks, written, places = self.alone
         return relaunch.run_alone(checks, np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
-                                  grad_checks, first, optimizer._scalars(group, counted + 1, float),
-                                  inv_grad_scale, counted + 1, written, places)
+                                  grad_checks, first, optimizer._scalars(group, step, float),
+                                  inv_grad_scale, step, written, places)
+
+    def _next_step(self, first: int) -> Optional[int]:
+        """The step number the kernel call whose first param's counter is ``steps[first]`` runs
+        now, or None where the full path refuses it (a count of 2**53)."""
+        counted = int(self.steps[first])
+        return None if counted >= 2 ** 53 else counted + 1
 
     def _checked_in_python(self, optimizer, group: dict, first_index: int, precision,
                            view: Optional[StateView]) -> "Optional[tuple]":

@@ -181,12 +181,13 @@ class _Block:
 
     def prefetch(self, param_at, grad_at, companion_at, moments_at: list, ahead) -> None:
         """Ask for each array's lines ``ahead`` bytes on (:func:`prefetch_ahead`), as many as the
-        block spans (``prefetcht0``, a cache line each), before the block's first load.  Why: LLVM schedules each load next to its
-        arithmetic, behind the divisions of the vectors before it, and the hardware prefetchers
-        alone kept fewer lines in flight (the exact C loop GCC schedules with its loads first ran
-        3-7% ahead of the blocks).  A compiler-only fence keeps the prefetches first: without it
-        LLVM sank them among the arithmetic, where they gained nothing.  A prefetch past an
-        array's end is dropped by the CPU, never a fault."""
+        block spans (``prefetcht0``, a cache line each), before the block's first load.  Why:
+        LLVM schedules each load next to its arithmetic, behind the divisions of the vectors
+        before it, and the hardware prefetchers alone kept fewer lines in flight (the exact C
+        loop GCC schedules with its loads first ran 3-7% ahead of the blocks).  A compiler-only
+        fence keeps the prefetches first: without it LLVM sank them among the arithmetic, where
+        they gained nothing.  A prefetch past an array's end is dropped by the CPU, never a
+        fault."""
         companion = 4 if self.copy or (self.kahan and not self.companion16) else \
             2 if self.remainder or self.kahan else 0  # (bytes per element; 0: none)
         arrays = [(param_at, 2 if self.param16 else 4), (grad_at, 2 if self.grad16 else 4)] \

@@ -271,7 +271,9 @@ class Relaunch:
         config = self.config = bucket.config
         chunks = _chunks()
         self.addresses = {}  # unit_scalars -> the chunk function's address (one of two variants)
-        self.unit_addresses = np.zeros(2, dtype=np.int64)  # the same, by int(unit); 0: not compiled yet
+        # the same for run_alone's compiled call, by int(unit); 0: not compiled yet (the dict
+        # serves Python's lookups: a numpy index costs more with the caches cold)
+        self.unit_addresses = np.zeros(2, dtype=np.int64)
         self.table, self.bounds = table.copy(), bounds
         # row r reads the grad at grad_addresses[grad_of_row[r]] (run's argument), from element start
         self.grad_of_row = np.asarray(grad_positions, dtype=np.int64)[table[:, -1]]
