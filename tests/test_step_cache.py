@@ -316,9 +316,10 @@ def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_ch
     checks and releases it for its kernel, as the kernel calls of the full path do: another
     Python thread runs meanwhile -- on the serial driver (a fork child's) too, where no parallel
     region releases it.  Held, that thread would run only in the step's Python, a few percent of
-    its time; measured against the thread's pace alone, in the best of four steps (a VM may stop
-    a thread for milliseconds).  (With the checks made elsewhere, the step's kernel call releases
-    it likewise.)"""
+    its time (0.09 of its pace alone, measured); released, 1.1-2.3 alone, 0.47-0.49 in the full
+    suite, whose earlier kernels leave Numba's threads busy beside it: a quarter, in the best of
+    four steps (a VM may stop a thread for milliseconds).  (With the checks made elsewhere, the
+    step's kernel call releases it likewise.)"""
     monkeypatch.setattr(numba_backend, "_FORKED", True)
     param = torch.nn.Parameter(torch.zeros(1 << 25, dtype=torch.bfloat16))
     opt = bf16opt.SGD([param], lr=1e-3, momentum=0.9, precision="bf16", backend="numba")
@@ -355,7 +356,7 @@ def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_ch
         ticker.join()
         sys.setswitchinterval(interval)
     shares = [ticks_within(start, end) / (pace * (end - start)) for start, end in windows]
-    assert spy.alone == 5 * alone and max(shares) > 0.5, shares
+    assert spy.alone == 5 * alone and max(shares) > 0.25, shares
 
 
 def test_the_other_chunk_function_variant_is_compiled_for_a_reused_launch(spy):
