@@ -76,7 +76,10 @@ in one compiled call (:meth:`GroupLaunch.step_alone`, ``step_helpers.checked_rel
 the checks above, then the scalars rounded to float32 and checked finite, then -- only when
 all hold, else changing nothing -- the counters, versions and kernel, the GIL released for
 the kernel as in the other kernel calls.  One compiled call less with cold caches: 15-58 µs
-off a step over one 2^25 param, 8-13 µs off steps of 0.1-0.3 ms (model-167 Xeon).
+off a step over one 2^25 param, 8-13 µs off steps of 0.1-0.3 ms (model-167 Xeon).  Its ~25
+arrays go as one record of their addresses (``step_helpers.launch_record``, made once per
+launch), as Numba's dispatch unboxes each array argument: 49 -> 24 µs a call with the caches
+cold, 15-28 µs off those steps again (paired medians).
 
 Qualifies: a group updated by the numba backend (not offloaded; float64 params go to the
 reference backend), of plain real tensors (no DTensor, no complex), without precision
@@ -556,14 +559,18 @@ class GroupLaunch:
         places = version_places() if self.shim is not None else None
         self.compiled_bump = () if places is None else \
             (np.fromiter(map(id, self.written), dtype=np.int64, count=len(self.written)), places)
-        # step_alone's arguments where it can run: one kernel call, every check and bump compiled
-        # (the grads' addresses read into a kept array: the call uses them and returns)
-        self.alone = None if len(relaunches) != 1 or not self.compiled_bump else (
-            (self.shim, self.dicts, self.dict_word or 0, self.expected_versions, self.ids, self.form_starts,
-             self.forms_read, self.counter_addresses, self.steps),
-            (self.grad_form_starts, self.grad_forms_read, np.empty(len(grads), dtype=np.int64),
-             self.sized_grads, self.threads),
-            *self.compiled_bump)
+        # step_alone's record where it can run (one kernel call, every check and bump compiled):
+        # the addresses of the arrays above and the relaunch's, and an array the grads'
+        # addresses are read into (the call uses them and returns)
+        self.grad_addresses_read = np.empty(len(grads), dtype=np.int64)
+        alone = len(relaunches) == 1 and bool(self.compiled_bump)
+        self.alone = None if not alone else relaunches[0][0].alone_record(
+            shim=self.shim, dicts=self.dicts, versions=self.expected_versions, tensors=self.ids,
+            starts=self.form_starts, forms=self.forms_read, counters=self.counter_addresses, steps=self.steps,
+            grad_starts=self.grad_form_starts, grad_forms=self.grad_forms_read,
+            grad_addresses=self.grad_addresses_read, sized=self.sized_grads, written=self.compiled_bump[0],
+            places=self.compiled_bump[1], dict_word=self.dict_word or 0, threads=self.threads,
+            first=relaunches[0][1])
 
     def prepare(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
                 view: Optional[StateView] = None) -> Optional[Callable[[], None]]:
@@ -615,10 +622,8 @@ class GroupLaunch:
         step = self._next_step(first)
         if step is None:
             return False
-        checks, grad_checks, written, places = self.alone
-        return relaunch.run_alone(checks, np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
-                                  grad_checks, first, optimizer._scalars(group, step, float),
-                                  inv_grad_scale, step, written, places)
+        return relaunch.run_alone(self.alone, np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
+                                  optimizer._scalars(group, step, float), inv_grad_scale, step)
 
     def _next_step(self, first: int) -> Optional[int]:
         """The step number the kernel call whose first param's counter is ``steps[first]`` runs

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import carray, literal_unroll, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -375,6 +375,86 @@ def _take_gil(typingctx, state):
     return types.void(types.voidptr), codegen
 
 
+# ---------------------------------------------------------------- a kept launch's record
+#: the arrays :func:`checked_relaunch` reads, in the order of its record (name, dtype, dimensions):
+#: one array argument where they were ~25, as Numba's dispatch unboxes each array argument
+#: (~1 µs each with the caches cold after a kernel's stream)
+RECORD_ARRAYS = (
+    ("shim", np.int64, 1), ("dicts", np.int64, 1), ("versions", np.uint64, 1), ("tensors", np.int64, 1),
+    ("starts", np.int64, 1), ("forms", np.int64, 1), ("counters", np.int64, 1), ("steps", np.float64, 1),
+    ("grad_starts", np.int64, 1), ("grad_forms", np.int64, 1), ("grad_addresses", np.int64, 1),
+    ("sized", np.bool_, 1), ("values", np.float32, 1), ("addresses", np.int64, 1), ("table", np.int64, 2),
+    ("keys", np.uint32, 2), ("row_counts", np.int64, 2), ("grad_of_row", np.int64, 1),
+    ("row_bytes", np.int64, 1), ("seed_words", np.uint64, 1), ("streams", np.int64, 1),
+    ("written", np.int64, 1), ("places", np.int64, 1))
+#: the integers after them
+RECORD_INTEGERS = ("dict_word", "threads", "first", "dampening", "grad_column")
+_INTEGERS_AT = 3 * len(RECORD_ARRAYS)
+
+
+def launch_record(**given) -> np.ndarray:
+    """The record :func:`checked_relaunch` takes: for each array of :data:`RECORD_ARRAYS` in
+    order, its data address and its two dimensions (a vector's second 0), then the integers of
+    :data:`RECORD_INTEGERS`.  It holds addresses: the caller keeps the arrays alive and never
+    replaces them (they are written in place).  Raises TypeError on an array of another dtype,
+    dimension count or layout, or a name missing or unknown (a caller's mistake)."""
+    names = [name for name, _, _ in RECORD_ARRAYS] + list(RECORD_INTEGERS)
+    if sorted(given) != sorted(names):
+        raise TypeError(f"launch_record needs exactly {names}, got {sorted(given)}")
+    words = []
+    for name, dtype, dims in RECORD_ARRAYS:
+        array = given[name]
+        if not isinstance(array, np.ndarray) or array.dtype != dtype or array.ndim != dims \
+                or not array.flags.c_contiguous or not array.flags.writeable:
+            raise TypeError(f"launch_record: {name} must be a writable C-contiguous {dims}-d "
+                            f"{np.dtype(dtype)} array")
+        words += [array.ctypes.data, array.shape[0], array.shape[1] if dims == 2 else 0]
+    words += [int(given[name]) for name in RECORD_INTEGERS]
+    return np.array(words, dtype=np.int64)
+
+
+@njit(inline="always")
+def _vector(record, slot, element):
+    """Array ``slot`` of a record (a vector of ``element``s)."""
+    return carray(pointer_to(record[3 * slot], element), (record[3 * slot + 1],))
+
+
+@njit(inline="always")
+def _matrix(record, slot, element):
+    """Array ``slot`` of a record (a matrix of ``element``s)."""
+    return carray(pointer_to(record[3 * slot], element), (record[3 * slot + 1], record[3 * slot + 2]))
+
+
+@njit(inline="always")
+def record_arrays(record):
+    """A record's arrays, in :data:`RECORD_ARRAYS`' order."""
+    return (_vector(record, 0, np.int64), _vector(record, 1, np.int64), _vector(record, 2, np.uint64),
+            _vector(record, 3, np.int64), _vector(record, 4, np.int64), _vector(record, 5, np.int64),
+            _vector(record, 6, np.int64), _vector(record, 7, np.float64), _vector(record, 8, np.int64),
+            _vector(record, 9, np.int64), _vector(record, 10, np.int64), _vector(record, 11, np.bool_),
+            _vector(record, 12, np.float32), _vector(record, 13, np.int64), _matrix(record, 14, np.int64),
+            _matrix(record, 15, np.uint32), _matrix(record, 16, np.int64), _vector(record, 17, np.int64),
+            _vector(record, 18, np.int64), _vector(record, 19, np.uint64), _vector(record, 20, np.int64),
+            _vector(record, 21, np.int64), _vector(record, 22, np.int64))
+
+
+@cached_njit()
+def record_layout(record):
+    """(data address, size, item size, first element) of each of a record's arrays as
+    :func:`record_arrays` reads them, then its integers, as float64s: for the test that packing
+    and reading agree."""
+    arrays = record_arrays(record)
+    out = np.zeros(4 * len(arrays) + len(RECORD_INTEGERS))
+    k = 0
+    for array in literal_unroll(arrays):
+        out[k], out[k + 1], out[k + 2] = array.ctypes.data, array.size, array.itemsize
+        out[k + 3] = array.ravel()[0]
+        k += 4
+    for i in range(len(RECORD_INTEGERS)):
+        out[k + i] = record[_INTEGERS_AT + i]
+    return out
+
+
 #: :func:`checked_relaunch`'s answers (``UNCOMPILED + unit``: the chunk function of that variant)
 RAN, CHANGED, NOT_FINITE, UNCOMPILED = 0, 1, 2, 3
 
@@ -397,10 +477,7 @@ def kernel_scalars(scalars, inv_grad_scale, sign, values):
 
 
 @cached_njit()
-def checked_relaunch(shim, dicts, dict_word, versions, tensors, starts, forms, counters, steps, grads,
-                     grad_starts, grad_forms, grad_addresses, sized, threads, first, step, scalars,
-                     inv_grad_scale, sign, dampening, values, addresses, serial, table, keys, row_counts,
-                     bounds, grad_column, grad_of_row, row_bytes, seed_words, streams, written, places):
+def checked_relaunch(record, grads, step, scalars, inv_grad_scale, sign, serial, bounds):
     """A kept launch's whole step in one compiled call, where it is its optimizer's only
     kernel call (each call costs tens of µs with the caches cold): :func:`launch_forms_hold`'s
     checks, with the counter at ``steps[first]`` one below ``step``, the step's scalars
@@ -408,8 +485,15 @@ def checked_relaunch(shim, dicts, dict_word, versions, tensors, starts, forms, c
     chunk function at ``addresses[unit]`` -- ``unit``: the grad scale times the sign is 1, and
     so is ``values[dampening]`` unless ``dampening`` < 0 (``backends/numba.py``'s
     ``unit_scalars``) -- with the GIL released, as :func:`relaunch`'s ``nogil`` releases it.
-    Answers :data:`RAN`, or why nothing changed: :data:`CHANGED` (a check failed),
-    :data:`NOT_FINITE` (a scalar), ``UNCOMPILED + unit`` (``addresses[unit]`` is 0)."""
+    ``record``: :func:`launch_record`'s, of the launch's arrays and integers; ``grads``: the
+    step's grads' ids; ``bounds``: the chunk driver's thread ranges; ``serial``: run them on
+    this thread.  Answers :data:`RAN`, or why nothing changed: :data:`CHANGED` (a check
+    failed), :data:`NOT_FINITE` (a scalar), ``UNCOMPILED + unit`` (``addresses[unit]`` is 0)."""
+    (shim, dicts, versions, tensors, starts, forms, counters, steps, grad_starts, grad_forms, grad_addresses,
+     sized, values, addresses, table, keys, row_counts, grad_of_row, row_bytes, seed_words, streams, written,
+     places) = record_arrays(record)
+    dict_word, threads, first = record[_INTEGERS_AT], record[_INTEGERS_AT + 1], record[_INTEGERS_AT + 2]
+    dampening, grad_column = record[_INTEGERS_AT + 3], record[_INTEGERS_AT + 4]
     if steps[first] + 1.0 != step:
         return CHANGED
     if not launch_forms_hold(shim, dicts, dict_word, versions, tensors, starts, forms, counters, steps, grads,

@@ -311,6 +311,36 @@ def test_a_single_group_step_runs_in_one_compiled_call(spy, form_checks):
     assert spy.counts() == (3 + 4, 0, 1 + 2) and spy.alone == (3 if compiled else 0)
 
 
+def test_the_one_calls_record_reads_back_each_array_and_integer():
+    """checked_relaunch's record (step_helpers.launch_record), read in compiled code
+    (record_layout): each array at its own data address with its size, item size and first
+    element (a float read as an integer would differ), in RECORD_ARRAYS' order, then the
+    integers; an array of another dtype, dimension count or layout, a read-only one, or a name
+    missing is refused."""
+    import numpy as np  # noqa: PLC0415
+
+    helpers = numba_backend.helpers()
+    arrays = {name: np.full((k + 2, 3) if dims == 2 else k + 1, True if dtype == np.bool_ else k + 1.5,
+                            dtype=dtype)
+              for k, (name, dtype, dims) in enumerate(helpers.RECORD_ARRAYS)}
+    integers = {name: 100 + k for k, name in enumerate(helpers.RECORD_INTEGERS)}
+    layout = helpers.record_layout(helpers.launch_record(**arrays, **integers)).tolist()
+    expected = [word for array in arrays.values()
+                for word in (array.ctypes.data, array.size, array.itemsize, float(array.flat[0]))]
+    assert layout == expected + list(integers.values())
+    wrong = [("shim", np.zeros(3, dtype=np.int32)), ("table", np.zeros(6, dtype=np.int64)),
+             ("forms", np.zeros(6, dtype=np.int64)[::2]), ("steps", np.zeros(2).reshape(1, 2))]
+    for name, array in wrong:
+        with pytest.raises(TypeError, match=name):
+            helpers.launch_record(**{**arrays, name: array}, **integers)
+    frozen = np.zeros(3, dtype=np.int64)
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="tensors"):
+        helpers.launch_record(**{**arrays, "tensors": frozen}, **integers)
+    with pytest.raises(TypeError, match="first"):
+        helpers.launch_record(**arrays, **{k: v for k, v in integers.items() if k != "first"})
+
+
 def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_checks, monkeypatch):
     """The one compiled call of a single group's reused step (step_alone) holds the GIL for its
     checks and releases it for its kernel, as the kernel calls of the full path do: another

@@ -327,27 +327,31 @@ class Relaunch:
                                _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
                                self.seed_words, step, self.key_streams, counters, steps, written, places)
 
-    def run_alone(self, checks: tuple, grad_ids: np.ndarray, grad_checks: tuple, first: int, scalars,
-                  inv_grad_scale: float, step: int, written: np.ndarray, places: np.ndarray) -> bool:
+    def alone_record(self, **checks) -> np.ndarray:
+        """The record ``step_helpers.checked_relaunch`` takes (``step_helpers.launch_record``):
+        this launch's arrays and integers with the step cache's ``checks``, the others of
+        ``step_helpers.RECORD_ARRAYS`` and ``RECORD_INTEGERS``.  The caller keeps those alive."""
+        return helpers().launch_record(
+            values=self.kernel_values, addresses=self.unit_addresses, table=self.table, keys=self.step_keys,
+            row_counts=self.row_counts, grad_of_row=self.grad_of_row, row_bytes=self.grad_row_bytes,
+            seed_words=self.seed_words, streams=self.key_streams, dampening=self.dampening,
+            grad_column=_GRAD_COLUMN, **checks)
+
+    def run_alone(self, record: np.ndarray, grad_ids: np.ndarray, scalars, inv_grad_scale: float,
+                  step: int) -> bool:
         """A step whose only kernel call this is, checks, scalars and all, in one compiled call
         (``step_helpers.checked_relaunch``; one call less with cold caches than
         :meth:`arguments` and :meth:`run` after the step cache's own): True when it ran;
         False when it changed nothing, for a check that failed or a scalar that is not a
-        finite float32 (the full path then decides and names it).  ``checks``: the step cache's
-        kept arguments of ``step_helpers.launch_forms_hold`` before the grads' ids, ending
-        with the step counters' addresses and their kept copy; ``grad_checks``: those after
-        them; ``first``: the counter of this call's first param among them; ``scalars``,
-        ``inv_grad_scale`` and ``step`` as :meth:`arguments` takes them; ``written`` and
-        ``places`` as :meth:`run`'s.  A chunk function not compiled yet is compiled (or
-        loaded) and the call made again."""
+        finite float32 (the full path then decides and names it).  ``record``:
+        :meth:`alone_record`'s; ``grad_ids``: the ids of the step's grads; ``scalars``,
+        ``inv_grad_scale`` and ``step`` as :meth:`arguments` takes them.  A chunk function
+        not compiled yet is compiled (or loaded) and the call made again."""
         compiled = helpers()
         for _ in range(2):
             with _KERNEL_LOCK:
-                answer = compiled.checked_relaunch(
-                    *checks, grad_ids, *grad_checks, first, step, tuple(scalars), inv_grad_scale, self.sign,
-                    self.dampening, self.kernel_values, self.unit_addresses, _FORKED, self.table,
-                    self.step_keys, self.row_counts, self.bounds, _GRAD_COLUMN, self.grad_of_row,
-                    self.grad_row_bytes, self.seed_words, self.key_streams, written, places)
+                answer = compiled.checked_relaunch(record, grad_ids, step, tuple(scalars), inv_grad_scale,
+                                                   self.sign, _FORKED, self.bounds)
             if answer < compiled.UNCOMPILED:
                 return answer == compiled.RAN
             self.address(bool(answer - compiled.UNCOMPILED))
