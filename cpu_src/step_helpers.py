@@ -438,11 +438,18 @@ def record_arrays(record):
             _vector(record, 21, np.int64), _vector(record, 22, np.int64))
 
 
+@njit(inline="always")
+def record_integers(record):
+    """A record's integers, in :data:`RECORD_INTEGERS`' order."""
+    at = _INTEGERS_AT
+    return record[at], record[at + 1], record[at + 2], record[at + 3], record[at + 4]
+
+
 @cached_njit()
 def record_layout(record):
     """(data address, size, item size, first element) of each of a record's arrays as
-    :func:`record_arrays` reads them, then its integers, as float64s: for the test that packing
-    and reading agree."""
+    :func:`record_arrays` reads them, then its integers as :func:`record_integers` reads them,
+    as float64s: for the test that packing and reading agree."""
     arrays = record_arrays(record)
     out = np.zeros(4 * len(arrays) + len(RECORD_INTEGERS))
     k = 0
@@ -450,8 +457,9 @@ def record_layout(record):
         out[k], out[k + 1], out[k + 2] = array.ctypes.data, array.size, array.itemsize
         out[k + 3] = array.ravel()[0]
         k += 4
-    for i in range(len(RECORD_INTEGERS)):
-        out[k + i] = record[_INTEGERS_AT + i]
+    for value in record_integers(record):
+        out[k] = value
+        k += 1
     return out
 
 
@@ -492,8 +500,7 @@ def checked_relaunch(record, grads, step, scalars, inv_grad_scale, sign, serial,
     (shim, dicts, versions, tensors, starts, forms, counters, steps, grad_starts, grad_forms, grad_addresses,
      sized, values, addresses, table, keys, row_counts, grad_of_row, row_bytes, seed_words, streams, written,
      places) = record_arrays(record)
-    dict_word, threads, first = record[_INTEGERS_AT], record[_INTEGERS_AT + 1], record[_INTEGERS_AT + 2]
-    dampening, grad_column = record[_INTEGERS_AT + 3], record[_INTEGERS_AT + 4]
+    dict_word, threads, first, dampening, grad_column = record_integers(record)
     if steps[first] + 1.0 != step:
         return CHANGED
     if not launch_forms_hold(shim, dicts, dict_word, versions, tensors, starts, forms, counters, steps, grads,
