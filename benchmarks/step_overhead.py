@@ -109,7 +109,7 @@ def without_kernel(step):
     from bf16opt.backends import numba as backend  # noqa: PLC0415
 
     driver_users()
-    rerun, run_alone = backend.Relaunch.run, backend.Relaunch.run_alone
+    rerun, run_in_one_call = backend.Relaunch.run, backend.Relaunch.run_in_one_call
 
     def bookkeeping_only(call):
         def over_no_rows(self, *args):
@@ -124,12 +124,12 @@ def without_kernel(step):
     def run():
         driver, _cpu.chunks.run_chunks = _cpu.chunks.run_chunks, _no_kernel
         backend.Relaunch.run = bookkeeping_only(rerun)
-        backend.Relaunch.run_alone = bookkeeping_only(run_alone)
+        backend.Relaunch.run_in_one_call = bookkeeping_only(run_in_one_call)
         try:
             step()
         finally:
             _cpu.chunks.run_chunks = driver
-            backend.Relaunch.run, backend.Relaunch.run_alone = rerun, run_alone
+            backend.Relaunch.run, backend.Relaunch.run_in_one_call = rerun, run_in_one_call
     return run
 
 
@@ -246,7 +246,7 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
     """The step's Python with the caches cold, as a training step runs it: a step's own kernel
     streams its tensors through the caches, so the bookkeeping of the next step starts cold.
     Times the Python before and after the kernel call inside each step (the call is timed
-    by wrapping the backend's ``_call``, ``Relaunch.run`` and ``Relaunch.run_alone``, a reused
+    by wrapping the backend's ``_call``, ``Relaunch.run`` and ``Relaunch.run_in_one_call``, a reused
     step's one compiled call -- for a single group, with the compiled checks in it), and the
     whole step's excess over the floor's (paired by repetition), for one large param and
     (``with_list``) for the
@@ -255,7 +255,7 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
     from bf16opt.backends import numba as backend  # noqa: PLC0415
 
     marks = []
-    call, rerun, run_alone = backend._call, backend.Relaunch.run, backend.Relaunch.run_alone
+    call, rerun, run_in_one_call = backend._call, backend.Relaunch.run, backend.Relaunch.run_in_one_call
 
     def timed(kernel):
         def run(*args):
@@ -296,10 +296,10 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
             floor = ProtocolStep(params, timed(kernel_step(opt)), written)
             ours, theirs = [], []
             for _ in range(repeats):
-                backend._call, backend.Relaunch.run, backend.Relaunch.run_alone = \
-                    timed(call), timed(rerun), timed(run_alone)
+                backend._call, backend.Relaunch.run, backend.Relaunch.run_in_one_call = \
+                    timed(call), timed(rerun), timed(run_in_one_call)
                 ours.append(python_around_kernel(opt.step))
-                backend._call, backend.Relaunch.run, backend.Relaunch.run_alone = call, rerun, run_alone
+                backend._call, backend.Relaunch.run, backend.Relaunch.run_in_one_call = call, rerun, run_in_one_call
                 theirs.append(python_around_kernel(floor.step))
             (b, k, a, _), (fb, _, fa, _) = ([statistics.median(x) for x in zip(*runs)]
                                             for runs in (ours, theirs))
@@ -310,7 +310,7 @@ def cold_bookkeeping(log2_params: int, repeats: int, with_list: bool) -> None:
             del opt, floor, params, written
             gc.collect()
     finally:
-        backend._call, backend.Relaunch.run, backend.Relaunch.run_alone = call, rerun, run_alone
+        backend._call, backend.Relaunch.run, backend.Relaunch.run_in_one_call = call, rerun, run_in_one_call
 
 
 def profile(preset: str, steps: int, lines: int = 25) -> None:

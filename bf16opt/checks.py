@@ -173,3 +173,24 @@ def check_amp_tensor(value, argument: str, devices: set) -> None:
     if value.device.type != "cpu" and value.device not in devices:
         raise ValueError(f"{argument} is on {value.device}; it must be on the CPU or on a device of the "
                          f"optimizer's params ({', '.join(sorted(map(str, devices)))})")
+
+
+#: steps are counted exactly in float64 up to here (a float64 holds every whole number below)
+STEP_LIMIT = 2 ** 53
+
+
+def check_step_count(value, what: str) -> float:
+    """A step counter's value as a float: a whole number in [0, 2**53), else a ValueError
+    naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or value < 0 or value != int(value) or value >= STEP_LIMIT:
+        raise ValueError(f"{what} must be a whole number >= 0, got {value!r} (bf16opt counts steps "
+                         f"exactly up to 2**53)")
+    return float(value)
+
+
+def check_ordered_params(params) -> None:
+    """torch's refusal of a set of params (its order changes between runs), with torch's words."""
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
+                        "ordering of tensors in sets will change between runs. Please use a list instead.")

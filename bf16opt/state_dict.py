@@ -8,8 +8,8 @@ optimizer's :class:`~bf16opt.algorithms.KernelConfig` gives it, so a state dict 
 with one preset, or by ``torch.optim``, loads into another.  The same conversion runs
 when a group's precision or a param's dtype changes between steps.
 
-Everything here checks before it changes anything: :func:`load` builds the new groups
-and state aside and swaps them in only when all of it fits.
+Everything here checks before it changes anything: :func:`plan_load` builds the new groups
+and state aside (a :class:`LoadPlan`), which the optimizer installs only when all of it fits.
 
 DTensor params (FSDP2): state buffers are DTensors sharded like the param (as torch.optim's,
 so ``torch.distributed.checkpoint`` saves and reshards them); a saved buffer is loaded as
@@ -23,32 +23,22 @@ keeps position streams (see below and docs/numerics.md, "State-dict format").
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Hashable, Mapping
+from typing import Callable, NamedTuple
 
 import torch
 
 from .algorithms import KernelConfig
+from .checks import check_step_count
 from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
-
-
-def real_view(tensor):
-    from .optimizer import real_view as view  # (optimizer imports this module)
-    return view(tensor)
-
-
-def wrapped(state, param):
-    from .optimizer import wrapped as wrap  # noqa: PLC0415
-    return wrap(state, param)
-
-
 from .storage import decode, encode, join_remainder, split_remainder
+from .tensors import real_view, state_moved, wrapped
 
-__all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "convert_state", "load", "save", "state_fits"]
+__all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "LoadPlan", "LoadTarget", "convert_state", "plan_load",
+           "save", "state_fits"]
 
 #: 3: stochastic rounding draws two buffers' 16 random bits from one hash (storage.py; 1 and 2:
 #: a hash per buffer).  2: its streams are named by param names when the optimizer has them
@@ -65,13 +55,13 @@ IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "offload_threads", "fo
 COMPANION_KEYS = ("master", "compensation", "remainder")
 
 
-def save(optimizer, state_dict: dict) -> dict:
-    """torch's state dict of ``optimizer`` with plain-type ``precision`` entries and a tag."""
+def save(state_dict: dict, family: str, optimizer_name: str) -> dict:
+    """torch's state dict with plain-type ``precision`` entries and a tag naming the
+    algorithm ``family`` and the optimizer class that saved it."""
     for group in state_dict["param_groups"]:
         # as_precision: a precision edited by hand since the last step may still be a name
         group["precision"] = as_precision(group["precision"]).to_dict()
-    state_dict["bf16opt"] = {"format": STATE_DICT_FORMAT, "family": optimizer.algorithm.name,
-                             "optimizer": type(optimizer).__name__}
+    state_dict["bf16opt"] = {"format": STATE_DICT_FORMAT, "family": family, "optimizer": optimizer_name}
     return state_dict
 
 
@@ -85,12 +75,75 @@ def state_fits(state: dict, config: KernelConfig) -> bool:
     return all(state[key].dtype == dtype for key, dtype in needed.items() if key in state)
 
 
-def load(optimizer, state_dict: dict) -> None:
-    """``optimizer.load_state_dict``: see its docstring."""
-    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
-        result = hook(optimizer, state_dict)
-        if result is not None:
-            state_dict = result
+class LoadTarget(NamedTuple):
+    """What loading needs of the live optimizer, passed in by it."""
+
+    name: str                 # its class name, for messages
+    family: str               # its algorithm's name: a state dict of another family is refused
+    groups: list              # its param groups
+    saved_group_keys: tuple   # keys every saved group of this kind has...
+    foreign_group_keys: tuple  # ...and keys that betray another kind
+    normalise_group: Callable[[dict, list], None]  # pins and checks a new group in place (raises)
+    config_of: Callable[[dict, torch.Tensor], KernelConfig]  # the config a param's state is kept for
+    to_host: Callable[[torch.Tensor], torch.Tensor]  # an offloaded buffer into host memory
+
+
+class LoadPlan(NamedTuple):
+    """A checked state dict, ready for the optimizer to install."""
+
+    groups: list              # the new param groups
+    state: dict               # param -> its new state
+    param_writes: list        # (param, new bits): params a remainder plan rewrites
+    older_format: "int | None"  # the format of an older state dict whose random bits differ
+
+
+def plan_load(target: LoadTarget, state_dict) -> LoadPlan:
+    """Check ``state_dict`` against ``target`` and build the new groups and state aside;
+    raises before anything changes (see ``MixedPrecisionOptimizer.load_state_dict``)."""
+    _check_shape(state_dict)
+    meta = state_dict.get("bf16opt")
+    if isinstance(meta, dict) and meta.get("family") != target.family:
+        raise ValueError(f"state_dict was saved by bf16opt.{meta.get('optimizer')}, which cannot "
+                         f"be loaded into {target.name}")
+    legacy = isinstance(meta, dict) and meta.get("format") == 1
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(target.groups):
+        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                         f"this optimizer has {len(target.groups)}")
+    new_groups, param_of_index = [], {}
+    for number, (live, saved) in enumerate(zip(target.groups, saved_groups)):
+        group = _loaded_group(target, live, saved, number, legacy)
+        new_groups.append(group)
+        for index, param in zip(saved["params"], live["params"]):
+            if not isinstance(index, Hashable):
+                raise TypeError(f"param group {number} of the state dict lists a param index of "
+                                f"type {type(index).__name__}")
+            param_of_index[index] = (param, group)
+    new_state, param_writes = defaultdict(dict), []
+    for index, saved_state in state_dict["state"].items():
+        if not isinstance(index, Hashable) or index not in param_of_index:
+            raise ValueError(f"loaded state dict holds state for param index {index!r}, "
+                             f"which none of its param groups lists")
+        param, group = param_of_index[index]
+        new_state[param], new_param = _loaded_state(target, param, group, saved_state, index)
+        if new_param is not None:
+            real = real_view(local(param))
+            param_writes.append((real, new_param.to(real.device)))
+    older = meta.get("format") if isinstance(meta, dict) and meta.get("format") in (1, 2) else None
+    return LoadPlan(new_groups, new_state, param_writes, older)
+
+
+def warn_if_older_format(plan: LoadPlan) -> None:
+    """Warn when a format-1 or -2 state dict was loaded into groups that round stochastically."""
+    if plan.older_format is not None and \
+            any(as_precision(group["precision"]).rounding == "stochastic" for group in plan.groups):
+        warnings.warn(f"this state dict was saved by an older bf16opt (state-dict format {plan.older_format}), "
+                      f"whose stochastic rounding drew a hash per buffer; this run continues with format "
+                      f"{STATE_DICT_FORMAT}'s random bits (two buffers per hash): as unbiased, but not "
+                      f"the bits the older version would have drawn", UserWarning, stacklevel=3)
+
+
+def _check_shape(state_dict) -> None:
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' entries")
     if not isinstance(state_dict["state"], Mapping):
@@ -99,87 +152,50 @@ def load(optimizer, state_dict: dict) -> None:
     if not isinstance(state_dict["param_groups"], (list, tuple)):
         raise TypeError(f"state_dict['param_groups'] must be a list of dicts, got "
                         f"{type(state_dict['param_groups']).__name__}")
-    name = type(optimizer).__name__
-    meta = state_dict.get("bf16opt")
-    if isinstance(meta, dict) and meta.get("family") != optimizer.algorithm.name:
-        raise ValueError(f"state_dict was saved by bf16opt.{meta.get('optimizer')}, which cannot "
-                         f"be loaded into {name}")
-    legacy = isinstance(meta, dict) and meta.get("format") == 1
-    older = isinstance(meta, dict) and meta.get("format") in (1, 2)  # a hash per buffer
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
-                         f"this optimizer has {len(optimizer.param_groups)}")
-
-    new_groups, param_of_index = [], {}
-    for number, (live, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
-        _check_saved_group(optimizer, saved, number)
-        if len(saved["params"]) != len(live["params"]):
-            raise ValueError(f"loaded state dict's param group {number} has "
-                             f"{len(saved['params'])} params, this optimizer's has "
-                             f"{len(live['params'])}")
-        group = {key: value for key, value in live.items() if key not in ("params", "sr_streams")}
-        group.update({key: value for key, value in saved.items()
-                      if key not in IMPLEMENTATION_KEYS and key != "params"})
-        if legacy and "param_names" in group:  # format 1 named every param's streams by position
-            group["sr_streams"] = "position"
-        optimizer._force_group_entries(group)
-        optimizer._check_group(group, live["params"])
-        group["params"] = live["params"]
-        new_groups.append(group)
-        for index, param in zip(saved["params"], live["params"]):
-            if not isinstance(index, Hashable):
-                raise TypeError(f"param group {number} of the state dict lists a param index of "
-                                f"type {type(index).__name__}")
-            param_of_index[index] = (param, group)
-
-    new_state, param_writes = defaultdict(dict), []
-    for index, saved_state in state_dict["state"].items():
-        if not isinstance(index, Hashable) or index not in param_of_index:
-            raise ValueError(f"loaded state dict holds state for param index {index!r}, "
-                             f"which none of its param groups lists")
-        param, group = param_of_index[index]
-        real = real_view(local(param))  # a DTensor param: its local shard
-        config = optimizer._state_config(group, real)
-        offloaded = group.get("offload") == "cpu"  # its state lives in host RAM
-        like = real.detach().to("cpu").contiguous() if offloaded else real
-        if is_dtensor(param) and isinstance(saved_state, Mapping):  # each saved buffer as this rank's shard
-            saved_state = {key: value if key == "step" else shard_of(value, param, f"{key} of param {index}")
-                           for key, value in saved_state.items()}
-        state, new_param = convert_state(config, saved_state, like, index, name)
-        if offloaded:
-            state = {key: value if key == "step" else optimizer._offloader.to_host(value)
-                     for key, value in state.items()}
-        new_state[param] = wrapped(state, param)
-        if new_param is not None:
-            param_writes.append((real, new_param.to(real.device)))
-
-    optimizer.param_groups[:] = new_groups
-    optimizer.state = new_state
-    optimizer._state_configs.clear()
-    optimizer._group_launches.clear()  # (they would be rebuilt anyway; this releases the old state now)
-    with torch.no_grad():
-        for param, new_param in param_writes:
-            param.copy_(new_param)
-    if older and any(as_precision(group["precision"]).rounding == "stochastic" for group in new_groups):
-        warnings.warn(f"this state dict was saved by an older bf16opt (state-dict format {meta['format']}), "
-                      f"whose stochastic rounding drew a hash per buffer; this run continues with format "
-                      f"{STATE_DICT_FORMAT}'s random bits (two buffers per hash): as unbiased, but not "
-                      f"the bits the older version would have drawn", UserWarning, stacklevel=3)
-    for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
-        hook(optimizer)
 
 
-def _check_saved_group(optimizer, saved, number: int) -> None:
+def _loaded_group(target: LoadTarget, live: dict, saved, number: int, legacy: bool) -> dict:
+    """The live group with the saved hyper-parameters (implementation keys stay live), checked."""
+    _check_saved_group(target, saved, number)
+    if len(saved["params"]) != len(live["params"]):
+        raise ValueError(f"loaded state dict's param group {number} has "
+                         f"{len(saved['params'])} params, this optimizer's has "
+                         f"{len(live['params'])}")
+    group = {key: value for key, value in live.items() if key not in ("params", "sr_streams")}
+    group.update({key: value for key, value in saved.items()
+                  if key not in IMPLEMENTATION_KEYS and key != "params"})
+    if legacy and "param_names" in group:  # format 1 named every param's streams by position
+        group["sr_streams"] = "position"
+    target.normalise_group(group, live["params"])
+    group["params"] = live["params"]
+    return group
+
+
+def _loaded_state(target: LoadTarget, param, group: dict, saved_state, index) -> tuple:
+    """(the param's new state, new param bits or None) from its saved state."""
+    real = real_view(local(param))  # a DTensor param: its local shard
+    config = target.config_of(group, real)
+    offloaded = group.get("offload") == "cpu"  # its state lives in host RAM
+    like = real.detach().to("cpu").contiguous() if offloaded else real
+    if is_dtensor(param) and isinstance(saved_state, Mapping):  # each saved buffer as this rank's shard
+        saved_state = {key: value if key == "step" else shard_of(value, param, f"{key} of param {index}")
+                       for key, value in saved_state.items()}
+    state, new_param = convert_state(config, saved_state, like, index, target.name)
+    if offloaded:
+        state = state_moved(state, target.to_host)
+    return wrapped(state, param), new_param
+
+
+def _check_saved_group(target: LoadTarget, saved, number: int) -> None:
     if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
         raise ValueError(f"param group {number} of the state dict must be a dict with a "
                          f"'params' list")
-    missing = [key for key in optimizer._SAVED_GROUP_KEYS if key not in saved]
-    foreign = [key for key in optimizer._FOREIGN_GROUP_KEYS if key in saved]
+    missing = [key for key in target.saved_group_keys if key not in saved]
+    foreign = [key for key in target.foreign_group_keys if key in saved]
     if missing or foreign:
         found = f"lacks {missing}" if missing else f"has {foreign}"
         raise ValueError(f"param group {number} of the state dict {found}: not a state dict "
-                         f"of {type(optimizer).__name__} (or of torch.optim's equivalent)")
+                         f"of {target.name} (or of torch.optim's equivalent)")
 
 
 def _checked_step(saved: dict, index) -> float:
@@ -189,12 +205,7 @@ def _checked_step(saved: dict, index) -> float:
             raise ValueError(f"step of param {index} must be a number or a one-element tensor, "
                              f"got a tensor of shape {tuple(step.shape)}")
         step = step.item()
-    if isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step) \
-            or step < 0 or step != int(step):
-        raise ValueError(f"step of param {index} must be a whole number >= 0, got {step!r}")
-    if step >= 2 ** 53:
-        raise ValueError(f"step of param {index} is {step!r}; bf16opt counts steps exactly up to 2**53")
-    return float(step)
+    return check_step_count(step, f"step of param {index}")
 
 
 def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index, optimizer_name: str) -> tuple:

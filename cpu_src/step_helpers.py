@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, literal_unroll, njit, types
+from numba import carray, literally, njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .chunks import cached_njit, run_chunks, run_chunks_serial
 from .storage import pointer_to
@@ -376,9 +376,10 @@ def _take_gil(typingctx, state):
 
 
 # ---------------------------------------------------------------- a kept launch's record
-#: the arrays :func:`checked_relaunch` reads, in the order of its record (name, dtype, dimensions):
-#: one array argument where they were ~25, as Numba's dispatch unboxes each array argument
-#: (~1 µs each with the caches cold after a kernel's stream)
+#: the layout of the record :func:`checked_relaunch` takes, written once: its arrays (name, dtype,
+#: dimensions), each held as its data address and two dimensions, then its integers.  One array
+#: argument where they were ~25, as Numba's dispatch unboxes each array argument.  Compiled
+#: code reads a slot by name (:func:`record_array`, :func:`record_integer`), resolved at compile time.
 RECORD_ARRAYS = (
     ("shim", np.int64, 1), ("dicts", np.int64, 1), ("versions", np.uint64, 1), ("tensors", np.int64, 1),
     ("starts", np.int64, 1), ("forms", np.int64, 1), ("counters", np.int64, 1), ("steps", np.float64, 1),
@@ -387,17 +388,16 @@ RECORD_ARRAYS = (
     ("keys", np.uint32, 2), ("row_counts", np.int64, 2), ("grad_of_row", np.int64, 1),
     ("row_bytes", np.int64, 1), ("seed_words", np.uint64, 1), ("streams", np.int64, 1),
     ("written", np.int64, 1), ("places", np.int64, 1))
-#: the integers after them
 RECORD_INTEGERS = ("dict_word", "threads", "first", "dampening", "grad_column")
-_INTEGERS_AT = 3 * len(RECORD_ARRAYS)
+_ARRAY_SLOTS = {name: (3 * k, dtype, dims) for k, (name, dtype, dims) in enumerate(RECORD_ARRAYS)}
+_INTEGER_SLOTS = {name: 3 * len(RECORD_ARRAYS) + k for k, name in enumerate(RECORD_INTEGERS)}
 
 
 def launch_record(**given) -> np.ndarray:
-    """The record :func:`checked_relaunch` takes: for each array of :data:`RECORD_ARRAYS` in
-    order, its data address and its two dimensions (a vector's second 0), then the integers of
-    :data:`RECORD_INTEGERS`.  It holds addresses: the caller keeps the arrays alive and never
-    replaces them (they are written in place).  Raises TypeError on an array of another dtype,
-    dimension count or layout, or a name missing or unknown (a caller's mistake)."""
+    """The record :func:`checked_relaunch` takes, laid out as :data:`RECORD_ARRAYS` and
+    :data:`RECORD_INTEGERS` say.  It holds addresses: the caller keeps the arrays alive and
+    never replaces them (they are written in place).  Raises TypeError on an array of another
+    dtype, dimension count or layout, or a name missing or unknown (a caller's mistake)."""
     names = [name for name, _, _ in RECORD_ARRAYS] + list(RECORD_INTEGERS)
     if sorted(given) != sorted(names):
         raise TypeError(f"launch_record needs exactly {names}, got {sorted(given)}")
@@ -413,54 +413,48 @@ def launch_record(**given) -> np.ndarray:
     return np.array(words, dtype=np.int64)
 
 
-@njit(inline="always")
-def _vector(record, slot, element):
-    """Array ``slot`` of a record (a vector of ``element``s)."""
-    return carray(pointer_to(record[3 * slot], element), (record[3 * slot + 1],))
+def record_array(record, name):
+    """In compiled code: the array ``name`` (a constant string) of a :func:`launch_record` record."""
+    raise NotImplementedError("record_array is for compiled code")
 
 
-@njit(inline="always")
-def _matrix(record, slot, element):
-    """Array ``slot`` of a record (a matrix of ``element``s)."""
-    return carray(pointer_to(record[3 * slot], element), (record[3 * slot + 1], record[3 * slot + 2]))
+def record_integer(record, name):
+    """In compiled code: the integer ``name`` (a constant string) of a :func:`launch_record` record."""
+    raise NotImplementedError("record_integer is for compiled code")
 
 
-@njit(inline="always")
-def record_arrays(record):
-    """A record's arrays, in :data:`RECORD_ARRAYS`' order."""
-    return (_vector(record, 0, np.int64), _vector(record, 1, np.int64), _vector(record, 2, np.uint64),
-            _vector(record, 3, np.int64), _vector(record, 4, np.int64), _vector(record, 5, np.int64),
-            _vector(record, 6, np.int64), _vector(record, 7, np.float64), _vector(record, 8, np.int64),
-            _vector(record, 9, np.int64), _vector(record, 10, np.int64), _vector(record, 11, np.bool_),
-            _vector(record, 12, np.float32), _vector(record, 13, np.int64), _matrix(record, 14, np.int64),
-            _matrix(record, 15, np.uint32), _matrix(record, 16, np.int64), _vector(record, 17, np.int64),
-            _vector(record, 18, np.int64), _vector(record, 19, np.uint64), _vector(record, 20, np.int64),
-            _vector(record, 21, np.int64), _vector(record, 22, np.int64))
+@overload(record_array, inline="always")
+def _record_array(record, name):
+    if not isinstance(name, types.StringLiteral) or name.literal_value not in _ARRAY_SLOTS:
+        return None
+    at, element, dims = _ARRAY_SLOTS[name.literal_value]
+    if dims == 1:
+        return lambda record, name: carray(pointer_to(record[at], element), (record[at + 1],))
+    return lambda record, name: carray(pointer_to(record[at], element), (record[at + 1], record[at + 2]))
 
 
-@njit(inline="always")
-def record_integers(record):
-    """A record's integers, in :data:`RECORD_INTEGERS`' order."""
-    at = _INTEGERS_AT
-    return record[at], record[at + 1], record[at + 2], record[at + 3], record[at + 4]
+@overload(record_integer, inline="always")
+def _record_integer(record, name):
+    if not isinstance(name, types.StringLiteral) or name.literal_value not in _INTEGER_SLOTS:
+        return None
+    at = _INTEGER_SLOTS[name.literal_value]
+    return lambda record, name: record[at]
 
 
-@cached_njit()
-def record_layout(record):
-    """(data address, size, item size, first element) of each of a record's arrays as
-    :func:`record_arrays` reads them, then its integers as :func:`record_integers` reads them,
-    as float64s: for the test that packing and reading agree."""
-    arrays = record_arrays(record)
-    out = np.zeros(4 * len(arrays) + len(RECORD_INTEGERS))
-    k = 0
-    for array in literal_unroll(arrays):
-        out[k], out[k + 1], out[k + 2] = array.ctypes.data, array.size, array.itemsize
-        out[k + 3] = array.ravel()[0]
-        k += 4
-    for value in record_integers(record):
-        out[k] = value
-        k += 1
+@njit
+def record_array_facts(record, name):
+    """(data address, size, item size, first element) of the array ``name`` of a record as
+    compiled code reads it: for the test that packing and reading agree."""
+    array = record_array(record, literally(name))
+    out = np.zeros(4)
+    out[0], out[1], out[2], out[3] = array.ctypes.data, array.size, array.itemsize, array.ravel()[0]
     return out
+
+
+@njit
+def record_integer_value(record, name):
+    """The integer ``name`` of a record as compiled code reads it (for the same test)."""
+    return record_integer(record, literally(name))
 
 
 #: :func:`checked_relaunch`'s answers (``UNCOMPILED + unit``: the chunk function of that variant)
@@ -497,25 +491,33 @@ def checked_relaunch(record, grads, step, scalars, inv_grad_scale, sign, serial,
     step's grads' ids; ``bounds``: the chunk driver's thread ranges; ``serial``: run them on
     this thread.  Answers :data:`RAN`, or why nothing changed: :data:`CHANGED` (a check
     failed), :data:`NOT_FINITE` (a scalar), ``UNCOMPILED + unit`` (``addresses[unit]`` is 0)."""
-    (shim, dicts, versions, tensors, starts, forms, counters, steps, grad_starts, grad_forms, grad_addresses,
-     sized, values, addresses, table, keys, row_counts, grad_of_row, row_bytes, seed_words, streams, written,
-     places) = record_arrays(record)
-    dict_word, threads, first, dampening, grad_column = record_integers(record)
+    steps, first = record_array(record, "steps"), record_integer(record, "first")
     if steps[first] + 1.0 != step:
         return CHANGED
-    if not launch_forms_hold(shim, dicts, dict_word, versions, tensors, starts, forms, counters, steps, grads,
-                             grad_starts, grad_forms, grad_addresses, sized, threads):
+    grad_addresses = record_array(record, "grad_addresses")
+    if not launch_forms_hold(record_array(record, "shim"), record_array(record, "dicts"),
+                             record_integer(record, "dict_word"), record_array(record, "versions"),
+                             record_array(record, "tensors"), record_array(record, "starts"),
+                             record_array(record, "forms"), record_array(record, "counters"), steps, grads,
+                             record_array(record, "grad_starts"), record_array(record, "grad_forms"),
+                             grad_addresses, record_array(record, "sized"), record_integer(record, "threads")):
         return CHANGED
+    values = record_array(record, "values")
     if not kernel_scalars(scalars, inv_grad_scale, sign, values):
         return NOT_FINITE
     n = len(scalars)
+    dampening = record_integer(record, "dampening")
     unit = values[n - 1] * values[n] == 1 and (dampening < 0 or values[dampening] == 1)
     variant = 1 if unit else 0
-    address = addresses[variant]
+    address = record_array(record, "addresses")[variant]
     if address == 0:
         return UNCOMPILED + variant
     state = _release_gil()
-    relaunch(serial, address, table, values, keys, row_counts, bounds, grad_column, grad_of_row, row_bytes,
-             grad_addresses, seed_words, step, streams, counters, steps, written, places)
+    relaunch(serial, address, record_array(record, "table"), values, record_array(record, "keys"),
+             record_array(record, "row_counts"), bounds, record_integer(record, "grad_column"),
+             record_array(record, "grad_of_row"), record_array(record, "row_bytes"), grad_addresses,
+             record_array(record, "seed_words"), step, record_array(record, "streams"),
+             record_array(record, "counters"), steps, record_array(record, "written"),
+             record_array(record, "places"))
     _take_gil(state)
     return RAN

@@ -200,7 +200,7 @@ def test_optimizer_with_emulated_kernels_matches_reference(monkeypatch, optimize
     expected = optimizer(expected_params, lr=1e-2, backend="reference", **options)
     actual = optimizer(actual_params, lr=1e-2, backend="reference", **options)
     emulated = emulated_backend()
-    import bf16opt.optimizer as optimizer_module
+    import bf16opt.step_plan as optimizer_module
     real_resolve = optimizer_module.resolve_backend
     g = torch.Generator().manual_seed(1)
     for _ in range(4):

@@ -995,6 +995,53 @@ def test_meta_params_are_rejected_before_anything_is_created():
     assert len(opt.param_groups) == 1 and opt._offloader._records == records
 
 
+@pytest.mark.parametrize("bad", [{"offload": "gpu"}, {"lr": -1.0}, {"precision": "fp33"},
+                                 {"params": [nn.Parameter(torch.empty(2, device="meta"))]}])
+def test_a_failed_constructor_leaves_no_hooks_threads_or_host_buffers(monkeypatch, bad):
+    """A constructor that refuses a later group leaves nothing on the params of the groups it
+    had accepted: no grad hook, no host buffer, no thread -- at once, without waiting for the
+    half-built optimizer to be collected."""
+    import threading
+
+    import bf16opt.offload as offload
+    made = []
+    real = offload._HostParam
+
+    def counting(*args):
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(offload, "_HostParam", counting)
+    good, other = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(3))
+    threads = threading.active_count()
+    with pytest.raises(ValueError):
+        bf16opt.AdamW([{"params": [good]}, {"params": [other], **bad}], offload="cpu")
+    assert not good._post_accumulate_grad_hooks and not other._post_accumulate_grad_hooks
+    assert made == [] and threading.active_count() == threads
+
+
+def test_add_param_group_whose_host_buffers_fail_leaves_nothing(monkeypatch):
+    """A group whose second param's host buffers cannot be made is not added, and the first
+    param's buffers and hook are released again; the earlier group keeps its own."""
+    import bf16opt.offload as offload
+    first = nn.Parameter(torch.ones(4))
+    opt = bf16opt.AdamW([first], offload="cpu")
+    records = dict(opt._offloader._records)
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    real = offload._HostParam
+
+    def failing(engine, param):
+        if param is b:
+            raise RuntimeError("out of host memory")
+        return real(engine, param)
+
+    monkeypatch.setattr(offload, "_HostParam", failing)
+    with pytest.raises(RuntimeError, match="out of host memory"):
+        opt.add_param_group({"params": [a, b]})
+    assert len(opt.param_groups) == 1 and opt._offloader._records == records
+    assert not a._post_accumulate_grad_hooks and first._post_accumulate_grad_hooks
+
+
 # ---------------------------------------------------------------- 7. lifetime
 
 

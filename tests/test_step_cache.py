@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bf16opt
-from bf16opt import step_cache
+from bf16opt import step_cache, torch_internals
 from bf16opt.backends import numba as numba_backend
 from snapshots import assert_unchanged, same_bits, snapshot
 
@@ -35,16 +35,16 @@ SHAPES = [(6, 6), (5,), (3, 4), (1,), (7,)]
 
 class Spy:
     """Counts of the kept launches' answers (reused / refused: GroupLaunch.prepare's, and
-    step_alone's, a step of an optimizer whose only group it is) and of launches built."""
+    step_in_one_call's, a step of an optimizer whose only group it is) and of launches built."""
 
     def __init__(self, monkeypatch):
         self.reused = self.refused = self.built = 0
-        prepare, step_alone = step_cache.GroupLaunch.prepare, step_cache.GroupLaunch.step_alone
+        prepare, step_in_one_call = step_cache.GroupLaunch.prepare, step_cache.GroupLaunch.step_in_one_call
         build = step_cache.build
-        self.alone = 0  # (how many of the reused ran through step_alone)
+        self.alone = 0  # (how many of the reused ran through step_in_one_call)
 
         def spied_step_alone(launch, *args, **kwargs):
-            ran = step_alone(launch, *args, **kwargs)
+            ran = step_in_one_call(launch, *args, **kwargs)
             self.reused += ran
             self.refused += not ran
             self.alone += ran
@@ -64,7 +64,7 @@ class Spy:
             return launch
 
         monkeypatch.setattr(step_cache.GroupLaunch, "prepare", spied_prepare)
-        monkeypatch.setattr(step_cache.GroupLaunch, "step_alone", spied_step_alone)
+        monkeypatch.setattr(step_cache.GroupLaunch, "step_in_one_call", spied_step_alone)
         monkeypatch.setattr(step_cache, "build", spied_build)
 
     def counts(self) -> tuple:
@@ -85,20 +85,20 @@ def form_checks(request, monkeypatch):
     _torchinductor_pyobject_tensor_data_ptr); and with the Python fallback.  dicts' versions
     (dict_version) in the first two."""
     if request.param == "python checks":
-        monkeypatch.setattr(step_cache, "_dict_versions", None)
-        monkeypatch.setattr(step_cache, "_dict_version_word", None)
-        monkeypatch.setattr(step_cache, "_address_reader", None)
+        monkeypatch.setitem(torch_internals.ANSWERS, "dict_versions", None)
+        monkeypatch.setitem(torch_internals.ANSWERS, "dict_version_word", None)
+        monkeypatch.setitem(torch_internals.ANSWERS, "address_reader", None)
     if request.param != "compiled checks":
-        monkeypatch.setattr(step_cache, "_tensor_shim", None)
+        monkeypatch.setitem(torch_internals.ANSWERS, "tensor_shim", None)
         if request.param == "python checks":
-            monkeypatch.setattr(step_cache, "_tensor_guards", None)
-    if request.param == "compiled checks" and (step_cache.tensor_shim() is None
-                                               or step_cache.dict_versions() is None):
+            monkeypatch.setitem(torch_internals.ANSWERS, "tensor_guards", None)
+    if request.param == "compiled checks" and (torch_internals.tensor_shim() is None
+                                               or torch_internals.dict_versions() is None):
         pytest.skip("this torch lacks the C shim's getters (aoti_torch_get_*) or dict_version, or they "
                     "failed their probes")
-    if request.param == "torch checks" and (step_cache.tensor_guards() is None
-                                            or step_cache.dict_versions() is None
-                                            or step_cache.address_reader() is None):
+    if request.param == "torch checks" and (torch_internals.tensor_guards() is None
+                                            or torch_internals.dict_versions() is None
+                                            or torch_internals.address_reader() is None):
         pytest.skip("this torch lacks TensorGuards, dict_version or _torchinductor_pyobject_tensor_data_ptr "
                     "(or they failed their probes)")
     return request.param
@@ -265,12 +265,12 @@ def test_a_reused_step_bumps_the_counter_a_swapped_param_holds_now(spy):
 
 def test_probing_refuses_version_counters_torch_does_not_bump(monkeypatch):
     """Where torch's bump is not seen in the word found, no compiled bump (torch's instead)."""
-    shim = step_cache._probe_shim()
+    shim = torch_internals._probe_shim()
     if shim is None:
         pytest.skip("this torch has no usable C shim getters (aoti_torch_get_*)")
-    assert step_cache._probe_version_places(int(shim[1])) is not None
+    assert torch_internals._probe_version_places(int(shim[1])) is not None
     monkeypatch.setattr(torch.autograd.graph, "increment_version", lambda tensor: None)
-    assert step_cache._probe_version_places(int(shim[1])) is None
+    assert torch_internals._probe_version_places(int(shim[1])) is None
 
 
 def test_the_same_grads_again_reuse_the_launch(spy):
@@ -295,12 +295,12 @@ def test_lr_from_a_scheduler_and_a_grad_scale_reuse_the_launch(spy):
 
 def test_a_single_group_step_runs_in_one_compiled_call(spy, form_checks):
     """An optimizer of one group whose kept launch is one kernel call runs its reused steps
-    whole in one compiled call (step_alone) where the checks are compiled (the C shim); with
+    whole in one compiled call (step_in_one_call) where the checks are compiled (the C shim); with
     two groups, or the checks made elsewhere, each group's prepare and run; the bits the same."""
     twins = Twins(precision="bf16-sr")
     for _ in range(5):
         twins.grads_and_step()
-    compiled = form_checks == "compiled checks" and step_cache.version_places() is not None
+    compiled = form_checks == "compiled checks" and torch_internals.version_places() is not None
     assert spy.counts() == (3, 0, 1) and spy.alone == (3 if compiled else 0)
     params = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
     opt = bf16opt.AdamW([{"params": params[:1]}, {"params": params[1:]}], precision="bf16", backend="numba")
@@ -313,8 +313,8 @@ def test_a_single_group_step_runs_in_one_compiled_call(spy, form_checks):
 
 def test_the_one_calls_record_reads_back_each_array_and_integer():
     """checked_relaunch's record (step_helpers.launch_record), read in compiled code
-    (record_layout): each array at its own data address with its size, item size and first
-    element (a float read as an integer would differ), in RECORD_ARRAYS' order, then the
+    by name (record_array_facts, record_integer_value): each array at its own data address with
+    its size, item size and first element (a float read as an integer would differ), then the
     integers; an array of another dtype, dimension count or layout, a read-only one, or a name
     missing is refused."""
     import numpy as np  # noqa: PLC0415
@@ -324,10 +324,12 @@ def test_the_one_calls_record_reads_back_each_array_and_integer():
                             dtype=dtype)
               for k, (name, dtype, dims) in enumerate(helpers.RECORD_ARRAYS)}
     integers = {name: 100 + k for k, name in enumerate(helpers.RECORD_INTEGERS)}
-    layout = helpers.record_layout(helpers.launch_record(**arrays, **integers)).tolist()
-    expected = [word for array in arrays.values()
-                for word in (array.ctypes.data, array.size, array.itemsize, float(array.flat[0]))]
-    assert layout == expected + list(integers.values())
+    record = helpers.launch_record(**arrays, **integers)
+    for name, array in arrays.items():
+        assert helpers.record_array_facts(record, name).tolist() == \
+            [array.ctypes.data, array.size, array.itemsize, float(array.flat[0])], name
+    for name, value in integers.items():
+        assert helpers.record_integer_value(record, name) == value, name
     wrong = [("shim", np.zeros(3, dtype=np.int32)), ("table", np.zeros(6, dtype=np.int64)),
              ("forms", np.zeros(6, dtype=np.int64)[::2]), ("steps", np.zeros(2).reshape(1, 2))]
     for name, array in wrong:
@@ -342,7 +344,7 @@ def test_the_one_calls_record_reads_back_each_array_and_integer():
 
 
 def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_checks, monkeypatch):
-    """The one compiled call of a single group's reused step (step_alone) holds the GIL for its
+    """The one compiled call of a single group's reused step (step_in_one_call) holds the GIL for its
     checks and releases it for its kernel, as the kernel calls of the full path do: another
     Python thread runs meanwhile -- on the serial driver (a fork child's) too, where no parallel
     region releases it.  Held, that thread would run only in the step's Python, a few percent of
@@ -356,7 +358,7 @@ def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_ch
     param.grad = torch.ones_like(param)
     for _ in range(3):  # state made, launch built, reused once
         opt.step()
-    alone = int(form_checks == "compiled checks" and step_cache.version_places() is not None)
+    alone = int(form_checks == "compiled checks" and torch_internals.version_places() is not None)
     assert spy.alone == alone
     ticks, done = [], threading.Event()
 
@@ -444,7 +446,7 @@ def test_the_bulk_check_is_used_where_available(spy, form_checks):
     assert (launch.shim is not None, launch.guards is not None) == (form_checks == "compiled checks",
                                                                    form_checks == "torch checks")
     assert (launch.dict_word is not None) == (form_checks == "compiled checks"
-                                              and step_cache.dict_version_word() is not None)
+                                              and torch_internals.dict_version_word() is not None)
 
 
 def test_a_refusal_of_the_bulk_check_falls_back_to_the_python_checks(spy):
@@ -476,7 +478,7 @@ def test_a_grad_given_to_two_params_is_checked_in_python(spy):
 def test_probing_refuses_dict_versions_that_miss_a_change(monkeypatch, blind_to):
     """A dict_version that misses one of the probe's changes (its call after change
     ``blind_to`` answers the version before it) is refused, or one that reads as a change."""
-    real = step_cache._probe_versions()
+    real = torch_internals._probe_versions()
     if real is None:
         pytest.skip("this torch has no usable dict_version")
     calls = []
@@ -486,9 +488,9 @@ def test_probing_refuses_dict_versions_that_miss_a_change(monkeypatch, blind_to)
         return calls[-2] if len(calls) == blind_to + 2 else calls[-1]
 
     monkeypatch.setattr(torch._C._dynamo.guards, "dict_version", blind)
-    assert step_cache._probe_versions() is None
+    assert torch_internals._probe_versions() is None
     monkeypatch.setattr(torch._C._dynamo.guards, "dict_version", lambda d: len(calls.append(0) or calls))
-    assert step_cache._probe_versions() is None  # (changes at every read)
+    assert torch_internals._probe_versions() is None  # (changes at every read)
 
 
 def test_probing_finds_no_version_word_where_dict_versions_answer_otherwise(monkeypatch):
@@ -496,19 +498,19 @@ def test_probing_finds_no_version_word_where_dict_versions_answer_otherwise(monk
     answers, all different, through every change the probe makes: a dict_version answering
     something else (a dict's length, always 0, a new number at each call) leaves the versions
     to it."""
-    real = step_cache._probe_versions()
-    monkeypatch.setattr(step_cache, "_dict_versions", real)  # (whatever the fixture set)
-    if real is None or step_cache._probe_version_word() is None:
+    real = torch_internals._probe_versions()
+    monkeypatch.setitem(torch_internals.ANSWERS, "dict_versions", real)  # (whatever the fixture set)
+    if real is None or torch_internals._probe_version_word() is None:
         pytest.skip("this torch or Python has no dict_version, or no word of a dict that matches it")
     numbers = iter(range(10 ** 6, 2 * 10 ** 6))
     for other in (len, lambda d: 0, lambda d: next(numbers)):
-        monkeypatch.setattr(step_cache, "_dict_versions", other)
-        assert step_cache._probe_version_word() is None
+        monkeypatch.setitem(torch_internals.ANSWERS, "dict_versions", other)
+        assert torch_internals._probe_version_word() is None
 
 
 def test_probing_refuses_a_bulk_check_that_misses_a_change(monkeypatch):
     """The probe tries the kinds of change the cache relies on torch's check to see."""
-    real = step_cache._probe_guards()
+    real = torch_internals._probe_guards()
     if real is None:
         pytest.skip("this torch has no usable TensorGuards")
 
@@ -520,39 +522,39 @@ def test_probing_refuses_a_bulk_check_that_misses_a_change(monkeypatch):
             return [t.dtype for t in tensors] == self.dtypes
 
     monkeypatch.setattr(torch._C._dynamo.guards, "TensorGuards", Blind)
-    assert step_cache._probe_guards() is None
+    assert torch_internals._probe_guards() is None
 
 
 def test_probing_refuses_a_reader_of_other_addresses(monkeypatch):
     """The probe compares the function's answers with data_ptr's: a C function of the same
     signature that answers the object's own address, or not a function address, is refused."""
-    if step_cache._probe_reader() is None:
+    if torch_internals._probe_reader() is None:
         pytest.skip("this torch has no usable _torchinductor_pyobject_tensor_data_ptr")
     own_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda tensor: tensor)
     for reader in (ctypes.cast(own_address, ctypes.c_void_p).value, "not an address", 0):
         monkeypatch.setattr(torch._C._dynamo.guards, "_torchinductor_pyobject_tensor_data_ptr", reader)
-        assert step_cache._probe_reader() is None
+        assert torch_internals._probe_reader() is None
 
 
 def test_probing_refuses_a_shim_getter_of_another_answer(monkeypatch):
     """The probe compares the forms read in compiled code with Python's: a library whose sizes
     getter answers the strides is refused."""
-    if step_cache._probe_shim() is None:
+    if torch_internals._probe_shim() is None:
         pytest.skip("this torch has no usable C shim getters (aoti_torch_get_*)")
-    library = step_cache._shim_library()
+    library = torch_internals._shim_library()
 
     class Crossed:
         def __getattr__(self, name):
             return getattr(library, "aoti_torch_get_strides" if name == "aoti_torch_get_sizes" else name)
 
-    monkeypatch.setattr(step_cache, "_shim_library", Crossed)
-    assert step_cache._probe_shim() is None
+    monkeypatch.setattr(torch_internals, "_shim_library", Crossed)
+    assert torch_internals._probe_shim() is None
 
 
 def test_the_shim_library_is_the_loaded_one_wherever_it_lives(monkeypatch, tmp_path):
     """The shim's library is the libtorch_cpu the process has mapped (a conda environment keeps
     it in its own lib), read from /proc/self/maps; torch/lib's only when none is listed."""
-    real = step_cache._shim_library()
+    real = torch_internals._shim_library()
     if real is None:
         pytest.skip("this torch has no libtorch_cpu in torch/lib nor among the mapped libraries")
     maps = tmp_path / "maps"
@@ -560,30 +562,30 @@ def test_the_shim_library_is_the_loaded_one_wherever_it_lives(monkeypatch, tmp_p
                     "7f01-7f02 r--p 00000000 08:01 13 /opt/env/lib/libc10.so\n"
                     "7f02-7f03 rw-p 00000000 00:00 0 \n"
                     "7f03-7f04 r-xp 00000000 08:01 14 /opt/my env/lib/libgomp.so\n")
-    assert step_cache._loaded_libraries(str(maps)) == [
+    assert torch_internals._loaded_libraries(str(maps)) == [
         "/opt/env/lib/libc10.so", "/opt/env/lib/libtorch_cpu.so", "/opt/my env/lib/libgomp.so"]
-    assert step_cache._loaded_libraries(str(tmp_path / "none")) == []
+    assert torch_internals._loaded_libraries(str(tmp_path / "none")) == []
     elsewhere = tmp_path / "lib" / "libtorch_cpu.so"
     elsewhere.parent.mkdir()
     elsewhere.symlink_to(real._name)
     listed = [str(tmp_path / "libc10.so"), str(elsewhere)]
-    monkeypatch.setattr(step_cache, "_loaded_libraries", lambda: listed)
-    assert step_cache._shim_library()._name == str(elsewhere)
-    assert step_cache._probe_shim() is not None
-    monkeypatch.setattr(step_cache, "_loaded_libraries", lambda: [])
-    assert step_cache._shim_library()._name == real._name
+    monkeypatch.setattr(torch_internals, "_loaded_libraries", lambda: listed)
+    assert torch_internals._shim_library()._name == str(elsewhere)
+    assert torch_internals._probe_shim() is not None
+    monkeypatch.setattr(torch_internals, "_loaded_libraries", lambda: [])
+    assert torch_internals._shim_library()._name == real._name
 
 
 def test_probing_refuses_a_tensor_object_layout_it_cannot_confirm(monkeypatch):
     """The offset of a tensor object's at::Tensor is taken only where a copy of it made by
     torch holds the same TensorImpl: with copies of another tensor none is found (and no
     getter is called on a guessed one)."""
-    if step_cache._probe_shim() is None:
+    if torch_internals._probe_shim() is None:
         pytest.skip("this torch has no usable C shim getters (aoti_torch_get_*)")
     real = torch._C._aoti.unsafe_alloc_void_ptr_from_tensor
     monkeypatch.setattr(torch._C._aoti, "unsafe_alloc_void_ptr_from_tensor",
                         lambda tensor: real(torch.zeros(1)))
-    assert step_cache._probe_shim() is None
+    assert torch_internals._probe_shim() is None
 
 
 # ---------------------------------------------------------------- a group's settings, checked once

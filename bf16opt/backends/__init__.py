@@ -12,7 +12,7 @@ import torch
 from . import reference
 from .base import Backend, Bucket, f32
 
-__all__ = ["BACKEND_NAMES", "Backend", "Bucket", "f32", "check_backend_name", "resolve_backend"]
+__all__ = ["BACKEND_NAMES", "Backend", "Bucket", "backend_name", "f32", "check_backend_name", "resolve_backend"]
 
 BACKEND_NAMES = ("auto", "reference", "numba", "cupy")
 
@@ -40,3 +40,8 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     if name in ("auto", "reference"):
         return reference
     raise ValueError(f"backend={name!r} is not available in this release; use 'reference' or 'auto'")
+
+
+def backend_name(name: str, device: torch.device) -> str:
+    """The name of the backend ``name`` resolves to on ``device`` ("numba", "cupy" or "reference")."""
+    return resolve_backend(name, device).name

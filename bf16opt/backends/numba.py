@@ -271,7 +271,7 @@ class Relaunch:
         config = self.config = bucket.config
         chunks = _chunks()
         self.addresses = {}  # unit_scalars -> the chunk function's address (one of two variants)
-        # the same for run_alone's compiled call, by int(unit); 0: not compiled yet (the dict
+        # the same for run_in_one_call's compiled call, by int(unit); 0: not compiled yet (the dict
         # serves Python's lookups: a numpy index costs more with the caches cold)
         self.unit_addresses = np.zeros(2, dtype=np.int64)
         self.table, self.bounds = table.copy(), bounds
@@ -285,7 +285,7 @@ class Relaunch:
         self.key_streams = np.array(bucket.streams() if config.stochastic else [], dtype=np.int64)
         self.step_keys = np.zeros((len(bucket.params), chunks.KEYS), dtype=np.uint32)
         self.row_counts = np.zeros((table.shape[0], chunks.COUNTERS), dtype=np.int64)  # untracked: never read
-        # run_alone's: the kernel's float32 scalars (written in its compiled call), and where
+        # run_in_one_call's: the kernel's float32 scalars (written in its compiled call), and where
         # unit_scalars reads SGD's dampening among them (-1: not SGD)
         self.kernel_values = np.zeros(len(config.algorithm.scalars._fields) + 1, dtype=np.float32)
         self.dampening = _ONE_MINUS_DAMPENING if config.algorithm is SGD else -1
@@ -327,7 +327,7 @@ class Relaunch:
                                _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
                                self.seed_words, step, self.key_streams, counters, steps, written, places)
 
-    def alone_record(self, **checks) -> np.ndarray:
+    def one_call_record(self, **checks) -> np.ndarray:
         """The record ``step_helpers.checked_relaunch`` takes (``step_helpers.launch_record``):
         this launch's arrays and integers with the step cache's ``checks``, the others of
         ``step_helpers.RECORD_ARRAYS`` and ``RECORD_INTEGERS``.  The caller keeps those alive."""
@@ -337,14 +337,14 @@ class Relaunch:
             seed_words=self.seed_words, streams=self.key_streams, dampening=self.dampening,
             grad_column=_GRAD_COLUMN, **checks)
 
-    def run_alone(self, record: np.ndarray, grad_ids: np.ndarray, scalars, inv_grad_scale: float,
+    def run_in_one_call(self, record: np.ndarray, grad_ids: np.ndarray, scalars, inv_grad_scale: float,
                   step: int) -> bool:
         """A step whose only kernel call this is, checks, scalars and all, in one compiled call
         (``step_helpers.checked_relaunch``; one call less with cold caches than
         :meth:`arguments` and :meth:`run` after the step cache's own): True when it ran;
         False when it changed nothing, for a check that failed or a scalar that is not a
         finite float32 (the full path then decides and names it).  ``record``:
-        :meth:`alone_record`'s; ``grad_ids``: the ids of the step's grads; ``scalars``,
+        :meth:`one_call_record`'s; ``grad_ids``: the ids of the step's grads; ``scalars``,
         ``inv_grad_scale`` and ``step`` as :meth:`arguments` takes them.  A chunk function
         not compiled yet is compiled (or loaded) and the call made again."""
         compiled = helpers()

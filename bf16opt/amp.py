@@ -1,0 +1,48 @@
+"""torch.amp.GradScaler's protocol for optimizers that unscale inside their kernels.
+
+``MixedPrecisionOptimizer._step_supports_amp_scaling`` tells GradScaler to hand the step the
+loss scale and the inf check (attributes ``grad_scale`` and ``found_inf``) rather than
+unscaling the grads itself: the kernels fold the unscale into their one pass, and a step
+with infs changes nothing.  A step called by hand may pass the same as keywords.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .backends import f32
+from .checks import check_amp_tensor
+
+__all__ = ["amp_arguments"]
+
+
+def amp_arguments(optimizer, grad_scale, found_inf) -> tuple:
+    """(inv_grad_scale, skip) of a step: from its keywords, or from the attributes
+    torch.amp.GradScaler.step sets (``grad_scale``: the loss scale, None once the user
+    called ``unscale_``; ``found_inf``: non-zero when a grad had an inf or NaN).  Both are
+    checked before anything changes; reading them is a host sync."""
+    devices = None
+    values = {}
+    for name, given in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        attribute = getattr(optimizer, name, None)
+        if given is not None and attribute is not None:
+            raise ValueError(f"{name} was given to step() and set as an attribute (by "
+                             f"torch.amp.GradScaler.step); give it one way")
+        value = given if given is not None else attribute
+        if value is None:
+            continue
+        if devices is None:
+            devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+        check_amp_tensor(value, name, devices)
+        values[name] = float(value.item())
+    inv_grad_scale = 1.0
+    if "grad_scale" in values:
+        scale = values["grad_scale"]
+        # float32 of the float64 reciprocal: GradScaler.unscale_'s inv_scale, so folding the
+        # unscale gives the bits of unscale_ followed by a step, whatever the scale
+        # (reciprocals from 2**128 - 2**103 on round to float32 infinity)
+        if not (math.isfinite(scale) and scale > 0 and 1.0 / scale < 2.0 ** 128 - 2.0 ** 103):
+            raise ValueError(f"grad_scale is {scale!r}; it must be a positive float32 whose "
+                             f"reciprocal is a finite float32 (about 2**-128 or more)")
+        inv_grad_scale = f32(1.0 / scale)
+    return inv_grad_scale, values.get("found_inf", 0.0) != 0.0

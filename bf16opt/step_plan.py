@@ -1,0 +1,330 @@
+"""Phase one of a full step: check everything and make everything the step needs, changing
+nothing.
+
+For each param group that cannot reuse its kept launch (``step_cache.py``), then each param
+with a grad, then each bucket of params that share a kernel configuration and step number:
+the param's state is found, converted or made aside (never installed here), its tensors are
+paired with the kernel's roles, and each bucket's backend checks its tensors and compiles its
+kernel (``backend.prepare``).  The :class:`StepPlan` returned lists what phase two
+(``MixedPrecisionOptimizer._step_without_grad``) installs and runs; phase two raises on no
+user input, so a step that raises leaves the optimizer exactly as it was.
+
+States made for another configuration (the group's precision, or a param's dtype, was
+changed since the last step) are converted into the new one, as ``load_state_dict``
+converts a state dict saved with another preset.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import state_dict as state_dicts
+from . import step_cache
+from .algorithms import KernelConfig, grad_dtypes, kernel_config
+from .backends import Bucket, f32, reference, resolve_backend
+from .checks import check_step_count
+from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local
+from .precision import plan_for
+from .storage import stream_id
+from .tensors import HOST, layout_name, real_view, shards, state_is_on, state_moved, wrapped
+
+__all__ = ["ParamEntry", "StepPlan", "float64_backend", "plan_step"]
+
+
+class ParamEntry(NamedTuple):
+    """One param's part of a step."""
+
+    param: torch.Tensor      # what the kernels update: the param, its real view or local shard, or its host mirror
+    grad: torch.Tensor       # what the kernels read: likewise
+    config: KernelConfig     # the launch's (the state's, plus flags of fresh buffers and the grads' dtype)
+    state: dict              # the state with the buffers made at this step
+    counter: torch.Tensor    # state["step"]
+    number: int              # the param's index in the optimizer
+    original: torch.Tensor   # the param as the group lists it
+    offset: int              # index of a shard's first element in the whole param
+    stream: int              # stochastic rounding's stream id
+
+
+class KeptLaunchMaterial(NamedTuple):
+    """What ``step_cache.build`` keeps of a group's full step."""
+
+    group: dict
+    first_index: int
+    precision: object
+    entries: list            # ParamEntry of each param with a grad, in group order
+    launched: list           # (bucket, backend) of each kernel call
+
+
+@dataclass
+class StepPlan:
+    """What phase one of a step prepared for phase two to install and run."""
+
+    precisions: list = field(default_factory=list)     # (group, checked Precision)
+    states: dict = field(default_factory=dict)         # param -> new or converted state
+    buffers: dict = field(default_factory=dict)        # param -> {key: new buffer}
+    param_writes: list = field(default_factory=list)   # (param, new bits): remainder conversions
+    mirror_writes: list = field(default_factory=list)  # (offloaded param, new bits): its host mirror
+    counters: list = field(default_factory=list)       # step tensors to advance
+    known: dict = field(default_factory=dict)          # param -> config its state now fits
+    launches: list = field(default_factory=list)       # (bucket, prepared launch)
+    reused: list = field(default_factory=list)         # phase two of each group whose kept launch is reused
+    built: list = field(default_factory=list)          # (group number, KeptLaunchMaterial or None)
+    offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
+    stale_launches: bool = False                       # kept launches of groups that are gone
+
+
+def float64_backend(name: str):
+    """float64 params are updated in float64 math by the reference backend: the kernels
+    compute in float32, which would silently lose the params' precision."""
+    if name in ("numba", "cupy"):
+        raise ValueError(f"backend={name!r} updates float32, bfloat16 and float16 params; float64 "
+                         f"params are updated in float64 math by backend='reference' (or 'auto')")
+    return reference
+
+
+def stream_ids(group: dict, first_index: int) -> list:
+    """Each param's stochastic-rounding stream id: its name's hash when the group has names
+    (``model.named_parameters()``), else its position in the optimizer; a group loaded from
+    a format-1 state dict keeps positions (``sr_streams``, see state_dict.py)."""
+    names = group.get("param_names")
+    if names is None or group.get("sr_streams") == "position":
+        return [first_index + i for i in range(len(group["params"]))]
+    return [stream_id(first_index + i, name) for i, name in enumerate(names)]
+
+
+def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=()) -> StepPlan:
+    """Phase one of a full step (module doc).  ``inv_grad_scale``: every algorithm's last
+    scalar (1 / GradScaler's scale).  ``answered``: ``step_cache.reused_step``'s answers for
+    the first groups, (group, precision, phase two or None) each (not asked again)."""
+    plan = StepPlan()
+    kept = optimizer._group_launches
+    view = step_cache.StateView(optimizer.state) if kept else None  # (one for all groups)
+    first_index = 0
+    for number, group in enumerate(optimizer.param_groups):
+        precision = optimizer._group_precision(number, group)
+        if number < len(answered):
+            reused = answered[number][2]
+        else:
+            reused = number in kept and kept[number].prepare(optimizer, group, first_index, precision,
+                                                             inv_grad_scale, view)
+        if reused:  # nothing the group's launch was built from changed since the last step
+            plan.precisions.append((group, precision))
+            plan.reused.append(reused)
+        else:
+            _plan_group(optimizer, plan, number, group, first_index, precision, inv_grad_scale)
+        first_index += len(group["params"])
+    if "_offloader_instance" in optimizer.__dict__:
+        plan.offloaded = {p for g in optimizer.param_groups if g.get("offload") == "cpu" for p in g["params"]}
+    plan.stale_launches = bool(kept) and max(kept) >= len(optimizer.param_groups)  # (groups removed)
+    return plan
+
+
+def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index: int, precision,
+                inv_grad_scale: float) -> None:
+    """A group's part of the plan: its params' entries, then its buckets' launches."""
+    params = params_with_grad(optimizer, group, first_index)
+    if not params:
+        plan.built.append((number, None))  # (a kept launch would hold on to its tensors)
+        return
+    plan.precisions.append((group, precision))
+    # an offloaded group's state lives, and its update runs, on the host
+    offloader = optimizer._offloader if group.get("offload") == "cpu" else None
+    backends = {device: resolve_backend(group["backend"], HOST if offloader else device)
+                for device in {param.device for param in params}}
+    entries = _entries(optimizer, plan, group, first_index, precision, params, offloader)
+    if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
+        written = {id(p) for p, _ in plan.mirror_writes}
+        staged = offloader.stage([e.original for e in entries],
+                                 [e.config.weights != "copy" and id(e.original) not in written for e in entries])
+        entries = [entry._replace(param=mirror, grad=grad) for (mirror, grad), entry in zip(staged, entries)]
+    plan.counters.extend(entry.counter for entry in entries)
+    counts = torch.stack([e.counter.double() for e in entries]).tolist()
+    for value, entry in zip(counts, entries):
+        check_step_count(value, f"state['step'] of param {entry.number}")
+    launched = []
+    for bucket, originals, step in _buckets(group, entries, [int(s) + 1 for s in counts]):
+        config = bucket.config
+        float64 = config.plan.param == torch.float64
+        scalars = optimizer._scalars(group, step, float if float64 else f32)
+        if inv_grad_scale != 1.0:
+            scalars = scalars._replace(inv_grad_scale=inv_grad_scale)
+        backend = float64_backend(group["backend"]) if float64 else backends[originals[0].device]
+        _check_finite(scalars, number, step)
+        if config.track:
+            bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
+        launch = backend.prepare(bucket, scalars)  # checks and compiles, offloaded or not
+        if offloader:
+            offloader.check(bucket)
+            launch = functools.partial(offloader.run, bucket, originals, backend, scalars,
+                                       group.get("offload_threads"))
+        plan.launches.append((bucket, launch))
+        launched.append((bucket, backend))
+    fresh = any(entry.original in plan.states or entry.original in plan.buffers for entry in entries)
+    plan.built.append((number, None if offloader or fresh else
+                       KeptLaunchMaterial(group, first_index, precision, entries, launched)))
+
+
+def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision, params: list,
+             offloader) -> list:
+    """Each param's :class:`ParamEntry`, its state found, converted or made aside."""
+    distributed = dtensor_type() is not None  # else no DTensor exists in this process
+    position = {id(p): first_index + i for i, p in enumerate(group["params"])}
+    ids = stream_ids(group, first_index)
+    flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
+    configs = {}  # param dtype -> config (one lookup per dtype, not per param)
+    entries = []
+    for original in params:
+        number = position[id(original)]
+        # complex params are updated as real views, like torch; a DTensor as its local shard
+        sharded = distributed and is_dtensor(original)
+        param = real_view(local(original) if sharded else original)
+        config = configs.get(param.dtype)
+        if config is None:
+            config = configs[param.dtype] = kernel_config(optimizer.algorithm, plan_for(precision, param.dtype),
+                                                          flags, track)
+        state = _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
+        counter = step_counter(state, number)
+        made = new_buffers(param, state, config, offloader)
+        if made:
+            plan.buffers[original] = wrapped(made, original)
+        plan.known[original] = (config, HOST if offloader else param.device, offloader is not None)
+        fresh = optimizer._fresh_flags(set(made))
+        grad_dtype = real_view(original.grad).dtype
+        if fresh or grad_dtype != config.grad:  # the launch's config (the state's is known above)
+            config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
+                                   config.track, grad_dtype)
+        # stochastic rounding numbers a shard's elements by their index in the whole param
+        offset = shard_offset(optimizer, original, number) if sharded and config.stochastic else 0
+        grad = real_view(local(original.grad) if sharded else original.grad)
+        entries.append(ParamEntry(param, grad, config, {**state, **made}, counter, number,
+                                  original, offset, ids[number - first_index]))
+    return entries
+
+
+def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config: KernelConfig, number: int,
+               offloader) -> dict:
+    """The param's state as the kernels see it (a DTensor's buffers as their local shards):
+    new at its first step, moved or converted when its configuration or home changed (the
+    new state recorded in ``plan.states``), else as it is."""
+    state = shards(optimizer.state.get(original)) if sharded else optimizer.state.get(original)
+    if not state:  # first step: a new state, installed in phase two
+        state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
+        return state
+    home = HOST if offloader else param.device
+    if optimizer._state_configs.get(original) == (config, home, offloader is not None):
+        return state
+    changed = False
+    if not state_is_on(state, home, offloader is not None):  # `offload` was edited
+        changed = True
+        state = state_moved(state, offloader.to_host if offloader else lambda value: value.to(param.device))
+    if not state_dicts.state_fits(state, config):
+        # offloaded: contiguous host state (the pipeline walks it in flat pieces)
+        like = param.detach().to(HOST).contiguous() if offloader else param
+        state, new_param = state_dicts.convert_state(config, state, like, number, type(optimizer).__name__)
+        if offloader:
+            state = state_moved(state, offloader.to_host)
+        changed = True
+        if new_param is not None:
+            plan.param_writes.append((param, new_param.to(param.device)))
+            if offloader:  # the host mirror takes the new bits too, not a stale read
+                plan.mirror_writes.append((original, new_param))
+    if changed:
+        plan.states[original] = wrapped(state, original)
+    return state
+
+
+def _buckets(group: dict, entries: list, steps: list) -> list:
+    """(bucket, original params, step number) of each set of entries sharing a device, a
+    kernel configuration and a step number, in first-seen order."""
+    buckets = {}
+    for entry, step in zip(entries, steps):
+        config = entry.config
+        key = (entry.param.device, config, step)
+        if key not in buckets:
+            buckets[key] = (Bucket(config, seed=group["seed"], step=step), [], step)
+        bucket, originals, _ = buckets[key]
+        bucket.append([entry.param, entry.grad] + [None if state_key is None else entry.state[state_key]
+                                                   for state_key in config.state_keys[2:]],
+                      entry.number, entry.offset, entry.stream)
+        originals.append(entry.original)
+    return list(buckets.values())
+
+
+def _check_finite(scalars, number: int, step: int) -> None:
+    bad = [name for name, value in zip(scalars._fields, scalars) if not math.isfinite(value)]
+    if bad:
+        raise ValueError(f"param group {number}: its hyper-parameters give non-finite "
+                         f"float32 {', '.join(bad)} at step {step}; lower lr or weight_decay")
+
+
+def params_with_grad(optimizer, group: dict, first_index: int = 0) -> list:
+    """The group's params that have grads; raises on grads the step cannot use (naming each
+    param by its index in the optimizer, as state dicts do)."""
+    params = []
+    distributed = dtensor_type() is not None  # else no DTensor exists in this process
+    name = type(optimizer).__name__
+    for index, param in enumerate(group["params"], start=first_index):
+        grad = param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise TypeError(f"{name} does not support sparse gradients "
+                            f"(param {index} has a {grad.layout} grad)")
+        grad_sharded = distributed and is_dtensor(grad)
+        if type(grad) is not torch.Tensor and not grad_sharded:  # (one C-level test for the common case)
+            check_known_tensor(grad, f"grad of param {index}")  # (a DTensor's local: staging checks it)
+        if distributed and (grad_sharded != is_dtensor(param) or grad_sharded and (
+                grad.placements != param.placements or grad.device_mesh != param.device_mesh)):
+            raise TypeError(f"grad of param {index} is {layout_name(grad)} but the param is {layout_name(param)}; "
+                            f"the update pairs each shard of a param with the same shard of its grad")
+        # float32 grads of 16-bit params are read as they are (float32 accumulation);
+        # complex params keep grads of their own dtype
+        dtype_ok = grad.dtype == param.dtype or (grad.dtype in grad_dtypes(param.dtype) and not param.is_complex())
+        if grad.shape != param.shape or not dtype_ok or grad.device != param.device:
+            raise ValueError(f"grad of param {index} ({tuple(grad.shape)}, {grad.dtype}, "
+                             f"{grad.device}) does not match the param "
+                             f"({tuple(param.shape)}, {param.dtype}, {param.device}); grads "
+                             f"have the param's shape, device and dtype (or float32 for a "
+                             f"bfloat16/float16 param)")
+        params.append(param)
+    return params
+
+
+def new_buffers(param: torch.Tensor, state: dict, config: KernelConfig, offloader=None) -> dict:
+    """The state buffers ``config`` needs that ``state`` lacks, made aside (not installed):
+    moments and Kahan compensation start at 0, a master copy as the param, a remainder
+    at 0 (a bf16 value is an exact float32 master with remainder 0)."""
+    made = {}
+    for _, role, dtype, key in config.present()[2:]:  # after param and grad
+        if key in state:
+            continue
+        copy = role.storage == "companion" and config.weights == "copy"  # the master starts as the param
+        if offloader is not None:  # in host memory (page-locked for CUDA params)
+            made[key] = offloader.host_like(param, dtype, param.detach() if copy else None)
+        elif copy:
+            made[key] = param.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
+        else:
+            made[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+    return made
+
+
+def shard_offset(optimizer, param, number: int) -> int:
+    """``distributed.global_offset`` of a DTensor param, cached while its placement holds."""
+    key = (param.placements, param.device_mesh, param.shape, local(param).shape)
+    offsets = optimizer._side_dict("_shard_offsets")
+    cached = offsets.get(param)
+    if cached is None or cached[0] != key:
+        cached = offsets[param] = (key, global_offset(param, f"param {number}"))
+    return cached[1]
+
+
+def step_counter(state: dict, number: int) -> torch.Tensor:
+    step = state.get("step")
+    if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex():
+        raise ValueError(f"state['step'] of param {number} must be a one-element tensor, got {step!r:.60}")
+    return step

@@ -1,0 +1,59 @@
+"""Where a param's tensors live and how the kernels see them: real views of complex
+params, local shards of DTensors, and state moved between devices.
+
+A leaf module: it imports nothing from bf16opt but ``distributed`` (itself a leaf), so the
+optimizer, the step planner and the state-dict code can all use it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .distributed import is_dtensor, local, wrap_like
+
+__all__ = ["HOST", "layout_name", "real_view", "shards", "state_is_on", "state_moved", "wrapped"]
+
+HOST = torch.device("cpu")
+
+
+def real_view(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A complex tensor as the real tensor of its (re, im) pairs (torch.optim's treatment of
+    complex params: the update acts on each part); other tensors as they are."""
+    return torch.view_as_real(tensor) if tensor is not None and tensor.is_complex() else tensor
+
+
+def shards(state: Optional[dict]) -> Optional[dict]:
+    """A param's state with every DTensor buffer as its local shard (what the backends update)."""
+    if not state or not any(is_dtensor(value) for value in state.values()):
+        return state
+    return {key: local(value) for key, value in state.items()}
+
+
+def wrapped(state: dict, param) -> dict:
+    """Local state buffers of ``param`` as DTensors sharded like it (``step`` stays a plain
+    tensor, as in torch.optim); unchanged for plain params."""
+    if not is_dtensor(param):
+        return state
+    return {key: value if key == "step" or not isinstance(value, torch.Tensor) else wrap_like(value, param)
+            for key, value in state.items()}
+
+
+def state_is_on(state: dict, device: torch.device, contiguous: bool) -> bool:
+    """True when every state buffer is on ``device`` (the step counter lives on the CPU), and
+    contiguous where asked (offloaded state is walked in flat pieces)."""
+    return all(value.device == device and (not contiguous or value.is_contiguous())
+               for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor))
+
+
+def state_moved(state: dict, move: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """``state`` with every buffer but the step counter passed through ``move``."""
+    return {key: value if key == "step" or not isinstance(value, torch.Tensor) else move(value)
+            for key, value in state.items()}
+
+
+def layout_name(tensor) -> str:
+    """How a tensor is laid out across ranks, for messages."""
+    return f"a DTensor placed {tuple(tensor.placements)} on {tensor.device_mesh}" if is_dtensor(tensor) \
+        else "a plain tensor"
