@@ -112,7 +112,7 @@ class _HostParam:
     def __init__(self, engine: CopyEngine, param: torch.Tensor):
         real = _real(local(param))  # a DTensor's host buffers hold its local shard
         self.mirror = engine.host_empty(real.shape, real.dtype)   # the param's value on the host
-        self.grad = engine.host_empty(real.shape, real.dtype)     # its grad's staging buffer (the grad's dtype)
+        self.grad = engine.host_empty(real.shape, real.dtype)     # the grad's staging buffer (its dtype)
         self.grad_ref = None          # weakref to the grad tensor last copied
         self.grad_version = None      # that grad's version counter at the copy
         self.grad_print = None        # and its fingerprint
@@ -348,7 +348,8 @@ class Offloader:
                 uploads.append(transfer)
         for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
             engine.publish([t for t in uploads])
-        for param, record, piece_sum in zip(params, records, prints):  # the mirror is what the param now holds
+        # the mirror is what the param now holds
+        for param, record, piece_sum in zip(params, records, prints):
             shard = local(param)
             record.mirror_version = shard._version
             record.mirror_print = None if not reads_param else \
