@@ -31,8 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import SGD, Adam, AdamW, Lion, __version__, memory_report
-from .compare_args import (DEFAULT_LR, DEFAULT_PRESETS, HEADS, RESULTS_JSON, Corpus, add_arguments, run,
-                           stdlib_corpus)
+from .cli import HEADS, RESULTS_JSON, Corpus, parse, stdlib_corpus
 from .memory import MemoryReport, format_table
 
 try:  # the live progress bar (bf16opt[plot]); plain progress lines without it
@@ -40,8 +39,7 @@ try:  # the live progress bar (bf16opt[plot]); plain progress lines without it
 except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
-__all__ = ["DEFAULT_LR", "DEFAULT_PRESETS", "OPTIMIZERS", "CharGPT", "Progress", "StepPeakMemory",
-           "add_arguments", "execute", "main", "run", "stdlib_corpus", "train"]
+__all__ = ["OPTIMIZERS", "CharGPT", "Progress", "StepPeakMemory", "execute", "main", "stdlib_corpus", "train"]
 
 OPTIMIZERS: dict[str, type[Adam | Lion | SGD]] = {"adamw": AdamW, "adam": Adam, "lion": Lion,
                                                    "sgd": SGD}
@@ -387,7 +385,7 @@ def plot(results: Sequence[dict[str, Any]], out: Path) -> Path | None:
 
 def execute(args: argparse.Namespace, corpus: Corpus) -> int:
     """The runs, the files and the tables of ``bf16opt compare``, with ``args`` and ``corpus``
-    that :func:`bf16opt.compare_args.run` has checked."""
+    that :func:`bf16opt.cli.parse` has checked."""
     presets: list[str] = args.presets
     data = torch.frombuffer(bytearray(corpus.text), dtype=torch.uint8)
     print(f"bf16opt compare: {args.optimizer}, {args.steps} steps, {len(presets)} presets, "
@@ -424,8 +422,5 @@ def execute(args: argparse.Namespace, corpus: Corpus) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``bf16opt compare ARGS`` (``argv`` without the command; default ``sys.argv[1:]``)."""
-    from .__main__ import main as cli
-
-    return cli(["compare", *(sys.argv[1:] if argv is None else argv)])
-
+    """``bf16opt compare ARGV`` from Python (``argv`` without the command; default ``sys.argv[1:]``)."""
+    return execute(*parse(["compare", *(sys.argv[1:] if argv is None else argv)]))

@@ -1,38 +1,25 @@
 """CPU offload: an offloaded group's optimizer state lives in host RAM and its update runs there.
 
-A param group with ``offload="cpu"`` keeps master weights, moments and compensation or
-remainder buffers in host memory (page-locked when the params are on a CUDA device); the
-param and its grad stay on their device.  The update is the same kernel call as without
-offload (the Numba backend, or the reference), on host buffers, so results are the same bits.
+A group with ``offload="cpu"`` keeps its master weights, moments and compensation or remainder
+buffers in host memory (page-locked for CUDA params); the param and its grad stay on their
+device.  The update is the same kernel call as without offload, on host buffers: the same bits.
 
-The pipeline of one step:
+One step's pipeline:
 
-1. **Grads leave during backward.**  A post-accumulate-grad hook per param starts the
-   device->host copy of its grad into a host staging buffer as soon as the grad is final,
-   so the copies hide behind the rest of backward.
-2. **step() re-checks.**  A staged grad is used only if it is still the param's grad, its
-   version counter has not moved and its fingerprint (the sum of its bit patterns, see
-   :func:`fingerprint`) is unchanged since the copy: clipping, GradScaler's ``unscale_``,
-   ``.data`` edits and collectives writing into grads are all seen; otherwise it is copied
-   again.  Params whose grad was
-   set without backward, or that had no hook when backward ran, are copied here too (such a
-   copy takes no fingerprint: the next step copies that grad again).  A param
-   whose device value changed since the host mirror was written (``model.load_state_dict``,
-   an EMA swap, ``p.data`` edits: its version counter or fingerprint moved) is read back
-   before an update that reads it.
-3. **Chunks overlap.**  The update runs in chunks of about ``chunk_elements`` elements: the
-   host kernels update chunk k while chunk k-1's new params travel host->device (and later
-   grads are still arriving).  Each chunk's kernel writes the new params straight into the
-   host mirror that is uploaded, with no extra pass over memory; a param's stochastic-rounding
-   element counter stays global to the param (``Bucket.offsets``), so chunking never changes
-   the bits.  On CPU params the uploaded params' fingerprints are summed from the mirror's
-   pieces while the kernel's output is in cache, rather than by another pass over the params.
-4. **Published before returning.**  When step() returns, the uploads are complete (CPU copy
-   engines) or ordered before any later work on the device's current stream (CUDA).
+1. **Grads leave during backward**: a post-accumulate-grad hook per param starts its grad's
+   device->host copy into a staging buffer, hidden behind the rest of backward.
+2. **step() re-checks**: a staged grad is used only while it is still the param's grad with the
+   same version counter and :func:`fingerprint` (clipping, ``unscale_``, ``.data`` edits and
+   collectives are seen); else, or without a hook, it is copied again.  A param changed on its
+   device since its host mirror was written (``load_state_dict``, an EMA swap) is read back.
+3. **Chunks overlap**: chunk k is updated while chunk k-1's new params travel host->device.
+   The kernels write straight into the uploaded host mirror, and stochastic rounding's element
+   counter stays global to the param, so chunking never changes the bits.
+4. **Published before returning**: the uploads are complete (CPU) or ordered before later work
+   on the device's current stream (CUDA).
 
-Device memory: no device staging at all (grads are read and params written in place).
-Host memory per param: the state, a mirror of the param and a grad staging buffer (in the
-grad's dtype: float32 grads of a 16-bit param are staged as float32, never rounded).
+Memory: no device staging; per param on the host, the state, a mirror and a grad staging buffer
+in the grad's dtype (float32 grads of a 16-bit param are never rounded).
 """
 
 from __future__ import annotations
@@ -50,8 +37,8 @@ from .offload_copies import CopyEngine, engine_for
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "Offloader", "check_offload", "use_copy_engine"]
 
 OFFLOAD_VALUES = (None, "cpu")
-#: elements per pipeline chunk: large enough that a kernel call's fixed cost (~50 us) is small,
-#: small enough that the first upload starts early (benchmarks/offload_step.py)
+#: elements per pipeline chunk: a kernel call's fixed cost stays small, yet the first upload
+#: starts early (figures: docs/performance.md, benchmarks/offload_step.py)
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -98,15 +85,13 @@ _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """The int64 sum of a tensor's bit patterns (on its device, no copy of the data).
 
-    Autograd's version counter misses some in-place changes: ``GradScaler.unscale_``
-    (``_amp_foreach_non_finite_check_and_unscale_``), edits through ``.data``, collectives
-    writing into grads (DDP's bucket views, a hand-written ``all_reduce``).  Any realistic
-    change of a tensor's values (scaling, clipping, averaging, an edit) changes this sum too,
-    so a staged copy is reused only when both agree."""
+    The version counter misses some in-place changes (``GradScaler.unscale_``, ``.data`` edits,
+    collectives writing into grads); any realistic change of the values changes this sum, so a
+    staged copy is reused only when both agree."""
     real = _real(tensor.detach())
     if real.is_contiguous() and real.numel():
-        # summed as 64-bit words (one vectorised pass, ~15x faster than widening 16-bit
-        # elements), the last few bytes on their own; wrapping is fine for a fingerprint
+        # summed as 64-bit words, one vectorised pass rather than widening each element
+        # (docs/performance.md); the tail bytes on their own; wrapping is fine here
         raw = real.reshape(-1).view(torch.uint8)
         words = raw.numel() // 8
         try:
@@ -127,7 +112,7 @@ class _HostParam:
     def __init__(self, engine: CopyEngine, param: torch.Tensor):
         real = _real(local(param))  # a DTensor's host buffers hold its local shard
         self.mirror = engine.host_empty(real.shape, real.dtype)   # the param's value on the host
-        self.grad = engine.host_empty(real.shape, real.dtype)     # its grad's staging buffer (the grad's dtype)
+        self.grad = engine.host_empty(real.shape, real.dtype)     # the grad's staging buffer (its dtype)
         self.grad_ref = None          # weakref to the grad tensor last copied
         self.grad_version = None      # that grad's version counter at the copy
         self.grad_print = None        # and its fingerprint
@@ -223,10 +208,9 @@ class Offloader:
         self._copy_grad(param, record, during_backward=True)
 
     def _copy_grad(self, param: torch.Tensor, record: _HostParam, during_backward: bool = False) -> None:
-        """Start the grad's copy into its staging buffer.  A copy started during backward takes
-        the grad's fingerprint, so that step() sees later changes (clipping, unscaling); one
-        started by step() itself needs none: nothing runs between it and the update, and
-        without a fingerprint the next step copies again rather than trust it."""
+        """Start the grad's copy into its staging buffer.  Only a copy started during backward
+        takes a fingerprint (later clipping or unscaling must be seen); without one, the next
+        step copies again rather than trust it."""
         if record.grad_transfer is not None:
             record.grad_transfer.wait()  # one copy into the staging buffer at a time
         grad = param.grad
@@ -239,10 +223,9 @@ class Offloader:
         record.grad_ref, record.grad_version = weakref.ref(grad), data._version
 
     def stage(self, params: list, reads_param: list) -> list:
-        """(mirror, grad buffer) per param for this step's update: a staged grad is reused only
-        if it is still the param's grad, with the same version counter and fingerprint, and is
-        copied again otherwise; the mirror is read back when the update reads the param and the
-        param changed on its device since the mirror matched it.  One host sync for all."""
+        """(mirror, grad buffer) per param for this step's update, after the checks of the
+        module docstring's step 2: stale grads copied again, changed params' mirrors read back.
+        One host sync for all."""
         records = [self.record(param) for param in params]
         checks = []  # (record position, kind, recorded fingerprint, current fingerprint)
         for k, (param, record, reads) in enumerate(zip(params, records, reads_param)):
@@ -329,8 +312,7 @@ class Offloader:
             chunks.append(current)
         uploads = []
         reads_param = bucket.config.weights != "copy"  # (a master copy wins over param edits)
-        # the fingerprint the param will have once uploaded, summed from the mirror's pieces
-        # while they are in cache, where that is the same sum (see _prints_from_mirror)
+        # the uploaded params' fingerprints, summed from the mirror's pieces while in cache
         from_mirror = [reads_param and self._prints_from_mirror(p, r) for p, r in zip(params, records)]
         prints = [None] * len(params)
         for chunk in chunks:
@@ -366,19 +348,17 @@ class Offloader:
                 uploads.append(transfer)
         for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
             engine.publish([t for t in uploads])
-        for param, record, piece_sum in zip(params, records, prints):  # the mirror is what the param now holds
+        # the mirror is what the param now holds
+        for param, record, piece_sum in zip(params, records, prints):
             shard = local(param)
             record.mirror_version = shard._version
             record.mirror_print = None if not reads_param else \
                 piece_sum if piece_sum is not None else fingerprint(shard)
 
     def _prints_from_mirror(self, param: torch.Tensor, record: _HostParam) -> bool:
-        """True when the sum of :func:`fingerprint` over the mirror's pieces equals the
-        fingerprint of the uploaded param, so the pipeline can take it from host memory the
-        kernel just wrote instead of another pass over the param.  That holds for CPU params
-        (on a CUDA device the pass is the GPU's, and nearly free) whose bytes are laid out like
-        the mirror's and 8-byte aligned, with every piece but the last a whole number of
-        8-byte words: then each piece's word sum is a part of the whole's."""
+        """Whether the mirror pieces' fingerprints sum to the uploaded param's, saving a pass over
+        the param: for contiguous, 8-byte aligned CPU params (on a GPU that pass is cheap) whose
+        pieces but the last are whole 8-byte words, so each piece's sum is part of the whole's."""
         shard = _real(local(param))
         return (shard.device.type == "cpu" and shard.is_contiguous() and shard.data_ptr() % 8 == 0
                 and record.mirror.data_ptr() % 8 == 0

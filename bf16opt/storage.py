@@ -16,9 +16,8 @@ same functions and must produce the same bits.
 
 Stochastic rounding (``encode_stochastic``) takes 16 random bits per element and buffer from
 a counter-based hash, never from a stateful generator, so every backend, thread count and
-launch shape draws the same bits.  One hash gives two buffers their bits (the kernels of
-AdamW, Lion and SGD ``bf16-sr`` took 0.89-0.93x the time of a hash per buffer, on an
-AVX-512 Xeon: docs/performance.md):
+launch shape draws the same bits.  One hash gives two buffers their bits: half the hashing
+of one per buffer (figures: docs/performance.md):
 
 * ``fmix32`` is MurmurHash3's 32-bit finaliser; all arithmetic is modulo 2**32.
 * buffers pair up into streams: buffer ``b`` (``WEIGHTS``, ``EXP_AVG``, ``EXP_AVG_SQ``,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import bf16opt
-from bf16opt import compare
+from bf16opt import cli, compare
 from bf16opt.__main__ import main
 
 TINY = ["--steps", "4", "--width", "16", "--layers", "1", "--batch", "4", "--block", "16",
@@ -188,7 +188,7 @@ def test_bad_argument_from_the_command_line(tmp_path):
     assert len(err) == 1 and err[0].startswith("bf16opt compare: error: argument --presets: unknown preset "
                                                "'bogus'"), err
     assert not out.exists()
-    assert "bf16opt.compare_args" in imported and heavy(imported) == set()
+    assert "bf16opt.cli" in imported and heavy(imported) == set()
 
 
 def test_version_imports_no_torch(tmp_path):
@@ -198,14 +198,12 @@ def test_version_imports_no_torch(tmp_path):
 
 
 def test_torch_free_names_match_the_torch_side():
-    """compare_args names presets and optimizers without importing torch: the same names, in the
+    """bf16opt.cli names presets and optimizers without importing torch: the same names, in the
     same order, as bf16opt.PRESETS and compare.OPTIMIZERS."""
-    from bf16opt import compare_args
-
-    assert compare_args.PRESET_NAMES == tuple(bf16opt.PRESETS)
-    assert tuple(compare_args.DEFAULT_LR) == tuple(compare.OPTIMIZERS)
-    assert set(compare_args.DEFAULT_PRESETS) <= set(bf16opt.PRESETS)
-    assert (compare.__doc__ or "").splitlines()[0].endswith(": " + compare_args.SUMMARY)
+    assert cli.PRESET_NAMES == tuple(bf16opt.PRESETS)
+    assert tuple(cli.DEFAULT_LR) == tuple(compare.OPTIMIZERS)
+    assert set(cli.DEFAULT_PRESETS) <= set(bf16opt.PRESETS)
+    assert (compare.__doc__ or "").splitlines()[0].endswith(": " + cli.SUMMARY)
 
 
 def test_public_names_resolve_on_first_access():
@@ -342,7 +340,7 @@ def test_run_writes_csvs_plot_json_and_prints_both_tables(tmp_path, corpus, caps
     # every preset runs under the same torch schedule: the peak, then the cosine decay
     schedules = [[float(r["lr"]) for r in csv.DictReader((out / row["csv"]).open())]
                  for row in results["loss"]]
-    assert schedules[0] == schedules[1] and schedules[0][0] == compare.DEFAULT_LR["adamw"]
+    assert schedules[0] == schedules[1] and schedules[0][0] == cli.DEFAULT_LR["adamw"]
     assert all(a >= b for a, b in zip(schedules[0], schedules[0][1:]))
     assert schedules[0][-1] < schedules[0][0] / 2
     pytest.importorskip("matplotlib", reason="matplotlib (bf16opt[plot]) draws loss_comparison.png")
@@ -380,7 +378,7 @@ def test_sgd_with_momentum(tmp_path, corpus, capsys, no_plot):
     assert "| momentum_buffer | 4.00 (fp32) | 2.00 (bf16) |" in printed
     assert "| exp_avg_sq |" not in printed
     rows = list(csv.DictReader((tmp_path / "out" / "loss_bf16.csv").open()))
-    assert float(rows[0]["lr"]) == pytest.approx(compare.DEFAULT_LR["sgd"])
+    assert float(rows[0]["lr"]) == pytest.approx(cli.DEFAULT_LR["sgd"])
     assert all(0 < float(r["loss"]) < 10 for r in rows)
 
 
@@ -455,15 +453,13 @@ def readme_commands() -> list[list[str]]:
 def test_readme_shows_the_commands_and_each_one_parses(tmp_path, monkeypatch):
     """The README's examples: --version, --help, a run on the user's own text (--corpus) with
     --json; every one is accepted by the parser (files it names are made here)."""
-    from bf16opt.__main__ import build_parser
-
     commands = readme_commands()
     flat = [" ".join(command) for command in commands]
     for shown in ("bf16opt --version", "bf16opt compare --help"):
         assert shown in flat
     assert any("--corpus" in command and "--json" in command for command in commands)
     monkeypatch.chdir(tmp_path)
-    parser, _ = build_parser()
+    parser, _ = cli.build_parser()
     for command in commands:
         if "--corpus" in command:
             (tmp_path / command[command.index("--corpus") + 1]).write_text(TEXT)

@@ -1,23 +1,26 @@
-"""``bf16opt compare``'s command line: its options, their checks and the default corpus.
+"""The ``bf16opt`` command line's parser and checks: ``bf16opt compare ...``, ``bf16opt --version``.
 
-Importing this module imports no torch (nor numba): a bad argument is reported, with exit
-status 2 and one line naming it, before the seconds torch takes to import.  ``run`` imports
-:mod:`bf16opt.compare` (torch, the model, the training) once every check has passed.
+Imports no torch (nor numba): a bad argument is reported before the seconds torch takes to
+import, with exit status 2 and one line on stderr, ``PROG: error: argument --NAME: ...``.
+:func:`parse` returns arguments that passed every check; :mod:`bf16opt.__main__` runs them.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
+
+from . import __version__
 
 __all__ = ["BACKENDS", "DEFAULT_LR", "DEFAULT_PRESETS", "HEADS", "PRESET_NAMES", "RESULTS_JSON", "SUMMARY",
-           "Corpus", "add_arguments", "check", "run", "stdlib_corpus"]
+           "Corpus", "Parser", "add_arguments", "build_parser", "check", "parse", "stdlib_corpus"]
 
 SUMMARY = "train one small language model per precision preset, side by side."
 #: the names of ``bf16opt.PRESETS``, in its order, without importing torch (a test keeps them equal)
@@ -48,6 +51,14 @@ def stdlib_corpus(max_bytes: int = 4_000_000) -> bytes:
 
 
 # ---------------------------------------------------------------- arguments
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error reported on one line (no usage dump): the line names the
+    argument and ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 Number = TypeVar("Number", int, float)
 
 
@@ -182,12 +193,29 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Corpus:
     return corpus
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``bf16opt compare`` with parsed ``args``; ``parser`` reports argument errors (exit 2).
-    Torch is imported only after every check has passed."""
+# ---------------------------------------------------------------- the command line
+def build_parser() -> tuple[Parser, dict[str, Parser]]:
+    """The ``bf16opt`` parser and its sub-command parsers by name."""
+    parser = Parser(prog="bf16opt", description="Optimizers with bf16/fp16/fp32 master weights and states: "
+                                                "the command-line jobs.")
+    parser.add_argument("--version", action="version", version=f"bf16opt {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    compare_parser = commands.add_parser(
+        "compare", help="train a small language model once per precision preset and compare",
+        description=SUMMARY,
+        epilog="example: bf16opt compare --presets fp32,bf16,bf16-sr --steps 200 --corpus my_text.txt "
+               "--out runs/mine --json")
+    add_arguments(compare_parser)
+    return parser, {"compare": compare_parser}
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Corpus]:
+    """``bf16opt ARGV``'s arguments (default ``sys.argv[1:]``) once every check has passed, and
+    the text to train on; a usage error exits with status 2 and one line on stderr."""
+    parser, commands = build_parser()
+    args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if unknown:  # reported by the sub-command whose options they are not
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
-    corpus = check(args, parser)
-    from . import compare
-
-    return compare.execute(args, corpus)
+    return args, check(args, commands[args.command])
