@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import SGD, Adam, AdamW, Lion, __version__, memory_report
-from .cli import HEADS, RESULTS_JSON, Corpus, parse, stdlib_corpus
+from .cli import HEADS, RESULTS_JSON, Corpus
 from .memory import MemoryReport, format_table
 
 try:  # the live progress bar (bf16opt[plot]); plain progress lines without it
@@ -39,7 +39,7 @@ try:  # the live progress bar (bf16opt[plot]); plain progress lines without it
 except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
-__all__ = ["OPTIMIZERS", "CharGPT", "Progress", "StepPeakMemory", "execute", "main", "stdlib_corpus", "train"]
+__all__ = ["OPTIMIZERS", "CharGPT", "Progress", "StepPeakMemory", "execute", "train"]
 
 OPTIMIZERS: dict[str, type[Adam | Lion | SGD]] = {"adamw": AdamW, "adam": Adam, "lion": Lion,
                                                    "sgd": SGD}
@@ -420,7 +420,3 @@ def execute(args: argparse.Namespace, corpus: Corpus) -> int:
           + ("" if figure else " (install matplotlib, bf16opt's [plot] extra, for loss_comparison.png)"))
     return 1 if any(math.isnan(r["final"]) for r in results) else 0
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``bf16opt compare ARGV`` from Python (``argv`` without the command; default ``sys.argv[1:]``)."""
-    return execute(*parse(["compare", *(sys.argv[1:] if argv is None else argv)]))

@@ -5,7 +5,7 @@ launch's step (its chunk table's grad column pointed, its stream keys made, its 
 
 What for: a step over ~150 small params would spend more time in these per-tensor calls
 (``torch._foreach_add_`` falls back to a loop on CPU) than in its update; and every call,
-compiled or numpy, costs tens of µs when the caches are cold after a kernel's stream (a step
+compiled or numpy, is costly when the caches are cold after a kernel's stream (a step
 over one large param), so the step cache's checks are one call, and so is its kernel call.  The step cache
 (``bf16opt/step_cache.py``) checks the counters' identities and addresses before it
 passes them here.
@@ -118,7 +118,7 @@ def bump_versions(tensors, places):
 @cached_njit(nogil=True)
 def relaunch(serial, address, table, scalars, keys, row_counts, bounds, grad_column, grad_of_row, row_bytes,
              grad_addresses, seed_words, step, streams, counters, steps, written, places):
-    """A kept launch's step in one compiled call (each costs tens of µs with cold caches):
+    """A kept launch's step in one compiled call (each call is costly with cold caches):
     the step counters at ``counters`` advanced (:func:`advance_counters`) and the version
     counters of the tensors ``written`` (:func:`bump_versions` with ``places``) -- a group's
     first kernel call does both for all of its tensors, the others get none --, its grad
@@ -334,8 +334,8 @@ def read_addresses(reader, tensors, out):
 
 @cached_njit()
 def launch_holds(reader, tensors, expected, counters, steps, grads, grad_addresses, sized, threads):
-    """The step cache's checks of a kept launch in one call (each compiled call costs tens of
-    µs when the caches are cold, as they are after a backward pass): True when Numba's
+    """The step cache's checks of a kept launch in one call (each compiled call is costly when
+    the caches are cold, as they are after a backward pass): True when Numba's
     thread count is ``threads``, the tensor whose ``id`` is ``tensors[i]`` has its data at
     ``expected[i]`` for every ``i``, and the float64 at each ``counters[i]`` is ``steps[i]``
     (the counters are among the tensors: read only once their addresses held); the grads'
@@ -481,7 +481,7 @@ def kernel_scalars(scalars, inv_grad_scale, sign, values):
 @cached_njit()
 def checked_relaunch(record, grads, step, scalars, inv_grad_scale, sign, serial, bounds):
     """A kept launch's whole step in one compiled call, where it is its optimizer's only
-    kernel call (each call costs tens of µs with the caches cold): :func:`launch_forms_hold`'s
+    kernel call (each call is costly with the caches cold): :func:`launch_forms_hold`'s
     checks, with the counter at ``steps[first]`` one below ``step``, the step's scalars
     (:func:`kernel_scalars`), and, only when all of that holds, :func:`relaunch` with the
     chunk function at ``addresses[unit]`` -- ``unit``: the grad scale times the sign is 1, and

@@ -222,10 +222,11 @@ def test_public_names_resolve_on_first_access():
         bf16opt.Adamw  # noqa: B018
 
 
-def test_compare_main_is_the_compare_sub_command(capsys):
-    """bf16opt.compare.main(ARGS) is ``bf16opt compare ARGS`` (the same parser and messages)."""
+def test_main_with_a_command_is_that_sub_command(capsys):
+    """bf16opt.__main__.main(["compare", *ARGS]) is ``bf16opt compare ARGS`` (the same parser and messages)."""
+    from bf16opt.__main__ import main
     with pytest.raises(SystemExit) as exit_info:
-        compare.main(["--steps", "0"])
+        main(["compare", "--steps", "0"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == \
         "bf16opt compare: error: argument --steps: must be an integer >= 1, got '0'\n"
@@ -288,7 +289,7 @@ def test_piped_run_has_no_carriage_returns(tmp_path, corpus):
     # `python -m bf16opt compare ARGS` without the figure (importing matplotlib and drawing would
     # be most of the run; the figure is tested in-process)
     script = ("import sys; from bf16opt import compare; compare.plot = lambda results, out: None; "
-              "sys.exit(compare.main(sys.argv[1:]))")
+              "from bf16opt.__main__ import main; sys.exit(main(['compare', *sys.argv[1:]]))")
     result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
                             cwd=tmp_path)  # bytes: any "\r" stays visible
     stdout, stderr = result.stdout.decode(), result.stderr.decode()

@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from bf16opt import compare
-from bf16opt.compare import main, stdlib_corpus
+from bf16opt.__main__ import main as cli_main
+from bf16opt.cli import stdlib_corpus
+
+
+def main(argv: list) -> int:
+    return cli_main(["compare", *argv])
 
 TINY = ["--steps", "4", "--width", "16", "--layers", "1", "--batch", "4", "--block", "16", "--no-progress"]
 

@@ -297,7 +297,7 @@ class Relaunch:
         (float64), each rounded to float32 here once, as ``f32`` rounds each in a full step;
         ``inv_grad_scale``: the step's (a float32)."""
         values = _values(self.config, (*scalars[:-1], inv_grad_scale), self.sign)
-        rounded = values.tolist()  # (Python floats: numpy's ufuncs cost tens of µs with cold caches)
+        rounded = values.tolist()  # (Python floats: numpy's ufuncs are slow with cold caches)
         if not all(map(math.isfinite, rounded)):
             return None
         return self.address(unit_scalars(self.config, rounded)), values, step
@@ -316,7 +316,7 @@ class Relaunch:
         """The kernel call with the grads at ``grad_addresses`` (int64, indexed by the
         ``grad_positions`` given at construction) and :meth:`arguments`' answer: the grad
         column pointed, the stream keys made and the chunks run in one compiled call
-        (``step_helpers.relaunch``; each call costs tens of µs with the caches cold), under
+        (``step_helpers.relaunch``: each call is costly with the caches cold), under
         the process-wide lock as :func:`_call`; first, the float64 step counters at
         ``counters`` advanced, and their kept copy ``steps`` (the step cache's, of a group's
         params: given to the group's first kernel call, in the same compiled call), and the
