@@ -5,8 +5,8 @@ A full step (``step_plan.py``) checks each param, grad and state tensor, works o
 param's KernelConfig, groups the params into buckets and builds each bucket's chunk table.
 From one training step to the next none of that changes but the grads (new tensors after
 ``zero_grad``), the step number and the scalars.  After a full step of a group that
-qualifies, :func:`build` keeps its buckets' kernel calls (``backends/numba.py``'s
-``Relaunch``); at the next step :meth:`GroupLaunch.prepare` checks that everything they were
+qualifies, :func:`build` keeps its buckets' kernel calls (the ``Relaunch`` of
+``backends/numba.py`` or ``backends/cupy.py``); at the next step :meth:`GroupLaunch.prepare` checks that everything they were
 built from still holds -- the group's params, settings and first index; each param's and
 state tensor's form and address; which params have grads and each grad's form; each state
 dict's keys and values; the step counters (one more than after the last step, below 2**53);
@@ -20,9 +20,9 @@ An optimizer whose only group has a launch of one kernel call, checked through t
 shim, runs both phases in one compiled call (:meth:`GroupLaunch.step_in_one_call`), as each
 call into compiled code is costly with the caches cold after a step (docs/performance.md).
 
-Qualifies: a group updated by the numba backend (not offloaded), of plain real tensors, without
-precision telemetry, whose full step made or converted no state, whose step counters are
-float64, and whose tensors are all addressed in place (no staging copies).
+Qualifies: a group updated by a kernel backend (numba or cupy: its ``relaunch``; not offloaded),
+of plain real tensors, without precision telemetry, whose full step made or converted no state,
+whose step counters are float64, and whose tensors are all addressed in place (no staging copies).
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ class GroupLaunch:
         # the addresses of the arrays above and the relaunch's, and an array the grads'
         # addresses are read into (the call uses them and returns)
         self.grad_addresses_read = np.empty(len(grads), dtype=np.int64)
-        one_call = len(relaunches) == 1 and bool(self.compiled_bump)
+        one_call = len(relaunches) == 1 and bool(self.compiled_bump) \
+            and hasattr(relaunches[0][0], "one_call_record")  # (numba's launches)
         self.one_call_record = None if not one_call else relaunches[0][0].one_call_record(
             shim=self.shim, dicts=self.dicts, versions=self.expected_versions, tensors=self.ids,
             starts=self.form_starts, forms=self.forms_read, counters=self.counter_addresses, steps=self.steps,
@@ -326,7 +327,7 @@ def build(optimizer, material) -> Optional[GroupLaunch]:
     ``step_plan.KeptLaunchMaterial`` (the entries of the params with grads, in group order,
     and the (bucket, backend) of each kernel call)."""
     group, first_index, precision, entries, buckets = material
-    if any(backend is not numba_backend for _, backend in buckets):
+    if any(getattr(backend, "relaunch", None) is None for _, backend in buckets):  # (the reference's)
         return None
     if not all(entry.param is entry.original and type(entry.original) in _PLAIN
                and type(entry.grad) in _PLAIN for entry in entries):
@@ -339,9 +340,9 @@ def build(optimizer, material) -> Optional[GroupLaunch]:
         return None
     position = {id(param): k for k, param in enumerate(updated)}
     relaunches = []
-    for bucket, _ in buckets:
+    for bucket, backend in buckets:
         positions = [position[id(param)] for param in bucket.params]
-        relaunch = numba_backend.relaunch(bucket, positions)
+        relaunch = backend.relaunch(bucket, positions)
         if relaunch is None:
             return None
         relaunches.append((relaunch, positions[0]))

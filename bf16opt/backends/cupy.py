@@ -386,3 +386,102 @@ def run(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch], No
         **plan_options) -> None:
     """Prepare and launch one bucket (see :func:`prepare`)."""
     prepare(bucket, scalars, execute, **plan_options)()
+
+
+# ---------------------------------------------------------------- a launch kept between steps
+_NO_COUNTERS = np.zeros(0, dtype=np.int64)
+_NO_STEPS = np.zeros(0, dtype=np.float64)
+_NO_PLACES = np.zeros(3, dtype=np.int64)
+
+
+class Relaunch:
+    """A bucket's launch kept for later steps by the optimizer's step cache (``step_cache.py``):
+    the kernel, the chunk table (on the device, uploaded again only when a grad's address
+    changed) and the launch's fixed arguments; per step, the scalars and the step number are
+    kernel arguments.  Valid while the other tensors keep their addresses and the grads their
+    forms (the cache checks); made by :func:`relaunch`."""
+
+    def __init__(self, bucket: Bucket, prepared: PreparedLaunch, grad_positions: list, execute):
+        self.config = bucket.config
+        self.prepared = prepared
+        self.execute = execute
+        self.n_kept = prepared.plan.n_tensors
+        # the table's grad column (role 1), and which grad of the group's each of its entries is
+        self.grad_slice = slice(self.n_kept, 2 * self.n_kept)
+        self.grad_of_column = np.asarray(grad_positions, dtype=np.int64)[list(prepared.plan.columns)]
+        self.table = prepared.plan.table.copy()
+        self.helpers = None
+        self.device_table = None
+        self.kernel = None
+        if execute is None:
+            device = bucket.params[0].device
+            self.device = torch.device("cuda", device.index if device.index is not None
+                                       else torch.cuda.current_device())
+            self.kernel = load_kernel(self.device.index, prepared.kind, prepared.expression)
+
+    def arguments(self, scalars, inv_grad_scale: float, step: int) -> "tuple | None":
+        """A step's kernel scalars (each rounded to float32 once, ``inv_grad_scale`` last) and
+        its step number, for :meth:`run`; None when a scalar is not a finite float32."""
+        values = tuple(np.float32(value) for value in (*scalars[:-1], inv_grad_scale))
+        if not all(map(np.isfinite, values)):
+            return None
+        return values, step
+
+    def run(self, grad_addresses: np.ndarray, values: tuple, step: int, counters: np.ndarray = _NO_COUNTERS,
+            steps: np.ndarray = _NO_STEPS, written: np.ndarray = _NO_COUNTERS,
+            places: np.ndarray = _NO_PLACES) -> None:
+        """The launch with the grads at ``grad_addresses`` (indexed by the ``grad_positions``
+        given at construction); first, the float64 step counters at ``counters`` advanced with
+        their kept copy ``steps``, and the version counters of the objects whose ids are
+        ``written`` bumped (a group's first launch does both for all of its tensors)."""
+        if counters.size or written.size:
+            helpers = self.helpers or _step_helpers(self)
+            helpers.advance_counters(counters, steps)
+            helpers.bump_versions(written, places)
+        grads = grad_addresses[self.grad_of_column]
+        if self.device_table is None or not np.array_equal(grads, self.table[self.grad_slice]):
+            self.table[self.grad_slice] = grads
+            self.device_table = None
+        prepared = self.prepared._replace(scalars=values, step=step)
+        if self.execute is not None:
+            self.execute(prepared._replace(plan=prepared.plan._replace(table=self.table)))
+            self.device_table = self.table  # (the emulation reads the host table: nothing to upload)
+            return
+        self._launch_on_gpu(prepared)
+
+    def _launch_on_gpu(self, prepared: PreparedLaunch) -> None:
+        import cupy
+
+        stream = torch.cuda.current_stream(self.device)
+        if self.device_table is None:  # a new table tensor: the last launch may still read the old one
+            self.device_table = torch.from_numpy(self.table).pin_memory().to(self.device, non_blocking=True)
+        plan = prepared.plan
+        args = (np.uint64(self.device_table.data_ptr()), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
+                np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step), np.uint64(0),
+                np.int32(prepared.flags)) + prepared.scalars
+        with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+            self.kernel((plan.grid,), (plan.block,), args)
+
+
+def _step_helpers(relaunch: Relaunch):
+    """Numba's compiled bookkeeping helpers (step counters, version counters), loaded once."""
+    from . import numba as numba_backend
+
+    relaunch.helpers = numba_backend.helpers()
+    return relaunch.helpers
+
+
+def relaunch(bucket: Bucket, grad_positions: list, execute: Optional[Callable[[PreparedLaunch], None]] = None,
+             **plan_options) -> "Relaunch | None":
+    """``bucket``'s launch for reuse, or None when it cannot be reused: telemetry (fresh counts
+    every step), shards (element offsets), tensors staged through copies (new every step), or
+    only empty tensors.  ``bucket`` has passed :func:`prepare`'s checks; ``execute`` as there."""
+    config = bucket.config
+    if config.track or bucket.offsets:
+        return None
+    scalars = config.algorithm.scalars(*([0.0] * len(config.algorithm.scalars._fields)))
+    prepared = prepare_launch(bucket, scalars, **plan_options)
+    if prepared is None or any(copy is not tensor for column, copies in zip(bucket.tensors, prepared.staged.tensors)
+                               for tensor, copy in zip(column, copies)):
+        return None
+    return Relaunch(bucket, prepared, grad_positions, execute)
