@@ -339,7 +339,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--log2-params", type=int, default=None,
                         help="size of the 'one' and '64' shapes (default 27; 14 with --dry-run)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    parser.add_argument("--rows", default="", help="only rows whose name contains one of these (comma-separated)")
+    parser.add_argument("--rows", default="",
+                        help="only rows whose name contains one of these (comma-separated)")
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per figure (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--no-track", action="store_true", help="skip the track_precision=True steps")
@@ -402,9 +403,9 @@ def main(argv=None) -> int:
         for row in rows:
             results.append(measure(bench, row, shape_name, shapes, track=not args.no_track))
             r = results[-1]
-            print(f"  {shape_name:8s} {row.name:34s} limit {r['limit_ms']:8.3f}  bf16opt {r['bf16opt_ms']:8.3f}"
-                  f"  torch {r['torch_fused_ms'] if r['torch_fused_ms'] is not None else float('nan'):8.3f}",
-                  flush=True)
+            peer = r["torch_fused_ms"] if r["torch_fused_ms"] is not None else float("nan")
+            print(f"  {shape_name:8s} {row.name:34s} limit {r['limit_ms']:8.3f}  "
+                  f"bf16opt {r['bf16opt_ms']:8.3f}  torch {peer:8.3f}", flush=True)
             if args.out is not None:  # after each figure: a run cut short keeps what it measured
                 write(args.out, title, args, with_ratios(results))
     print("\n" + table(with_ratios(results), title))

@@ -1,13 +1,12 @@
 """backend="auto" on CUDA params without a usable CuPy: the reference runs, and says so once.
 
-No GPU needed: ``torch.device("cuda")`` can be named without one, CuPy's absence is faked by
-hiding the module, and the optimizer's params stay on the CPU while its backend lookup is
+No GPU needed: ``torch.device("cuda")`` can be named without one, CuPy's absence is faked at
+the adapter's import check, and the optimizer's params stay on the CPU while its backend lookup is
 asked about a CUDA device (the reference backend runs on either).
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import pytest
@@ -24,8 +23,11 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture
 def no_cupy(monkeypatch):
-    """CuPy cannot be imported, and no fallback has been warned about in this process yet."""
-    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy now raises ImportError
+    """CuPy cannot be imported (the adapter's import check says so: hiding the module from
+    sys.modules would also break torch's lazy imports, which scan it), and no fallback has
+    been warned about in this process yet."""
+    monkeypatch.setattr(cupy_backend, "_import_problem",
+                        lambda: f"CuPy is not installed (No module named 'cupy'); {cupy_backend.INSTALL_HINT}")
     monkeypatch.setattr(backends, "_warned", set())
 
 

@@ -133,7 +133,8 @@ def sample_compiled(request):
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         stored = list(pool.map(gpu_sample.compile_for_the_loader, *zip(*[(k, e, arch) for k, e in jobs])))
     if reporter is not None and not all(stored):
-        reporter.write_line(f"NVRTC cache not writable ({cuda_compile.cache_dir()}): each test compiles its kernel")
+        reporter.write_line(f"NVRTC cache not writable ({cuda_compile.cache_dir()}): "
+                            f"each test compiles its kernel")
 
 
 @pytest.mark.parametrize("config", CONFIGS["adam"], ids=config_id)

@@ -463,5 +463,6 @@ def test_one_process_fully_shard_equals_the_unsharded_run(one_process_group):
                 opt.step()
         if device == "cuda":
             torch.cuda.synchronize()
-        failures += [f"{opt_class.__name__} {preset}: {what}" for what in _same_shards(single, opts[0], sharded, opts[1])]
+        failures += [f"{opt_class.__name__} {preset}: {what}"
+                     for what in _same_shards(single, opts[0], sharded, opts[1])]
     assert failures == []

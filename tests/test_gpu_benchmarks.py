@@ -70,7 +70,8 @@ def test_dry_run_writes_every_row_and_its_ratios(tmp_path):
                "Lion,SGD", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     figures = json.loads((tmp_path / "gpu_step.json").read_text())
-    assert figures["dry_run"] and sorted(p.name for p in tmp_path.iterdir()) == ["gpu_step.json", "gpu_step.md"]
+    assert figures["dry_run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_step.json", "gpu_step.md"]
     results = {(r["row"], r["shape"]): r for r in figures["results"]}
     rows = ["Lion bf16-sr", "SGD momentum bf16-kahan"]
     assert set(results) == {(row, shape) for row in rows for shape in ("one", "64", "gpt2", "one-gpt2")}
@@ -102,7 +103,8 @@ def test_limit_arrays_follow_the_state():
     state = {"step": torch.tensor(1.0), "remainder": torch.zeros(16, dtype=torch.int16),
              "exp_avg": torch.zeros(16), "exp_avg_sq": torch.zeros(16)}
     arrays = gpu_step.limit_arrays(params, state)
-    assert [a.dtype for a in arrays] == [torch.bfloat16, torch.bfloat16, torch.int16, torch.float32, torch.float32]
+    assert [a.dtype for a in arrays] == [torch.bfloat16, torch.bfloat16, torch.int16,
+                                         torch.float32, torch.float32]
     assert {a.numel() for a in arrays} == {24}
 
 

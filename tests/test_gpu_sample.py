@@ -81,8 +81,8 @@ def test_settings_from_the_environment():
 def test_compiling_ahead_fills_the_cache_the_loader_reads(tmp_path, monkeypatch):
     """What the GPU module compiles in worker processes is the entry cupy.load_kernel reads
     (same source, name, options, file name), so a test then loads instead of compiling."""
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy: pip install cupy-cuda13x "
-                                                                "nvidia-cuda-nvrtc")
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
+                        reason="NVRTC comes with CuPy: pip install cupy-cuda13x nvidia-cuda-nvrtc")
     from bf16opt.backends import cuda_compile
 
     monkeypatch.setenv("BF16OPT_CACHE_DIR", str(tmp_path))
@@ -122,4 +122,5 @@ class FakeCupy:
     def __init__(self):
         import types
 
-        self.cuda = types.SimpleNamespace(Device=self._Device, function=types.SimpleNamespace(Module=self._Module))
+        function = types.SimpleNamespace(Module=self._Module)
+        self.cuda = types.SimpleNamespace(Device=self._Device, function=function)
