@@ -2,17 +2,26 @@
 
 Runs automatically when torch sees a CUDA device and CuPy imports; skipped with the
 reason otherwise.  The oracle is the reference backend on CPU copies, the same oracle
-the CPU emulation tests use; every instantiation (quality plans and telemetry
-included) of every algorithm with every run-time flag, over consecutive steps, on
-buckets from ``tests/buckets.py`` (NaN/inf/subnormal gradients, transposed, strided and
+the CPU emulation tests use; kernel instantiations (quality plans and telemetry
+included) of every algorithm with run-time flags, over consecutive steps, on buckets
+from ``tests/buckets.py`` (NaN/inf/subnormal gradients, transposed, strided and
 channels_last tensors, views at odd offsets so chunks take the vector path, its tail or
 the misaligned path) copied to the GPU with their strides and offsets.
+
+All of them (over 1,500 cases) would take hours; each run checks a sample drawn from a
+seed that changes daily (``tests/gpu_sample.py``: every preset of every algorithm, plus
+random instantiations; ``BF16OPT_GPU_SAMPLE_SEED`` repeats a run, ``BF16OPT_GPU_SAMPLE=all``
+checks everything).  The seed is printed, and named in every failure.  The sample's
+kernels are compiled first, side by side in worker processes, into the on-disk NVRTC
+cache that the adapter's loader then reads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
-import itertools
+import multiprocessing
+import os
 import zlib
 
 import pytest
@@ -20,7 +29,9 @@ import torch
 
 import bf16opt
 from bf16opt.algorithms import ALGORITHMS, kernel_config
+from bf16opt.backends import cuda_compile
 from bf16opt.backends import cupy as cuda_backend
+from bf16opt.precision import as_precision, plan_for
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
@@ -28,30 +39,15 @@ if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install cupy-cuda12x or cupy-cuda13x",
                 allow_module_level=True)
 
+import gpu_sample  # noqa: E402
 from buckets import bucket_to, make_bucket, run_both, sgd_group  # noqa: E402
+from gpu_sample import config_id  # noqa: E402
 
+SEED = gpu_sample.sample_seed()
+EXTRA = gpu_sample.sample_size()
+CONFIGS = {kind: gpu_sample.sample(kind, SEED, EXTRA) for kind in ALGORITHMS}
+OPTIMIZER_DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16]  # of the optimizer cases
 
-def instantiations(kind: str) -> list:
-    """Every kernel the adapter can request for ``kind`` crossed with the algorithm's
-    run-time flags (SGD's nesterov and first only where a momentum buffer exists)."""
-    algorithm = ALGORITHMS[kind]
-    configs = []
-    for name, config in cuda_backend.kernel_configs(kind).items():
-        for values in itertools.product((False, True), repeat=len(algorithm.runtime_flags)):
-            runtime = dict(zip(algorithm.runtime_flags, values))
-            if kind == "sgd" and not config.flag("momentum") and (runtime["nesterov"] or runtime["first"]):
-                continue
-            flags = {**dict(config.flags), **runtime}
-            configs.append(kernel_config(algorithm, config.plan, tuple(flags.items()), config.track))
-    return configs
-
-
-def config_id(config) -> str:
-    extra = "".join(f",{name}" for name in config.algorithm.runtime_flags if config.flag(name))
-    return cuda_backend.kernel_name(config).replace("bf16opt::", "").replace(" ", "") + extra
-
-
-CONFIGS = {kind: instantiations(kind) for kind in ALGORITHMS}
 
 # shapes and layouts of a bucket: 1-d of odd sizes, a transposed matrix, a strided view,
 # a channels_last conv weight
@@ -75,6 +71,7 @@ def group_for(config) -> dict:
 
 
 def run_on_gpu(config, seed, shapes, layouts=None, steps=3, **plan_options):
+    """``steps`` steps of the reference on a random bucket and of the kernel on its GPU copy."""
     expected = make_bucket(config.algorithm, config.plan, shapes, flags=config.flags, track=config.track,
                            seed=seed, layouts=layouts, misalign=0.5)
     actual = bucket_to(expected, "cuda")
@@ -83,20 +80,73 @@ def run_on_gpu(config, seed, shapes, layouts=None, steps=3, **plan_options):
         torch.cuda.synchronize()
         return bucket_to(bucket, "cpu")
 
-    run_both(expected, group_for(config), steps, config_id(config), other=actual, fetch=fetch, name="cupy",
+    run_both(expected, group_for(config), steps, f"{config_id(config)} (sample seed {SEED})", other=actual,
+             fetch=fetch, name="cupy",
              run=lambda bucket, scalars: cuda_backend.run(bucket, scalars, **plan_options))
+
+
+def optimizer_kernels(optimizer, options, dtypes=OPTIMIZER_DTYPES) -> set:
+    """(kind, kernel name) an optimizer case launches: one kernel per param dtype (only the
+    template flags and telemetry name a kernel; run-time flags are arguments)."""
+    algorithm = optimizer.algorithm
+    template = {"amsgrad": options.get("amsgrad", False), "momentum": options.get("momentum", 0.0) != 0.0}
+    flags = tuple((name, template[name]) for name in algorithm.template_flags)
+    precision = as_precision(options.get("precision", "fp32"))
+    return {(algorithm.name, cuda_backend.kernel_name(kernel_config(
+        algorithm, plan_for(precision, dtype), flags, options.get("track_precision", False))))
+        for dtype in set(dtypes)}
+
+
+def kernels_of(item) -> set:
+    """The kernels a collected test of this module launches (empty when not known ahead)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "config" in params:
+        config = params["config"]
+        return {(config.algorithm.name, cuda_backend.kernel_name(config))}
+    if "optimizer" in params:
+        return optimizer_kernels(params["optimizer"], params["options"])
+    if item.name == "test_runs_on_the_current_stream":
+        return optimizer_kernels(bf16opt.AdamW, {}, [torch.float32])
+    return set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sample_compiled(request):
+    """Print the sample's seed; compile the selected tests' kernels side by side into the on-disk
+    NVRTC cache (an xdist worker does not know its share ahead, and compiles as it goes)."""
+    counts = {kind: (len(CONFIGS[kind]), len(gpu_sample.instantiations(kind))) for kind in ALGORITHMS}
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(gpu_sample.describe(SEED, EXTRA, counts))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import cupy  # noqa: PLC0415
+
+    device = torch.cuda.current_device()
+    arch = cuda_compile.device_arch(int(cupy.cuda.Device(device).compute_capability))
+    jobs = sorted({kernel for item in request.session.items if item.module is request.module
+                   for kernel in kernels_of(item)})
+    if not jobs:
+        return
+    context = multiprocessing.get_context("spawn")
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 12))
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        stored = list(pool.map(gpu_sample.compile_for_the_loader, *zip(*[(k, e, arch) for k, e in jobs])))
+    if reporter is not None and not all(stored):
+        reporter.write_line(f"NVRTC cache not writable ({cuda_compile.cache_dir()}): "
+                            f"each test compiles its kernel")
 
 
 @pytest.mark.parametrize("config", CONFIGS["adam"], ids=config_id)
 def test_adam_kernels_on_gpu(config):
-    seed = zlib.crc32(config_id(config).encode())
+    seed = zlib.crc32(f"{SEED}:{config_id(config)}".encode())  # new data with each sample
     run_on_gpu(config, seed, SHAPES, LAYOUTS)
     run_on_gpu(config, seed, LARGE, chunk_size=4096, max_grid=7)
 
 
 @pytest.mark.parametrize("config", CONFIGS["lion"], ids=config_id)
 def test_lion_kernels_on_gpu(config):
-    seed = zlib.crc32(config_id(config).encode())
+    seed = zlib.crc32(f"{SEED}:{config_id(config)}".encode())  # new data with each sample
     run_on_gpu(config, seed, SHAPES, LAYOUTS)
     run_on_gpu(config, seed, LARGE, chunk_size=4096, max_grid=7)
 
@@ -104,12 +154,12 @@ def test_lion_kernels_on_gpu(config):
 @pytest.mark.parametrize("config", CONFIGS["sgd"], ids=config_id)
 def test_sgd_kernels_on_gpu(config):
     """With ``first``, step 1 is the momentum buffer's first step, later steps are not."""
-    seed = zlib.crc32(config_id(config).encode())
+    seed = zlib.crc32(f"{SEED}:{config_id(config)}".encode())  # new data with each sample
     run_on_gpu(config, seed, SHAPES, LAYOUTS)
     run_on_gpu(config, seed, LARGE, chunk_size=4096, max_grid=7)
 
 
-@pytest.mark.parametrize("optimizer, options", [
+OPTIMIZER_CASES = [
     (bf16opt.AdamW, dict(precision="bf16", weight_decay=0.1)),
     (bf16opt.AdamW, dict(precision="bf16-states", amsgrad=True)),
     (bf16opt.Adam, dict(precision="fp32", weight_decay=0.01, maximize=True)),
@@ -120,12 +170,13 @@ def test_sgd_kernels_on_gpu(config):
     (bf16opt.Adam, dict(precision="fp32-remainder", track_precision=True)),
     (bf16opt.Lion, dict(precision="bf16-sr", seed=7)),
     (bf16opt.SGD, dict(precision="bf16-sr", momentum=0.9, dampening=0.1, seed=7, track_precision=True)),
-])
+]
+
+@pytest.mark.parametrize("optimizer, options", OPTIMIZER_CASES)
 def test_optimizer_backend_cupy_on_gpu(optimizer, options):
     g = torch.Generator().manual_seed(0)
     shapes = [(333, 77), (5,), (1029,), (4, 4, 3)]
-    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16]
-    cpu = [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in zip(shapes, dtypes)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in zip(shapes, OPTIMIZER_DTYPES)]
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
     expected = optimizer(cpu, lr=1e-2, backend="reference", **options)
     actual = optimizer(gpu, lr=1e-2, backend="cupy", **options)

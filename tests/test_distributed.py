@@ -50,14 +50,18 @@ def train(model, opt, seed: int, steps: int) -> None:
 
 
 # ------------------------------------------------------------------- the spawned checks
-def _fsdp2_model(seed: int = 0):
+def _fsdp2_model(seed: int = 0, device: str = "cpu"):
+    """make_model(seed) under FSDP2 on a mesh of every rank on ``device`` (named: fully_shard's
+    default mesh is the accelerator's, which would move the params to CUDA where there is one)."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     model = make_model(seed)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    return fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _same_shards(single_model, single_opt, sharded_model, sharded_opt) -> list:
@@ -316,12 +320,15 @@ def _free_port() -> int:
 
 
 @needs_gloo
-def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks():
+def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks(monkeypatch):
     """FSDP2 (uneven shards, an empty shard) equals one process bit for bit for every preset,
     Lion and SGD with stochastic rounding, offload='cpu'; Shard(1) placements; DCP save/load
     and full state dicts continue bit for bit; ZeroRedundancyOptimizer and DDP equal one
     process; docs/integrations_dist.md's examples run."""
     results = mp.Manager().dict()
+    # CPU ranks even on a CUDA machine: the docs' examples use fully_shard's default mesh (the
+    # accelerator's), and the checks compare with backend='numba', which runs on CPU tensors
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with tempfile.TemporaryDirectory() as path:
         mp.spawn(_worker, args=(2, _free_port(), path, results), nprocs=2, join=True)
     expected = {"fsdp2": [], "tensor_parallel": [], "precision_change": [], "dcp": [], "zero": [], "ddp": [], "full_state_dict": [],
@@ -388,3 +395,74 @@ def test_format_1_state_dicts_keep_position_streams():
     current = copy.deepcopy(fresh.state_dict())
     again.load_state_dict(current)  # a format-3 state dict of a named optimizer: name streams
     assert "sr_streams" not in again.param_groups[0]
+
+
+# ------------------------------------------------------------------- one process, FSDP2 on a device
+def _cuda_problem() -> str | None:
+    """Why the CUDA case cannot run here (None when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if not dist.is_nccl_available():
+        return "this torch build has no NCCL (FSDP2 on CUDA needs it)"
+    from bf16opt.backends import cupy as cupy_backend  # noqa: PLC0415
+
+    try:
+        cupy_backend.check_available(torch.device("cuda"))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.fixture
+def one_process_group(request):
+    """A process group of this process alone (gloo for CPU tensors, NCCL for CUDA ones)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    backend = "cpu:gloo,cuda:nccl" if request.param == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield request.param
+    finally:
+        dist.destroy_process_group()
+
+
+ONE_PROCESS_CASES = [(bf16opt.AdamW, preset) for preset in PRESETS] + [(bf16opt.Lion, "bf16-sr"),
+                                                                       (bf16opt.SGD, "bf16-sr")]
+
+
+@needs_gloo
+@pytest.mark.parametrize("one_process_group", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(_cuda_problem() is not None,
+                                                         reason=str(_cuda_problem())))],
+    indirect=True)
+def test_one_process_fully_shard_equals_the_unsharded_run(one_process_group):
+    """fully_shard on a one-rank mesh of the device (CUDA: backend='cupy', the CPU: 'numba')
+    updates params and state exactly as the same optimizer on the plain model, for every preset,
+    Lion and SGD with stochastic rounding: the shard's DTensor params, the global element
+    index of the random streams and the state placed like the param change no bit.  Both get
+    the sharded model's gradients (the update is compared, not two backward passes)."""
+    device = one_process_group
+    backend = "cupy" if device == "cuda" else "numba"
+    failures = []
+    for opt_class, preset in ONE_PROCESS_CASES:
+        kwargs = dict(lr=1e-2, precision=preset, backend=backend, seed=7)
+        if opt_class is bf16opt.SGD:
+            kwargs["momentum"] = 0.9
+        single, sharded = make_model().to(device), _fsdp2_model(device=device)
+        assert all(p.device.type == device for p in [*single.parameters(), *sharded.parameters()])
+        opts = [opt_class(model.named_parameters(), **kwargs) for model in (single, sharded)]
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(16, 8, generator=generator).to(device, torch.bfloat16)
+            for opt in opts:
+                opt.zero_grad()
+            sharded(x).float().pow(2).mean().backward()
+            for p, q in zip(single.parameters(), sharded.parameters()):
+                p.grad = q.grad.full_tensor().clone()
+            for opt in opts:
+                opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        failures += [f"{opt_class.__name__} {preset}: {what}"
+                     for what in _same_shards(single, opts[0], sharded, opts[1])]
+    assert failures == []

@@ -10,10 +10,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
 
 import bf16opt
 
@@ -74,9 +72,17 @@ FACTS = {
 }
 
 
+def notebook_runner() -> tuple:
+    """nbformat and nbclient (bf16opt[notebooks]), or a skip naming the missing one."""
+    nbformat = pytest.importorskip("nbformat", reason="nbformat (bf16opt[notebooks]) reads the notebooks")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient (bf16opt[notebooks]) runs the notebooks")
+    return nbformat, nbclient.NotebookClient
+
+
 def execute_notebook(path: Path, directory: Path):
     """``path`` run top to bottom in its own kernel, with the test's two cells added; an error is
     kept in the cell's outputs (test_notebook_executes reports it)."""
+    nbformat, NotebookClient = notebook_runner()
     notebook = nbformat.read(path, as_version=4)
     first = next(i for i, cell in enumerate(notebook.cells) if cell.cell_type == "code")
     notebook.cells.insert(first + 1, nbformat.v4.new_code_cell(RECORD_FIGURES))
@@ -93,6 +99,7 @@ def execute_notebook(path: Path, directory: Path):
 def executed(tmp_path_factory) -> dict:
     """Every notebook, executed once (the tests below read its outputs).  The kernels run side by
     side: each spends most of its time starting up and importing, one core apiece."""
+    notebook_runner()  # a missing package skips every test that reads the outputs, before any kernel starts
     with ThreadPoolExecutor(len(NOTEBOOKS)) as pool:
         running = {path.name: pool.submit(execute_notebook, path, tmp_path_factory.mktemp(path.stem))
                    for path in NOTEBOOKS}

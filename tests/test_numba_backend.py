@@ -1019,23 +1019,29 @@ def test_dense_permuted_buffers_are_updated_in_place_unless_stochastic():
 @pytest.mark.parametrize("optimizer", ["AdamW", "Lion"])
 @pytest.mark.parametrize("preset", ["fp32", "bf16", "bf16-sr", "bf16-kahan", "fp32-remainder"])
 def test_step_allocates_nothing_the_size_of_the_params(optimizer, preset):
-    """The kernels update the tensors' own memory: a (warm) step's peak resident memory
-    grows by far less than one copy of the params (16 MiB of bf16 here)."""
+    """The kernels update the tensors' own memory: a warm step's peak resident memory grows by
+    far less than one bf16 copy of the params.  Warm means after the steps that compile or load
+    code (the first makes the state, the second keeps the launch, the third first reuses it and
+    loads the step cache's helpers), which a fresh Numba cache compiles on the spot.  The bound
+    allows each Numba thread a little stack; the params are sized to stay 4x above it."""
     from bf16opt.compare import StepPeakMemory
 
-    n = 1 << 23
+    bound = (1 << 20) + numba_backend.threads() * (64 << 10)
+    n = max(1 << 23, 4 * bound // 2)  # bf16: 2 bytes per element
     params = [torch.nn.Parameter(torch.full((n // 2,), 0.5, dtype=torch.bfloat16)) for _ in range(2)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt = getattr(bf16opt, optimizer)(params, precision=preset, backend="numba")
-    opt.step()  # allocates the state, compiles or loads the kernel
-    opt.step()
-    peak = StepPeakMemory()
-    if not peak.available:
-        pytest.skip("this kernel does not let the process reset its peak RSS (/proc/self/clear_refs)")
-    with peak:
+    for _ in range(3):
         opt.step()
-    assert peak.peak < (1 << 20), f"a step grew resident memory by {peak.mib:.1f} MiB"
+    for _ in range(2):  # a one-off at the first measured step would be a warm-up missed
+        peak = StepPeakMemory()
+        if not peak.available:
+            pytest.skip("this kernel does not let the process reset its peak RSS (/proc/self/clear_refs)")
+        with peak:
+            opt.step()
+        assert peak.peak < bound, (f"a step grew resident memory by {peak.mib:.1f} MiB, a copy of the "
+                                   f"params is {2 * n / 2 ** 20:.0f} MiB")
 
 
 @pytest.mark.parametrize("algorithm, change", [("SGD", "dampening"), ("SGD", "grad scale"), ("SGD", "maximize"),
