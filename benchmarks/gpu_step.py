@@ -322,13 +322,20 @@ def no_op_cupy_backend():
     import types
 
     import bf16opt.optimizer as optimizer_module
+    import bf16opt.step_plan as step_plan
     from bf16opt.backends import cupy as cupy_backend
 
+    def no_op(prepared):
+        return None
+
     fake = types.SimpleNamespace(
-        name="cupy", run=functools.partial(cupy_backend.run, execute=lambda prepared: None),
-        prepare=functools.partial(cupy_backend.prepare, execute=lambda prepared: None))
-    resolve = optimizer_module.resolve_backend
-    optimizer_module.resolve_backend = lambda name, device: fake if name == "cupy" else resolve(name, device)
+        name="cupy", run=functools.partial(cupy_backend.run, execute=no_op),
+        prepare=functools.partial(cupy_backend.prepare, execute=no_op),
+        relaunch=functools.partial(cupy_backend.relaunch, execute=no_op))
+    for module in (optimizer_module, step_plan):  # (construction's checks, and each full step)
+        resolve = module.resolve_backend
+        module.resolve_backend = lambda name, device, resolve=resolve: \
+            fake if name == "cupy" else resolve(name, device)
 
 
 # ---------------------------------------------------------------- main

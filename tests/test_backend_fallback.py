@@ -46,8 +46,10 @@ def test_auto_on_cuda_without_cupy_warns_once_naming_the_package_and_its_install
 def test_the_optimizer_warns_once_over_construction_and_steps(no_cupy, monkeypatch):
     """The optimizer resolves its groups' backends when built and at every full step: one
     warning in all, at the user's line."""
+    import bf16opt.step_plan as step_plan
     real = optimizer_module.resolve_backend
-    monkeypatch.setattr(optimizer_module, "resolve_backend", lambda name, device: real(name, CUDA))
+    for module in (optimizer_module, step_plan):  # (construction's checks, and each full step)
+        monkeypatch.setattr(module, "resolve_backend", lambda name, device: real(name, CUDA))
     param = torch.nn.Parameter(torch.ones(5))
     with pytest.warns(UserWarning, match="cupy-cuda12x") as record:
         opt = bf16opt.AdamW([param], lr=0.1)
@@ -88,3 +90,18 @@ def test_explicit_reference_on_cuda_does_not_warn(no_cupy):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_backend("reference", CUDA) is backends.reference
+
+
+def test_each_group_shows_the_backend_it_runs_on(no_cupy, monkeypatch):
+    """repr(opt) and group_backends() name the backend each group runs on, "auto" resolved:
+    numba for CPU params, the reference where CUDA params lack CuPy, the host's for offload."""
+    cpu, offloaded, empty = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2)), []
+    opt = bf16opt.AdamW([{"params": [cpu]}, {"params": [offloaded], "offload": "cpu"},
+                         {"params": [torch.nn.Parameter(torch.ones(2))], "backend": "reference"}])
+    opt.param_groups.append({**opt.param_groups[0], "params": empty})
+    assert opt.group_backends() == ["numba", "numba", "reference", "none"]
+    assert repr(opt).count("    runs on: ") == 4 and "    runs on: reference" in repr(opt)
+    monkeypatch.setattr(backends, "_resolve", lambda name, device, real=backends._resolve: real(name, CUDA))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asking does not warn
+        assert opt.group_backends()[0] == "reference"
