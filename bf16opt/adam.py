@@ -9,8 +9,7 @@ from torch.optim.optimizer import ParamsT
 
 from .algorithms import ADAM, AdamScalars
 from .backends import f32
-from .checks import (check_betas, check_flag, check_number, check_tensor_hyperparameters_without_foreach,
-                     default_seed)
+from .checks import check_betas, check_flag, check_number, check_tensor_hyperparameters_without_foreach
 from .optimizer import MixedPrecisionOptimizer
 from .precision import Precision
 
@@ -88,9 +87,8 @@ class Adam(MixedPrecisionOptimizer):
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
                         precision=precision, backend=backend,
-                        seed=default_seed() if seed is None else seed, track_precision=track_precision,
+                        seed=seed, track_precision=track_precision,
                         offload=offload, offload_threads=offload_threads)
-        self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:

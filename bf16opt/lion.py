@@ -7,7 +7,7 @@ from torch.optim.optimizer import ParamsT
 
 from .algorithms import LION, LionScalars
 from .backends import f32
-from .checks import check_betas, check_flag, check_number, default_seed
+from .checks import check_betas, check_flag, check_number
 from .optimizer import MixedPrecisionOptimizer
 from .precision import Precision
 
@@ -55,9 +55,8 @@ class Lion(MixedPrecisionOptimizer):
                  offload_threads: int | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
                         precision=precision, backend=backend,
-                        seed=default_seed() if seed is None else seed, track_precision=track_precision,
+                        seed=seed, track_precision=track_precision,
                         offload=offload, offload_threads=offload_threads)
-        self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:

@@ -28,7 +28,7 @@ from .algorithms import Algorithm, KernelConfig, kernel_config
 from .amp import amp_arguments
 from .backends import backend_name, check_backend_name, resolve_backend
 from .checks import (check_flag, check_implementation_flags, check_no_aliasing, check_number, check_ordered_params,
-                     check_param, check_seed)
+                     check_param, check_seed, default_seed)
 from .offload import Offloader, check_offload
 from .precision import Precision, as_precision, plan_for
 from .step_plan import float64_backend, plan_step
@@ -70,6 +70,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     profile_hook_step = staticmethod(step_hooks.profile_hook_step)
 
     def __init__(self, params, defaults: dict):
+        if defaults.get("seed") is None:  # stochastic rounding's streams differ between optimizers
+            defaults = {**defaults, "seed": default_seed()}
+        self._check_hyperparameters(dict(defaults))
         check_ordered_params(params)
         self.__dict__["_constructing"] = True  # offload hooks wait until every group is accepted
         try:

@@ -10,7 +10,7 @@ from torch.optim.optimizer import ParamsT
 from .algorithms import SGD as SGD_ALGORITHM
 from .algorithms import SGDScalars
 from .backends import f32
-from .checks import check_flag, check_number, default_seed
+from .checks import check_flag, check_number
 from .optimizer import MixedPrecisionOptimizer
 from .precision import Precision
 
@@ -61,10 +61,9 @@ class SGD(MixedPrecisionOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused, precision=precision,
-                        backend=backend, seed=default_seed() if seed is None else seed,
+                        backend=backend, seed=seed,
                         track_precision=track_precision, offload=offload,
                         offload_threads=offload_threads)
-        self._check_hyperparameters(dict(defaults))
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:

@@ -104,6 +104,13 @@ class Bucket:
                 for t in column if t is not None]
 
 
+def check_scalars(bucket: "Bucket", scalars) -> None:
+    """A kernel backend's first check: the scalars are the bucket's algorithm's."""
+    algorithm = bucket.config.algorithm
+    if not isinstance(scalars, algorithm.scalars):
+        raise TypeError(f"{algorithm.name} needs {algorithm.scalars.__name__}, got {type(scalars).__name__}")
+
+
 class Backend(Protocol):
     name: str
 

@@ -34,7 +34,7 @@ import torch
 
 from ..algorithms import ALGORITHMS, KernelConfig, kernel_config
 from ..precision import all_plans
-from .base import Bucket
+from .base import Bucket, check_scalars
 from .cuda_compile import cached_nvrtc_compile, compile_options, device_arch, kernel_source
 from .staging import Staged, check, stage
 
@@ -263,8 +263,7 @@ def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_S
     """Kernel name, launch plan and scalars for one bucket (no CuPy, no device needed)."""
     config = bucket.config
     kind = config.algorithm.name
-    if not isinstance(scalars, config.algorithm.scalars):
-        raise TypeError(f"{kind} needs {config.algorithm.scalars.__name__}, got {type(scalars).__name__}")
+    check_scalars(bucket, scalars)
     if config.stochastic and len(bucket.indices) != len(bucket.params):
         raise ValueError("stochastic rounding needs bucket.indices (each param's index in the "
                          "optimizer names its random streams)")
@@ -336,9 +335,7 @@ def prepare(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch]
     ``plan_options`` (chunk_size, block, max_grid) go to :func:`build_launch_plan`.
     """
     config = bucket.config
-    if not isinstance(scalars, config.algorithm.scalars):
-        raise TypeError(f"{config.algorithm.name} needs {config.algorithm.scalars.__name__}, "
-                        f"got {type(scalars).__name__}")
+    check_scalars(bucket, scalars)
     if not bucket.params:
         return lambda: None
     if kernel_name(config) not in kernel_configs(config.algorithm.name):

@@ -53,7 +53,7 @@ import torch
 
 from ..algorithms import ELEMENT_BYTES, SGD, KernelConfig
 from ..storage import MASK32, STREAMS
-from .base import Bucket
+from .base import Bucket, check_scalars
 from .staging import check, stage
 
 name = "numba"
@@ -214,9 +214,7 @@ def prepare(bucket: Bucket, scalars):
     """Everything that can fail, done now: checks, the chunk function (compiled or loaded),
     the stream keys.  Returns the launch, which cannot fail on user input."""
     config = bucket.config
-    if not isinstance(scalars, config.algorithm.scalars):
-        raise TypeError(f"{config.algorithm.name} needs {config.algorithm.scalars.__name__}, "
-                        f"got {type(scalars).__name__}")
+    check_scalars(bucket, scalars)
     if not bucket.params:
         return lambda: None
     for param in bucket.params:

@@ -98,7 +98,7 @@ import torch
 from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, buffer_bits, decode, encode,
                        encode_stochastic, join_remainder, random_bits, split_remainder, stream_key,
                        stream_of)
-from .base import Bucket
+from .base import Bucket, check_scalars
 from .staging import check
 
 name = "reference"
@@ -288,9 +288,7 @@ UPDATES = {"adam": adam, "lion": lion, "sgd": sgd}
 
 def prepare(bucket: Bucket, scalars):
     """Check the bucket (as the kernel backends do: dtypes, shapes, devices); returns the update."""
-    if not isinstance(scalars, bucket.config.algorithm.scalars):
-        raise TypeError(f"{bucket.config.algorithm.name} needs {bucket.config.algorithm.scalars.__name__}, "
-                        f"got {type(scalars).__name__}")
+    check_scalars(bucket, scalars)
     check(bucket, "reference")
     update = UPDATES[bucket.config.algorithm.name]
     return lambda: update(bucket, scalars)
