@@ -4,7 +4,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# torch first and explicitly: a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch first and explicitly, in the build you want. On Linux, PyPI's torch (bare or pinned, as
+# here) is the CUDA build, with several GB of CUDA libraries. For the CPU-only build add
+# PyTorch's CPU index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
+# (pip then takes 2.13.0+cpu, which matches ==2.13.0 and sorts above it).
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test clean

@@ -222,13 +222,36 @@ def snippets_run_here() -> list[str]:
             for block in re.findall(r"# --- as in the document\n(.*?)\n *# ---\n", source, re.DOTALL)]
 
 
+def document_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOCUMENT.read_text(), re.DOTALL)
+
+
+def stripped_lines(text: str) -> str:
+    """The lines without their indentation: a method tested inside a class here is the same
+    code as the method inside the document's class."""
+    return "\n".join(line.strip() for line in text.strip().splitlines())
+
+
 def test_document_examples_are_the_tested_code():
-    """Each example of docs/integrations_ecosystem.md is a code block of that document, verbatim."""
-    blocks = [block.strip() for block in re.findall(r"```python\n(.*?)```", DOCUMENT.read_text(), re.DOTALL)]
+    """Each example tested above is part of a code block of docs/integrations_ecosystem.md,
+    line for line."""
+    blocks = [stripped_lines(block) for block in document_blocks()]
     snippets = snippets_run_here()
     assert len(snippets) == 3
     for snippet in snippets:
-        assert any(snippet in block for block in blocks), snippet
+        assert any(stripped_lines(snippet) in block for block in blocks), snippet
     text = DOCUMENT.read_text()
     for words in ("optimizers=", "optimizer_cls_and_kwargs", 'precision="bf16-true"', "accelerator.prepare"):
         assert words in text
+
+
+@pytest.mark.parametrize("index,package", [(0, "transformers"), (1, "lightning"), (2, "accelerate")])
+def test_document_example_runs_as_written(index, package, tmp_path, monkeypatch):
+    """Each code block of the document is a complete program: it runs as written."""
+    pytest.importorskip(package, reason=f"needs {package} (pip install {package})")
+    if package == "transformers":
+        pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
+    monkeypatch.chdir(tmp_path)
+    blocks = document_blocks()
+    assert len(blocks) == 3 and package in blocks[index]
+    exec(compile(blocks[index], f"{DOCUMENT.name} example {index}", "exec"), {"__name__": "example"})  # noqa: S102
