@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -419,10 +420,10 @@ class Relaunch:
     def arguments(self, scalars, inv_grad_scale: float, step: int) -> "tuple | None":
         """A step's kernel scalars (each rounded to float32 once, ``inv_grad_scale`` last) and
         its step number, for :meth:`run`; None when a scalar is not a finite float32."""
-        values = tuple(np.float32(value) for value in (*scalars[:-1], inv_grad_scale))
-        if not all(map(np.isfinite, values)):
+        values = np.array((*scalars[:-1], inv_grad_scale), dtype=np.float32)  # (each rounded once)
+        if not all(map(math.isfinite, values.tolist())):
             return None
-        return values, step
+        return tuple(values), step
 
     def run(self, grad_addresses: np.ndarray, values: tuple, step: int, counters: np.ndarray = _NO_COUNTERS,
             steps: np.ndarray = _NO_STEPS, written: np.ndarray = _NO_COUNTERS,
