@@ -18,6 +18,9 @@ One step's pipeline:
 4. **Published before returning**: the uploads are complete (CPU) or ordered before later work
    on the device's current stream (CUDA).
 
+Timeline: each phase above is a range named in :data:`PHASES` (``torch.profiler``, Perfetto;
+NVTX for CUDA params), free when no profiler runs.
+
 Memory: no device staging; per param on the host, the state, a mirror and a grad staging buffer
 in the grad's dtype (float32 grads of a 16-bit param are never rounded).
 """
@@ -32,14 +35,32 @@ from typing import Optional
 import torch
 
 from .distributed import local
-from .offload_copies import CopyEngine, engine_for
+from .offload_copies import CopyEngine, engine_for, phase
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "Offloader", "check_offload", "use_copy_engine"]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "PHASES", "Offloader", "check_offload",
+           "use_copy_engine"]
 
 OFFLOAD_VALUES = (None, "cpu")
 #: elements per pipeline chunk: a kernel call's fixed cost stays small, yet the first upload
 #: starts early (figures: docs/performance.md, benchmarks/offload_step.py)
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+#: the pipeline's ranges on the profiler timeline (record_function; NVTX for CUDA params)
+PHASES = {
+    "grad_copy": "bf16opt.offload.grad_copy",        # a grad's device->host copy started (hook or step)
+    "recheck": "bf16opt.offload.recheck",            # step's checks of the staged grads and mirrors
+    "recheck_sync": "bf16opt.offload.recheck_sync",  # their one host sync on the fingerprints
+    "mirror_read": "bf16opt.offload.mirror_read",    # a changed param's read-back started
+    "pipeline": "bf16opt.offload.pipeline",          # one bucket's update and uploads, published
+    "upload_wait": "bf16opt.offload.upload_wait",    # last step's uploads finished (they read the mirrors)
+    "chunk": "bf16opt.offload.chunk",                # one chunk: its waits, update and uploads
+    "grad_wait": "bf16opt.offload.grad_wait",        # a piece's grad (and read-back) copy finished
+    "prepare": "bf16opt.offload.prepare",            # the backend's checks and launch for the chunk
+    "host_update": "bf16opt.offload.host_update",    # the host kernel over the chunk
+    "upload": "bf16opt.offload.upload",              # the chunk's host->device copies enqueued
+    "mirror_print": "bf16opt.offload.mirror_print",  # a piece's fingerprint summed from the mirror
+    "publish": "bf16opt.offload.publish",            # uploads finished (CPU) or ordered (CUDA)
+}
 
 
 def check_offload(value, threads=None) -> None:
@@ -216,16 +237,21 @@ class Offloader:
         grad = param.grad
         data = local(grad)  # a DTensor grad: its local shard
         real = _real(data)
-        if record.grad.dtype != real.dtype:  # float32 grads of a 16-bit param: staged as float32, not rounded
-            record.grad = self.engine(param.device).host_empty(real.shape, real.dtype)
-        record.grad_print = fingerprint(data) if during_backward else None
-        record.grad_transfer = self.engine(param.device).to_host(record.grad, real)
+        with phase(PHASES["grad_copy"], real.is_cuda):
+            if record.grad.dtype != real.dtype:  # float32 grads of a 16-bit param: staged as float32, not rounded
+                record.grad = self.engine(param.device).host_empty(real.shape, real.dtype)
+            record.grad_print = fingerprint(data) if during_backward else None
+            record.grad_transfer = self.engine(param.device).to_host(record.grad, real)
         record.grad_ref, record.grad_version = weakref.ref(grad), data._version
 
     def stage(self, params: list, reads_param: list) -> list:
         """(mirror, grad buffer) per param for this step's update, after the checks of the
         module docstring's step 2: stale grads copied again, changed params' mirrors read back.
         One host sync for all."""
+        with phase(PHASES["recheck"], bool(params) and params[0].is_cuda):
+            return self._stage(params, reads_param)
+
+    def _stage(self, params: list, reads_param: list) -> list:
         records = [self.record(param) for param in params]
         checks = []  # (record position, kind, recorded fingerprint, current fingerprint)
         for k, (param, record, reads) in enumerate(zip(params, records, reads_param)):
@@ -241,8 +267,9 @@ class Offloader:
                 else:
                     self._read_mirror(param, record)
         if checks:
-            changed = (torch.stack([c[2].to(c[3].device) for c in checks]) !=
-                       torch.stack([c[3] for c in checks])).tolist()
+            with phase(PHASES["recheck_sync"], checks[0][3].is_cuda):
+                changed = (torch.stack([c[2].to(c[3].device) for c in checks]) !=
+                           torch.stack([c[3] for c in checks])).tolist()
             for (k, kind, _, _), stale in zip(checks, changed):
                 if stale and kind == "grad":
                     self._copy_grad(params[k], records[k])
@@ -255,8 +282,9 @@ class Offloader:
             upload.wait()
         record.uploads = []
         shard = local(param)
-        record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(shard.detach()))
-        record.mirror_version, record.mirror_print = shard._version, fingerprint(shard)
+        with phase(PHASES["mirror_read"], shard.is_cuda):
+            record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(shard.detach()))
+            record.mirror_version, record.mirror_print = shard._version, fingerprint(shard)
 
     def set_mirror(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """The param was just written with ``value`` (a state conversion): the mirror follows."""
@@ -288,18 +316,40 @@ class Offloader:
             self._run(bucket, params, backend, scalars)
 
     def _run(self, bucket, params: list, backend, scalars) -> None:
-        from .backends import Bucket  # noqa: PLC0415  (backends import the optimizer's modules)
-
         records = [self._records[p] for p in params]
-        for record in records:  # last step's uploads read the mirrors the kernels now write
-            for upload in record.uploads:
-                upload.wait()
-            record.uploads = []
-        n_roles = len(bucket.tensors)
-        pieces = []  # (param position, first element, element count)
-        for i, param in enumerate(params):
-            numel = bucket.params[i].numel()
-            step = max(1, self.chunk_elements)
+        nvtx = bool(params) and params[0].is_cuda  # (a bucket's params share a device)
+        with phase(PHASES["pipeline"], nvtx):
+            with phase(PHASES["upload_wait"], nvtx):
+                for record in records:  # last step's uploads read the mirrors the kernels now write
+                    for upload in record.uploads:
+                        upload.wait()
+                    record.uploads = []
+            uploads = []
+            reads_param = bucket.config.weights != "copy"  # (a master copy wins over param edits)
+            # the uploaded params' fingerprints, summed from the mirror's pieces while in cache
+            from_mirror = [reads_param and self._prints_from_mirror(p, r) for p, r in zip(params, records)]
+            prints = [None] * len(params)
+            for chunk in self._chunks(bucket):
+                with phase(PHASES["chunk"], nvtx):
+                    self._update(chunk, bucket, records, backend, scalars, nvtx)
+                    self._upload(chunk, params, records, from_mirror, prints, uploads, nvtx)
+            with phase(PHASES["publish"], nvtx):
+                for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
+                    engine.publish(uploads)
+        # the mirror is what the param now holds
+        for param, record, piece_sum in zip(params, records, prints):
+            shard = local(param)
+            record.mirror_version = shard._version
+            record.mirror_print = None if not reads_param else \
+                piece_sum if piece_sum is not None else fingerprint(shard)
+
+    def _chunks(self, bucket) -> list:
+        """The pipeline's chunks: lists of (param position, first element, element count) pieces,
+        about ``chunk_elements`` elements each."""
+        pieces = []
+        step = max(1, self.chunk_elements)
+        for i, param in enumerate(bucket.params):
+            numel = param.numel()
             pieces += [(i, start, min(step, numel - start)) for start in range(0, numel, step)] or [(i, 0, 0)]
         chunks, current, size = [], [], 0
         for piece in pieces:
@@ -310,50 +360,54 @@ class Offloader:
                 current, size = [], 0
         if current:
             chunks.append(current)
-        uploads = []
-        reads_param = bucket.config.weights != "copy"  # (a master copy wins over param edits)
-        # the uploaded params' fingerprints, summed from the mirror's pieces while in cache
-        from_mirror = [reads_param and self._prints_from_mirror(p, r) for p, r in zip(params, records)]
-        prints = [None] * len(params)
-        for chunk in chunks:
-            piece_bucket = Bucket(bucket.config, seed=bucket.seed, step=bucket.step)
-            for i, start, count in chunk:
-                record = records[i]
+        return chunks
+
+    def _update(self, chunk: list, bucket, records: list, backend, scalars, nvtx: bool) -> None:
+        """One chunk's host update, once its grads (and read-back mirrors) are on the host."""
+        from .backends import Bucket  # noqa: PLC0415  (backends import the optimizer's modules)
+
+        n_roles = len(bucket.tensors)
+        piece_bucket = Bucket(bucket.config, seed=bucket.seed, step=bucket.step)
+        for i, start, count in chunk:
+            record = records[i]
+            with phase(PHASES["grad_wait"], nvtx):
                 for transfer in (record.grad_transfer, record.mirror_transfer):
                     if transfer is not None:
                         transfer.wait()
-                tensors = [None if bucket.tensors[k][i] is None else
-                           bucket.tensors[k][i].view(-1)[start:start + count] for k in range(n_roles)]
-                # a piece keeps its elements' global indices and its param's streams
-                piece_bucket.append(tensors, bucket.indices[i], bucket.offset(i) + start, bucket.stream_id(i))
-            if bucket.counts is not None:
-                piece_bucket.counts = torch.zeros(len(chunk), 3, dtype=torch.int64)
-            backend.prepare(piece_bucket, scalars)()
-            for row, (i, start, count) in enumerate(chunk):
-                if bucket.counts is not None:
-                    bucket.counts[i] += piece_bucket.counts[row]
+            tensors = [None if bucket.tensors[k][i] is None else
+                       bucket.tensors[k][i].view(-1)[start:start + count] for k in range(n_roles)]
+            # a piece keeps its elements' global indices and its param's streams
+            piece_bucket.append(tensors, bucket.indices[i], bucket.offset(i) + start, bucket.stream_id(i))
+        if bucket.counts is not None:
+            piece_bucket.counts = torch.zeros(len(chunk), 3, dtype=torch.int64)
+        with phase(PHASES["prepare"], nvtx):
+            launch = backend.prepare(piece_bucket, scalars)
+        with phase(PHASES["host_update"], nvtx):
+            launch()
+        if bucket.counts is not None:
+            for row, (i, _, _) in enumerate(chunk):
+                bucket.counts[i] += piece_bucket.counts[row]
+
+    def _upload(self, chunk: list, params: list, records: list, from_mirror: list, prints: list,
+                uploads: list, nvtx: bool) -> None:
+        """Start the uploads of one chunk's new params (a strided param's after its last piece)."""
+        with phase(PHASES["upload"], nvtx):
+            for i, start, count in chunk:
                 param = _real(local(params[i]).detach())
                 record = records[i]
                 if from_mirror[i]:
-                    piece = fingerprint(record.mirror.view(-1)[start:start + count])
+                    with phase(PHASES["mirror_print"], nvtx):
+                        piece = fingerprint(record.mirror.view(-1)[start:start + count])
                     prints[i] = piece if prints[i] is None else prints[i] + piece
                 if param.is_contiguous():
                     transfer = self.engine(params[i].device).to_device(
                         param.view(-1)[start:start + count], record.mirror.view(-1)[start:start + count])
-                elif start + count == param.numel():  # a strided param goes up whole, after its last piece
+                elif start + count == param.numel():
                     transfer = self.engine(params[i].device).to_device(param, record.mirror)
                 else:
                     continue
                 record.uploads.append(transfer)
                 uploads.append(transfer)
-        for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
-            engine.publish([t for t in uploads])
-        # the mirror is what the param now holds
-        for param, record, piece_sum in zip(params, records, prints):
-            shard = local(param)
-            record.mirror_version = shard._version
-            record.mirror_print = None if not reads_param else \
-                piece_sum if piece_sum is not None else fingerprint(shard)
 
     def _prints_from_mirror(self, param: torch.Tensor, record: _HostParam) -> bool:
         """Whether the mirror pieces' fingerprints sum to the uploaded param's, saving a pass over

@@ -19,6 +19,10 @@ Guarantees common to every engine:
   not be read, and a host ``src`` must not be written, until the transfer is done (or published).
 * The engine keeps ``src`` and ``dst`` alive until the copy is done.
 * All methods may be called from any thread (e.g. autograd hooks).
+
+:func:`phase` names a stretch of the pipeline on the profiler timeline (``torch.profiler`` and
+Perfetto; NVTX for Nsight on CUDA); a ``ThreadedCopyEngine`` marks each copy on its worker thread
+(``bf16opt.copy.d2h``/``h2d``: recorded by a profiler with ``profile_all_threads``).
 """
 
 from __future__ import annotations
@@ -33,9 +37,56 @@ import weakref
 from typing import Iterable, NamedTuple
 
 import torch
+from torch.autograd import profiler as _profiler
 
-__all__ = ["Transfer", "CopyEngine", "ImmediateCopyEngine", "ThreadedCopyEngine", "CudaCopyEngine",
+__all__ = ["phase", "Transfer", "CopyEngine", "ImmediateCopyEngine", "ThreadedCopyEngine", "CudaCopyEngine",
            "HostBytes", "engine_for"]
+
+
+class _NoPhase:
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+_NO_PHASE = _NoPhase()
+
+
+class _Phase:
+    """An NVTX range (CUDA params) and, while a profiler runs, a ``record_function`` range."""
+
+    __slots__ = ("name", "nvtx", "record")
+
+    def __init__(self, name: str, nvtx: bool):
+        self.name, self.nvtx, self.record = name, nvtx, None
+
+    def __enter__(self):
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(self.name)
+        if _profiler._is_profiler_enabled:
+            self.record = torch.profiler.record_function(self.name)
+            self.record.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.record is not None:
+            self.record.__exit__(*exc_info)
+        if self.nvtx:
+            torch.cuda.nvtx.range_pop()
+        return False
+
+
+def phase(name: str, nvtx: bool = False):
+    """A context manager naming a phase on the timeline: ``record_function(name)`` while a torch
+    profiler runs, plus an NVTX range when ``nvtx`` (params on CUDA; a no-op without Nsight).
+    Without either it is a shared do-nothing object: one global read per phase."""
+    if nvtx or _profiler._is_profiler_enabled:
+        return _Phase(name, nvtx)
+    return _NO_PHASE
 
 
 class HostBytes(NamedTuple):
@@ -215,15 +266,16 @@ class _Link:
             return self.free_at + self.latency
 
 
-def _worker(tasks: queue.SimpleQueue, link: _Link) -> None:
+def _worker(tasks: queue.SimpleQueue, link: _Link, name: str) -> None:
     # Never touches Numba or the engine (so the engine can be garbage collected).
     while (task := tasks.get()) is not None:
         started = time.perf_counter()
         try:
-            if task.delay:
-                time.sleep(task.delay)  # jitter: the data lands late, so early readers see stale data
-            task.dst.copy_(task.src)
-            time.sleep(max(0.0, link.deadline(started, task.nbytes) - time.perf_counter()))
+            with phase(name):  # from pickup to the simulated link's completion
+                if task.delay:
+                    time.sleep(task.delay)  # jitter: the data lands late, so early readers see stale data
+                task.dst.copy_(task.src)
+                time.sleep(max(0.0, link.deadline(started, task.nbytes) - time.perf_counter()))
         except BaseException as exc:  # noqa: BLE001 -- handed to Transfer.wait()
             task.error = exc
         task.dst = task.src = None
@@ -272,8 +324,8 @@ class ThreadedCopyEngine(CopyEngine):
             tasks, link = queue.SimpleQueue(), _Link(bandwidth, latency)
             self._queues[direction] = tasks
             for i in range(workers):
-                thread = threading.Thread(target=_worker, args=(tasks, link), daemon=True,
-                                          name=f"{name}-{direction}-{i}")
+                thread = threading.Thread(target=_worker, args=(tasks, link, f"bf16opt.copy.{direction}"),
+                                          daemon=True, name=f"{name}-{direction}-{i}")
                 thread.start()
                 self._threads.append(thread)
         self._finalizer = weakref.finalize(self, _stop, list(self._queues.values()), workers)
