@@ -92,6 +92,7 @@ for module in "${GPU_TESTS[@]}"; do
   tail -n 1 "$OUT_DIR/tests.txt" | sed 's/^/  /' | tee -a "$SUMMARY"
 done
 
+stage "offload_model.py" "$(( $(left 50) < 100 ? $(left 50) : 100 ))" "$OUT_DIR/offload_model.txt" "$PYTHON" benchmarks/offload_model.py --repeats 3 --warmup 1 --profile-steps 2 --trace "$OUT_DIR/offload_model_trace.json" $([[ "$DRY" == 1 ]] && echo --layers 2 --dim 256 --presets bf16 --repeats 1)
 # 3. the step benchmark (offload keeps 50 s for itself)
 if [[ "$DRY" == 1 ]]; then
   STEP_ARGS=(--dry-run --log2-params 12 --shapes one,64 --rows "AdamW bf16,Lion" --repeats 2 --warmup 1)

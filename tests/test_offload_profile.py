@@ -104,3 +104,25 @@ def test_a_phase_closes_its_range_when_the_body_raises():
             with phase("bf16opt.test.raises"):
                 raise KeyError("x")
     assert any(event.name == "bf16opt.test.raises" for event in prof.events())
+
+
+def test_offload_model_benchmark_help_and_a_tiny_run(tmp_path):
+    """benchmarks/offload_model.py: --help, then a tiny CPU run printing every row and the
+    pipeline's breakdown, and writing a trace with the named ranges (figures mean nothing here)."""
+    script = str(BENCHMARKS / "offload_model.py")
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "--trace" in shown.stdout and "--presets" in shown.stdout, shown.stderr
+    trace = tmp_path / "trace.json"
+    result = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "2", "--dim", "64",
+                             "--presets", "bf16,fp32", "--repeats", "1", "--warmup", "1", "--profile-steps", "1",
+                             "--chunk", "2048", "--threads", "1",
+                             "--trace", str(trace)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for preset in ("bf16", "fp32"):
+        assert any(line.startswith(f"{preset}, offload=cpu") for line in lines), result.stdout
+        assert any(line.startswith(f"{preset}, state on the device") for line in lines), result.stdout
+        assert any(line.split()[:1] == [preset] and "|" in line for line in lines), result.stdout
+    assert any(line.startswith("forward+backward alone") for line in lines), result.stdout
+    text = trace.read_text()
+    assert PHASES["host_update"] in text and PHASES["chunk"] in text
