@@ -179,19 +179,27 @@ class GroupLaunch:
         places = internals.version_places() if self.shim is not None else None
         self.compiled_bump = () if places is None else \
             (np.fromiter(map(id, self.written), dtype=np.int64, count=len(self.written)), places)
-        # step_in_one_call's record where it can run (one kernel call, every check and bump compiled):
-        # the addresses of the arrays above and the relaunch's, and an array the grads'
-        # addresses are read into (the call uses them and returns)
-        self.grad_addresses_read = np.empty(len(grads), dtype=np.int64)
-        one_call = len(relaunches) == 1 and bool(self.compiled_bump) \
-            and hasattr(relaunches[0][0], "one_call_record")  # (numba's launches)
-        self.one_call_record = None if not one_call else relaunches[0][0].one_call_record(
-            shim=self.shim, dicts=self.dicts, versions=self.expected_versions, tensors=self.ids,
+        self.checks, self.one_call_record = self._records(relaunches)
+
+    def _records(self, relaunches: list) -> tuple:
+        """The records of the compiled calls (``step_helpers.pack_record``), where the forms are
+        read through the shim: the checks' (the arrays above, and one the grads' addresses are
+        read into), and, where this is the only kernel call and every check and bump is
+        compiled, the launch's for :meth:`step_in_one_call`; None where not."""
+        self.grad_addresses_read = np.empty(len(self.sized_grads), dtype=np.int64)
+        if self.shim is None:
+            return None, None
+        checks = self.helpers.pack_record(
+            "checks", shim=self.shim, dicts=self.dicts, versions=self.expected_versions, tensors=self.ids,
             starts=self.form_starts, forms=self.forms_read, counters=self.counter_addresses, steps=self.steps,
             grad_starts=self.grad_form_starts, grad_forms=self.grad_forms_read,
-            grad_addresses=self.grad_addresses_read, sized=self.sized_grads, written=self.compiled_bump[0],
-            places=self.compiled_bump[1], dict_word=self.dict_word or 0, threads=self.threads,
-            first=relaunches[0][1])
+            grad_addresses=self.grad_addresses_read, sized=self.sized_grads, dict_word=self.dict_word or 0,
+            threads=self.threads)
+        relaunch, first = relaunches[0]
+        if len(relaunches) != 1 or not self.compiled_bump or not hasattr(relaunch, "launch_record"):
+            return checks, None  # (the one call is Numba's)
+        return checks, relaunch.launch_record(written=self.compiled_bump[0], places=self.compiled_bump[1],
+                                              first=first)
 
     def prepare(self, optimizer, group: dict, first_index: int, precision, inv_grad_scale: float,
                 view: Optional[StateView] = None) -> Optional[Callable[[], None]]:
@@ -243,7 +251,8 @@ class GroupLaunch:
         step = self._next_step(first)
         if step is None:
             return False
-        return relaunch.run_in_one_call(self.one_call_record, np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
+        return relaunch.run_in_one_call(self.checks, self.one_call_record,
+                                        np.fromiter(map(id, grads), dtype=np.int64, count=len(grads)),
                                   optimizer._scalars(group, step, float), inv_grad_scale, step)
 
     def _next_step(self, first: int) -> Optional[int]:
@@ -300,16 +309,12 @@ class GroupLaunch:
                 and grad_addresses[self.sized_grads].all()
             return grad_addresses if holds else None
         grad_ids = np.fromiter(map(id, grads), dtype=np.int64, count=len(grads))
+        if self.shim is not None:  # (the grads' addresses are read into the checks' own array)
+            holds = self.helpers.launch_forms_hold(self.checks, grad_ids)
+            return self.grad_addresses_read if holds else None
         grad_addresses = np.empty(len(grads), dtype=np.int64)
-        if self.shim is not None:
-            holds = self.helpers.launch_forms_hold(
-                self.shim, self.dicts, self.dict_word or 0, self.expected_versions, self.ids,
-                self.form_starts, self.forms_read, self.counter_addresses, self.steps, grad_ids,
-                self.grad_form_starts, self.grad_forms_read, grad_addresses, self.sized_grads, self.threads)
-        else:
-            holds = self.helpers.launch_holds(self.reader, self.ids, self.addresses, self.counter_addresses,
-                                              self.steps, grad_ids, grad_addresses, self.sized_grads,
-                                              self.threads)
+        holds = self.helpers.launch_holds(self.reader, self.ids, self.addresses, self.counter_addresses,
+                                          self.steps, grad_ids, grad_addresses, self.sized_grads, self.threads)
         return grad_addresses if holds else None
 
     def _forms_hold(self, grads: list) -> bool:

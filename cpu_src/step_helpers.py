@@ -303,23 +303,26 @@ def words_equal(objects, offset, expected):
 
 
 @cached_njit()
-def launch_forms_hold(shim, dicts, dict_word, versions, tensors, starts, forms, counters, steps, grads,
-                      grad_starts, grad_forms, grad_addresses, sized, threads):
-    """:func:`launch_holds` with the forms checked here too, through torch's C shim: True
-    when Numba's thread count is ``threads``, each state dict (``dicts``) has its version
-    (:func:`words_equal` at ``dict_word``; no dicts: checked by the caller), every param and
-    state tensor (``tensors``) has its form, data address included (:func:`forms_hold`), the
-    float64 at each ``counters[i]`` is ``steps[i]`` (read once the addresses held), and every
-    grad has its form, its address aside: read into ``grad_addresses``, non-zero for each
-    grad with ``sized[i]``."""
-    if _thread_count() != threads or not words_equal(dicts, dict_word, versions):
+def launch_forms_hold(checks, grads):
+    """:func:`launch_holds` with the forms checked here too, through torch's C shim; ``checks``:
+    a record of the layout ``"checks"``, ``grads``: the grads' ids.  True when Numba's thread
+    count is ``threads``, each state dict (``dicts``) has its version (:func:`words_equal` at
+    ``dict_word``; no dicts: checked by the caller), every param and state tensor
+    (``tensors``) has its form, data address included (:func:`forms_hold`), the float64 at
+    each ``counters[i]`` is ``steps[i]`` (read once the addresses held), and every grad has its
+    form, its address aside: read into ``grad_addresses``, non-zero for each grad with
+    ``sized[i]``."""
+    shim, grad_addresses = record_array(checks, "shim"), record_array(checks, "grad_addresses")
+    if _thread_count() != record_integer(checks, "threads") or not words_equal(
+            record_array(checks, "dicts"), record_integer(checks, "dict_word"), record_array(checks, "versions")):
         return False
-    if not forms_hold(shim, tensors, starts, forms, grad_addresses, True):
+    if not forms_hold(shim, record_array(checks, "tensors"), record_array(checks, "starts"),
+                      record_array(checks, "forms"), grad_addresses, True):
         return False
-    if not counters_equal(counters, steps):
+    if not counters_equal(record_array(checks, "counters"), record_array(checks, "steps")):
         return False
-    return forms_hold(shim, grads, grad_starts, grad_forms, grad_addresses, False) \
-        and have_memory(grad_addresses, sized)
+    return forms_hold(shim, grads, record_array(checks, "grad_starts"), record_array(checks, "grad_forms"),
+                      grad_addresses, False) and have_memory(grad_addresses, record_array(checks, "sized"))
 
 
 # (the two below keep the GIL: ``reader`` reads Python objects)
@@ -375,51 +378,60 @@ def _take_gil(typingctx, state):
     return types.void(types.voidptr), codegen
 
 
-# ---------------------------------------------------------------- a kept launch's record
-#: the layout of the record :func:`checked_relaunch` takes, written once: its arrays (name, dtype,
-#: dimensions), each held as its data address and two dimensions, then its integers.  One array
-#: argument where they were ~25, as Numba's dispatch unboxes each array argument.  Compiled
-#: code reads a slot by name (:func:`record_array`, :func:`record_integer`), resolved at compile time.
-RECORD_ARRAYS = (
-    ("shim", np.int64, 1), ("dicts", np.int64, 1), ("versions", np.uint64, 1), ("tensors", np.int64, 1),
-    ("starts", np.int64, 1), ("forms", np.int64, 1), ("counters", np.int64, 1), ("steps", np.float64, 1),
-    ("grad_starts", np.int64, 1), ("grad_forms", np.int64, 1), ("grad_addresses", np.int64, 1),
-    ("sized", np.bool_, 1), ("values", np.float32, 1), ("addresses", np.int64, 1), ("table", np.int64, 2),
-    ("keys", np.uint32, 2), ("row_counts", np.int64, 2), ("grad_of_row", np.int64, 1),
-    ("row_bytes", np.int64, 1), ("seed_words", np.uint64, 1), ("streams", np.int64, 1),
-    ("written", np.int64, 1), ("places", np.int64, 1))
-RECORD_INTEGERS = ("dict_word", "threads", "first", "dampening", "grad_column")
-_ARRAY_SLOTS = {name: (3 * k, dtype, dims) for k, (name, dtype, dims) in enumerate(RECORD_ARRAYS)}
-_INTEGER_SLOTS = {name: 3 * len(RECORD_ARRAYS) + k for k, name in enumerate(RECORD_INTEGERS)}
+# ---------------------------------------------------------------- a kept launch's records
+#: the layouts of the two records a kept launch's compiled calls take, each written once: arrays
+#: (name, dtype, dimensions), each held as its data address and two dimensions, then integers.
+#: One array argument where they were ~25, as Numba's dispatch unboxes each array argument.
+#: Compiled code reads a slot by name (:func:`record_array`, :func:`record_integer`), resolved at
+#: compile time; names are unique across the two.
+RECORD_LAYOUTS = {
+    # what the step cache's compiled checks read (:func:`launch_forms_hold`)
+    "checks": ((("shim", np.int64, 1), ("dicts", np.int64, 1), ("versions", np.uint64, 1),
+                ("tensors", np.int64, 1), ("starts", np.int64, 1), ("forms", np.int64, 1),
+                ("counters", np.int64, 1), ("steps", np.float64, 1), ("grad_starts", np.int64, 1),
+                ("grad_forms", np.int64, 1), ("grad_addresses", np.int64, 1), ("sized", np.bool_, 1)),
+               ("dict_word", "threads")),
+    # what a single launch's step reads beyond them (:func:`checked_relaunch`)
+    "launch": ((("values", np.float32, 1), ("addresses", np.int64, 1), ("table", np.int64, 2),
+                ("keys", np.uint32, 2), ("row_counts", np.int64, 2), ("grad_of_row", np.int64, 1),
+                ("row_bytes", np.int64, 1), ("seed_words", np.uint64, 1), ("streams", np.int64, 1),
+                ("written", np.int64, 1), ("places", np.int64, 1)),
+               ("first", "dampening", "grad_column")),
+}
+_ARRAY_SLOTS = {name: (3 * k, dtype, dims) for arrays, _ in RECORD_LAYOUTS.values()
+                for k, (name, dtype, dims) in enumerate(arrays)}
+_INTEGER_SLOTS = {name: 3 * len(arrays) + k for arrays, integers in RECORD_LAYOUTS.values()
+                  for k, name in enumerate(integers)}
 
 
-def launch_record(**given) -> np.ndarray:
-    """The record :func:`checked_relaunch` takes, laid out as :data:`RECORD_ARRAYS` and
-    :data:`RECORD_INTEGERS` say.  It holds addresses: the caller keeps the arrays alive and
-    never replaces them (they are written in place).  Raises TypeError on an array of another
-    dtype, dimension count or layout, or a name missing or unknown (a caller's mistake)."""
-    names = [name for name, _, _ in RECORD_ARRAYS] + list(RECORD_INTEGERS)
+def pack_record(kind: str, **given) -> np.ndarray:
+    """A record of the layout ``RECORD_LAYOUTS[kind]``.  It holds addresses: the caller keeps
+    the arrays alive and never replaces them (they are written in place).  Raises TypeError on
+    an array of another dtype, dimension count or layout, or a name missing or unknown (a
+    caller's mistake)."""
+    arrays, integers = RECORD_LAYOUTS[kind]
+    names = [name for name, _, _ in arrays] + list(integers)
     if sorted(given) != sorted(names):
-        raise TypeError(f"launch_record needs exactly {names}, got {sorted(given)}")
+        raise TypeError(f"a {kind} record needs exactly {names}, got {sorted(given)}")
     words = []
-    for name, dtype, dims in RECORD_ARRAYS:
+    for name, dtype, dims in arrays:
         array = given[name]
         if not isinstance(array, np.ndarray) or array.dtype != dtype or array.ndim != dims \
                 or not array.flags.c_contiguous or not array.flags.writeable:
-            raise TypeError(f"launch_record: {name} must be a writable C-contiguous {dims}-d "
+            raise TypeError(f"a {kind} record's {name} must be a writable C-contiguous {dims}-d "
                             f"{np.dtype(dtype)} array")
         words += [array.ctypes.data, array.shape[0], array.shape[1] if dims == 2 else 0]
-    words += [int(given[name]) for name in RECORD_INTEGERS]
+    words += [int(given[name]) for name in integers]
     return np.array(words, dtype=np.int64)
 
 
 def record_array(record, name):
-    """In compiled code: the array ``name`` (a constant string) of a :func:`launch_record` record."""
+    """In compiled code: the array ``name`` (a constant string) of a :func:`pack_record` record."""
     raise NotImplementedError("record_array is for compiled code")
 
 
 def record_integer(record, name):
-    """In compiled code: the integer ``name`` (a constant string) of a :func:`launch_record` record."""
+    """In compiled code: the integer ``name`` (a constant string) of a :func:`pack_record` record."""
     raise NotImplementedError("record_integer is for compiled code")
 
 
@@ -479,7 +491,7 @@ def kernel_scalars(scalars, inv_grad_scale, sign, values):
 
 
 @cached_njit()
-def checked_relaunch(record, grads, step, scalars, inv_grad_scale, sign, serial, bounds):
+def checked_relaunch(checks, launch, grads, step, scalars, inv_grad_scale, sign, serial, bounds):
     """A kept launch's whole step in one compiled call, where it is its optimizer's only
     kernel call (each call is costly with the caches cold): :func:`launch_forms_hold`'s
     checks, with the counter at ``steps[first]`` one below ``step``, the step's scalars
@@ -487,37 +499,31 @@ def checked_relaunch(record, grads, step, scalars, inv_grad_scale, sign, serial,
     chunk function at ``addresses[unit]`` -- ``unit``: the grad scale times the sign is 1, and
     so is ``values[dampening]`` unless ``dampening`` < 0 (``backends/numba.py``'s
     ``unit_scalars``) -- with the GIL released, as :func:`relaunch`'s ``nogil`` releases it.
-    ``record``: :func:`launch_record`'s, of the launch's arrays and integers; ``grads``: the
+    ``checks`` and ``launch``: :func:`pack_record`'s records of those layouts; ``grads``: the
     step's grads' ids; ``bounds``: the chunk driver's thread ranges; ``serial``: run them on
     this thread.  Answers :data:`RAN`, or why nothing changed: :data:`CHANGED` (a check
     failed), :data:`NOT_FINITE` (a scalar), ``UNCOMPILED + unit`` (``addresses[unit]`` is 0)."""
-    steps, first = record_array(record, "steps"), record_integer(record, "first")
+    steps, first = record_array(checks, "steps"), record_integer(launch, "first")
     if steps[first] + 1.0 != step:
         return CHANGED
-    grad_addresses = record_array(record, "grad_addresses")
-    if not launch_forms_hold(record_array(record, "shim"), record_array(record, "dicts"),
-                             record_integer(record, "dict_word"), record_array(record, "versions"),
-                             record_array(record, "tensors"), record_array(record, "starts"),
-                             record_array(record, "forms"), record_array(record, "counters"), steps, grads,
-                             record_array(record, "grad_starts"), record_array(record, "grad_forms"),
-                             grad_addresses, record_array(record, "sized"), record_integer(record, "threads")):
+    if not launch_forms_hold(checks, grads):
         return CHANGED
-    values = record_array(record, "values")
+    values = record_array(launch, "values")
     if not kernel_scalars(scalars, inv_grad_scale, sign, values):
         return NOT_FINITE
     n = len(scalars)
-    dampening = record_integer(record, "dampening")
+    dampening = record_integer(launch, "dampening")
     unit = values[n - 1] * values[n] == 1 and (dampening < 0 or values[dampening] == 1)
     variant = 1 if unit else 0
-    address = record_array(record, "addresses")[variant]
+    address = record_array(launch, "addresses")[variant]
     if address == 0:
         return UNCOMPILED + variant
     state = _release_gil()
-    relaunch(serial, address, record_array(record, "table"), values, record_array(record, "keys"),
-             record_array(record, "row_counts"), bounds, record_integer(record, "grad_column"),
-             record_array(record, "grad_of_row"), record_array(record, "row_bytes"), grad_addresses,
-             record_array(record, "seed_words"), step, record_array(record, "streams"),
-             record_array(record, "counters"), steps, record_array(record, "written"),
-             record_array(record, "places"))
+    relaunch(serial, address, record_array(launch, "table"), values, record_array(launch, "keys"),
+             record_array(launch, "row_counts"), bounds, record_integer(launch, "grad_column"),
+             record_array(launch, "grad_of_row"), record_array(launch, "row_bytes"),
+             record_array(checks, "grad_addresses"), record_array(launch, "seed_words"), step,
+             record_array(launch, "streams"), record_array(checks, "counters"), steps,
+             record_array(launch, "written"), record_array(launch, "places"))
     _take_gil(state)
     return RAN

@@ -312,7 +312,7 @@ def test_a_single_group_step_runs_in_one_compiled_call(spy, form_checks):
 
 
 def test_the_one_calls_record_reads_back_each_array_and_integer():
-    """checked_relaunch's record (step_helpers.launch_record), read in compiled code
+    """checked_relaunch's records (step_helpers.pack_record, each layout), read in compiled code
     by name (record_array_facts, record_integer_value): each array at its own data address with
     its size, item size and first element (a float read as an integer would differ), then the
     integers; an array of another dtype, dimension count or layout, a read-only one, or a name
@@ -320,27 +320,32 @@ def test_the_one_calls_record_reads_back_each_array_and_integer():
     import numpy as np  # noqa: PLC0415
 
     helpers = numba_backend.helpers()
-    arrays = {name: np.full((k + 2, 3) if dims == 2 else k + 1, True if dtype == np.bool_ else k + 1.5,
-                            dtype=dtype)
-              for k, (name, dtype, dims) in enumerate(helpers.RECORD_ARRAYS)}
-    integers = {name: 100 + k for k, name in enumerate(helpers.RECORD_INTEGERS)}
-    record = helpers.launch_record(**arrays, **integers)
-    for name, array in arrays.items():
-        assert helpers.record_array_facts(record, name).tolist() == \
-            [array.ctypes.data, array.size, array.itemsize, float(array.flat[0])], name
-    for name, value in integers.items():
-        assert helpers.record_integer_value(record, name) == value, name
-    wrong = [("shim", np.zeros(3, dtype=np.int32)), ("table", np.zeros(6, dtype=np.int64)),
-             ("forms", np.zeros(6, dtype=np.int64)[::2]), ("steps", np.zeros(2).reshape(1, 2))]
-    for name, array in wrong:
+    for kind, (layout, integer_names) in helpers.RECORD_LAYOUTS.items():
+        arrays = {name: np.full((k + 2, 3) if dims == 2 else k + 1, True if dtype == np.bool_ else k + 1.5,
+                                dtype=dtype)
+                  for k, (name, dtype, dims) in enumerate(layout)}
+        integers = {name: 100 + k for k, name in enumerate(integer_names)}
+        record = helpers.pack_record(kind, **arrays, **integers)
+        for name, array in arrays.items():
+            assert helpers.record_array_facts(record, name).tolist() == \
+                [array.ctypes.data, array.size, array.itemsize, float(array.flat[0])], name
+        for name, value in integers.items():
+            assert helpers.record_integer_value(record, name) == value, name
+        name, dtype, dims = layout[0]
+        other = np.zeros((2, 2) if dims == 1 else 4, dtype=np.int32 if dtype != np.int32 else np.int64)
         with pytest.raises(TypeError, match=name):
-            helpers.launch_record(**{**arrays, name: array}, **integers)
-    frozen = np.zeros(3, dtype=np.int64)
-    frozen.flags.writeable = False
-    with pytest.raises(TypeError, match="tensors"):
-        helpers.launch_record(**{**arrays, "tensors": frozen}, **integers)
-    with pytest.raises(TypeError, match="first"):
-        helpers.launch_record(**arrays, **{k: v for k, v in integers.items() if k != "first"})
+            helpers.pack_record(kind, **{**arrays, name: other}, **integers)
+        frozen = arrays[layout[1][0]].copy()
+        frozen.flags.writeable = False
+        with pytest.raises(TypeError, match=layout[1][0]):
+            helpers.pack_record(kind, **{**arrays, layout[1][0]: frozen}, **integers)
+        with pytest.raises(TypeError, match=integer_names[0]):
+            helpers.pack_record(kind, **arrays, **{k: v for k, v in integers.items() if k != integer_names[0]})
+    arrays = {name: np.zeros((1, 1) if dims == 2 else 1, dtype=dtype)
+              for name, dtype, dims in helpers.RECORD_LAYOUTS["checks"][0]}
+    arrays["forms"] = np.zeros(6, dtype=np.int64)[::2]  # not contiguous
+    with pytest.raises(TypeError, match="record's forms must be"):
+        helpers.pack_record("checks", **arrays, dict_word=0, threads=1)
 
 
 def test_a_single_group_step_releases_the_gil_while_its_kernel_runs(spy, form_checks, monkeypatch):

@@ -325,30 +325,32 @@ class Relaunch:
                                _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
                                self.seed_words, step, self.key_streams, counters, steps, written, places)
 
-    def one_call_record(self, **checks) -> np.ndarray:
-        """The record ``step_helpers.checked_relaunch`` takes (``step_helpers.launch_record``):
-        this launch's arrays and integers with the step cache's ``checks``, the others of
-        ``step_helpers.RECORD_ARRAYS`` and ``RECORD_INTEGERS``.  The caller keeps those alive."""
-        return helpers().launch_record(
-            values=self.kernel_values, addresses=self.unit_addresses, table=self.table, keys=self.step_keys,
-            row_counts=self.row_counts, grad_of_row=self.grad_of_row, row_bytes=self.grad_row_bytes,
-            seed_words=self.seed_words, streams=self.key_streams, dampening=self.dampening,
-            grad_column=_GRAD_COLUMN, **checks)
+    def launch_record(self, *, written: np.ndarray, places: np.ndarray, first: int) -> np.ndarray:
+        """The ``"launch"`` record ``step_helpers.checked_relaunch`` takes (``step_helpers.pack_record``):
+        this launch's arrays and integers, with the version counters to bump (``written``,
+        ``places``) and the position of its first param's counter among the group's (``first``).
+        The caller keeps ``written`` and ``places`` alive."""
+        return helpers().pack_record(
+            "launch", values=self.kernel_values, addresses=self.unit_addresses, table=self.table,
+            keys=self.step_keys, row_counts=self.row_counts, grad_of_row=self.grad_of_row,
+            row_bytes=self.grad_row_bytes, seed_words=self.seed_words, streams=self.key_streams,
+            written=written, places=places, first=first, dampening=self.dampening, grad_column=_GRAD_COLUMN)
 
-    def run_in_one_call(self, record: np.ndarray, grad_ids: np.ndarray, scalars, inv_grad_scale: float,
-                  step: int) -> bool:
+    def run_in_one_call(self, checks: np.ndarray, launch: np.ndarray, grad_ids: np.ndarray, scalars,
+                        inv_grad_scale: float, step: int) -> bool:
         """A step whose only kernel call this is, checks, scalars and all, in one compiled call
         (``step_helpers.checked_relaunch``; one call less with cold caches than
         :meth:`arguments` and :meth:`run` after the step cache's own): True when it ran;
         False when it changed nothing, for a check that failed or a scalar that is not a
-        finite float32 (the full path then decides and names it).  ``record``:
-        :meth:`one_call_record`'s; ``grad_ids``: the ids of the step's grads; ``scalars``,
-        ``inv_grad_scale`` and ``step`` as :meth:`arguments` takes them.  A chunk function
-        not compiled yet is compiled (or loaded) and the call made again."""
+        finite float32 (the full path then decides and names it).  ``checks``: the step
+        cache's ``"checks"`` record; ``launch``: :meth:`launch_record`'s; ``grad_ids``: the ids
+        of the step's grads; ``scalars``, ``inv_grad_scale`` and ``step`` as :meth:`arguments`
+        takes them.  A chunk function not compiled yet is compiled (or loaded) and the call
+        made again."""
         compiled = helpers()
         for _ in range(2):
             with _KERNEL_LOCK:
-                answer = compiled.checked_relaunch(record, grad_ids, step, tuple(scalars), inv_grad_scale,
+                answer = compiled.checked_relaunch(checks, launch, grad_ids, step, tuple(scalars), inv_grad_scale,
                                                    self.sign, _FORKED, self.bounds)
             if answer < compiled.UNCOMPILED:
                 return answer == compiled.RAN
