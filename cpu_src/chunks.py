@@ -7,7 +7,8 @@ three columns: the chunk's length, the index of its first element in its tensor 
 element counter of stochastic rounding) and the tensor's position in the bucket.
 Buffers a configuration does not have get address 0 and are never read.
 
-The work of a configuration is a *chunk function* (``adam.py``, ``lion.py``): a serial
+The work of a configuration is a *chunk function* (``rows.py``'s loops around the math of
+``adam.py``, ``lion.py`` or ``sgd.py``): a serial
 Numba ``cfunc`` with the C signature :data:`CHUNK_SIGNATURE`
 ``void(int64 *row, float32 *scalars, uint32 *keys, int64 *counts)`` that updates the
 elements of one table row: ``scalars`` are the step's float32 scalars, ``keys`` the
@@ -19,7 +20,7 @@ equal number of rows per thread would not be equal work) and calls the chunk fun
 through its address; a thread done with its range takes the rows left at the back of the
 others' (work stealing), so a thread slowed by other work on its core does not hold up the
 step.  It is compiled once for all configurations; each configuration costs only a serial
-compile, several times cheaper than compiling a ``parallel=True`` kernel.
+compile, much cheaper than compiling a ``parallel=True`` kernel.
 
 Every element is computed independently of the others and each row writes its own
 counters, so results do not depend on the chunk size, the number of threads or which thread
@@ -39,7 +40,7 @@ from numba.extending import intrinsic
 
 __all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KERNEL_SOURCES", "KEYS", "balanced_bounds",
            "build_chunk_table", "cached_njit", "chunk_compiler", "run_chunks", "run_chunks_serial",
-           "tensor_counts", "update_jit"]
+           "inline_jit", "tensor_counts", "update_jit"]
 
 #: elements per chunk: large enough for long vector loops, small enough to balance threads
 CHUNK = 1 << 15
@@ -85,28 +86,29 @@ def cached_njit(**options):
     return lambda function: njit(cache=True, **options)(_source_named(function))
 
 
-#: the decorator of each configuration's element update (see :func:`chunk_compiler`): inlined
-#: by LLVM into the chunk function's loops, called from nowhere else, so compiled without
-#: the wrappers Python and C callers need (its CPython wrapper, unboxing a tuple of fourteen
-#: scalars, was a third of the update's compile)
+#: the decorator of an algorithm's element update (``rows.py``): called at several sites of the
+#: loops, so compiled once and inlined by LLVM (Numba would compile it again at each site), and
+#: called from nowhere else, so compiled without the wrappers Python and C callers need (a
+#: CPython wrapper unboxing a tuple of scalars costs compile time and is never called)
 update_jit = njit(forceinline=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
+#: the decorator of the functions a chunk function calls once (``rows.py``'s loops, an
+#: algorithm's ``begin`` and ``block``): inlined by Numba, compiled with the caller, not apart
+inline_jit = njit(inline="always")
 
 
 CHUNK_SIGNATURE = types.void(types.CPointer(types.int64), types.CPointer(types.float32),
                              types.CPointer(types.uint32), types.CPointer(types.int64))
 
 
-def chunk_compiler(configuration: tuple, update=None):
+def chunk_compiler(configuration: tuple, **functions):
     """Decorator compiling a chunk function of one ``configuration`` (the arguments it was
     made from, a tuple with a deterministic repr): a ``cfunc`` of :data:`CHUNK_SIGNATURE`,
     cached on disk under a name of its own.
 
-    ``update``: the configuration's element update, a function jitted by :data:`update_jit`
-    the chunk function calls by the global name ``update``.  With ``forceinline``, it is
-    compiled once and inlined by LLVM into each loop that calls it (the same code); a closure
-    defined inside the chunk function would be inlined by Numba at each call site, a third of
-    each compile's time.  A global, not a closure cell: Numba's on-disk cache key holds the
-    pickled closure, and a jitted function pickles with a per-process id.
+    ``functions``: the configuration's jitted functions the chunk function calls by their
+    global names (``rows.py``: ``drive``, the row's loops, jitted by :data:`inline_jit`).
+    Globals, not closure cells: Numba's on-disk cache key holds the pickled closure, and a
+    jitted function pickles with a per-process id.
 
     Why a name of its own: Numba keeps every cached compilation of one Python function in
     one index file, and its save reads the index, adds the entry under the first unused
@@ -121,8 +123,8 @@ def chunk_compiler(configuration: tuple, update=None):
 
     def compile_chunk(function):
         qualname = function.__qualname__
-        if update is not None:
-            function = FunctionType(function.__code__, dict(function.__globals__, update=update),
+        if functions:
+            function = FunctionType(function.__code__, dict(function.__globals__, **functions),
                                     function.__name__, function.__defaults__, function.__closure__)
         function.__qualname__ = f"{qualname}_{digest}"
         return cfunc(CHUNK_SIGNATURE, cache=True, error_model="numpy")(_source_named(function))
