@@ -7,8 +7,8 @@ telemetry -- where the target CPU has AVX-512.
 
 Why: from the element loops LLVM builds one vector per array per iteration, which runs no
 faster than any plain exact loop; a loop that loads eight 512-bit vectors of each array
-before computing any (DeepSpeedCPUAdam's form) is 5-10% faster on an AVX-512 Xeon, with the
-same arithmetic (``benchmarks/cpu_step.py --same-arrays``).  LLVM does not build that form
+before computing any (DeepSpeedCPUAdam's form) is faster, with the same arithmetic
+(``benchmarks/cpu_step.py --same-arrays``; figures in docs/performance.md).  LLVM does not build that form
 from Numba source (512-bit vectors, forced interleaving, blocked loops: measured, none
 faster), so it is written here as LLVM vector IR, from an ``@intrinsic`` per algorithm.
 On Intel CPUs each block also first asks for its arrays' lines ``PREFETCH_DISTANCE`` bytes on
@@ -45,10 +45,8 @@ __all__ = ["ADAM_BLOCK", "COMPANION16", "COPY", "GRAD16", "KAHAN", "L2", "LION_B
            "prefetching", "sgd_block"]
 
 LANES = 16  # float32 lanes of one vector: a 512-bit register
-# vectors of each array loaded before any is computed: Adam eight (DeepSpeed's form); Lion four
-# (less work per byte: with eight, its master-copy form streamed 3-7% slower than its element
-# loop, with four 1-2% faster; its other forms as fast or faster with four; measured,
-# benchmarks/cpu_step.py on an AVX-512 Xeon); SGD, less work still, four
+# vectors of each array loaded before any is computed: Adam eight (DeepSpeed's form); Lion and
+# SGD four, as they do less work per byte (chosen by benchmarks/cpu_step.py; docs/performance.md)
 ADAM_SPAN, LION_SPAN, SGD_SPAN = 8, 4, 4
 ADAM_BLOCK, LION_BLOCK, SGD_BLOCK = (LANES * span for span in (ADAM_SPAN, LION_SPAN, SGD_SPAN))  # elements
 
@@ -68,11 +66,8 @@ SR_WEIGHTS = 2048  # the bfloat16 param, its own master, rounded stochastically 
 SR_MOMENTS = 4096  # the bfloat16 moments rounded stochastically (buffers EXP_AVG, EXP_AVG_SQ): MOMENT16
 PREFETCH = 8192  # each array's lines PREFETCH_DISTANCE ahead asked for as the block starts (_Block.prefetch)
 
-# bytes ahead of a block's start in each array that its prefetches ask for.  Measured on an AVX-512
-# Xeon (2 threads, 2^25 params, one chunk table, 21 shuffled repetitions), each distance against
-# the one before: one block (256-512 bytes) -> 512 bytes 0.87-1.06x the streamed time (bfloat16
-# arrays gain most) -> 1024 0.86-1.01x -> 2048 0.89-1.01x -> 4096 1.00-1.06x (slower).  At 2048
-# against no prefetching: 0.73-0.95x streamed, 0.79-1.11x in cache (cpu_step.py --prefetch-ab).
+# bytes ahead of a block's start in each array that its prefetches ask for: the fastest distance
+# of those measured (cpu_step.py --prefetch-ab; the figures in docs/performance.md)
 PREFETCH_DISTANCE = 2048
 #: whether :func:`form` asks for PREFETCH: None = by the target CPU (:func:`prefetching`); the
 #: benchmarks' A/B sets it
@@ -319,7 +314,7 @@ class _Block:
 
     def round_bf16_native(self, x):
         """:meth:`round_bf16`'s bits from AVX512-BF16's ``vcvtneps2bf16`` (5 instructions for
-        its 7; AdamW ``bf16-master``'s kernel 1.8-3.9% faster out of cache on an AVX-512 Xeon).  The
+        its 7, a faster kernel: docs/performance.md).  The
         conversion rounds to nearest even whatever MXCSR says, but reads a subnormal as zero:
         a float whose exponent field is 0 (zero or subnormal) gets it set to 1 first -- the
         same sign and 23 low bits, 2^-126 more: a normal float, rounded on the same grid
@@ -373,8 +368,8 @@ class _Block:
         if self.remainder:
             bits = builder.bitcast(self.canonical(w), self.words)
             # the params (the adjusted words' upper halves) and the remainders (the words' lower
-            # halves) gathered into one vector by one word shuffle, stored as its two halves: two
-            # truncating stores (vpmovdw) streamed 3-5% slower (AdamW fp32-remainder, AVX-512 Xeon)
+            # halves) gathered into one vector by one word shuffle, stored as its two halves (two
+            # truncating stores, vpmovdw, streamed slower: docs/performance.md)
             adjusted = builder.bitcast(builder.add(bits, self.word(0x8000)), self.pairs)
             both = builder.shuffle_vector(adjusted, builder.bitcast(bits, self.pairs), ir.Constant(
                 ir.VectorType(self.i32, 2 * LANES), [2 * i + 1 for i in range(LANES)]
