@@ -408,7 +408,7 @@ class Relaunch:
         self.grad_slice = slice(self.n_kept, 2 * self.n_kept)
         self.grad_of_column = np.asarray(grad_positions, dtype=np.int64)[list(prepared.plan.columns)]
         self.table = prepared.plan.table.copy()
-        self.helpers = None
+        self.table_stale = True  # the device copy lags the host table (a grad moved since)
         self.device_table = None
         self.kernel = None
         if execute is None:
@@ -433,17 +433,17 @@ class Relaunch:
         their kept copy ``steps``, and the version counters of the objects whose ids are
         ``written`` bumped (a group's first launch does both for all of its tensors)."""
         if counters.size or written.size:
-            helpers = self.helpers or _step_helpers(self)
-            helpers.advance_counters(counters, steps)
-            helpers.bump_versions(written, places)
+            from . import numba as numba_backend  # (its compiled bookkeeping helpers, memoised)
+
+            numba_backend.helpers().advance_counters(counters, steps)
+            numba_backend.helpers().bump_versions(written, places)
         grads = grad_addresses[self.grad_of_column]
-        if self.device_table is None or not np.array_equal(grads, self.table[self.grad_slice]):
+        if not np.array_equal(grads, self.table[self.grad_slice]):
             self.table[self.grad_slice] = grads
-            self.device_table = None
+            self.table_stale = True
         prepared = self.prepared._replace(scalars=values, step=step)
-        if self.execute is not None:
+        if self.execute is not None:  # (the emulation reads the host table)
             self.execute(prepared._replace(plan=prepared.plan._replace(table=self.table)))
-            self.device_table = self.table  # (the emulation reads the host table: nothing to upload)
             return
         self._launch_on_gpu(prepared)
 
@@ -451,22 +451,15 @@ class Relaunch:
         import cupy
 
         stream = torch.cuda.current_stream(self.device)
-        if self.device_table is None:  # a new table tensor: the last launch may still read the old one
+        if self.table_stale:  # a new table tensor: the last launch may still read the old one
             self.device_table = torch.from_numpy(self.table).pin_memory().to(self.device, non_blocking=True)
+            self.table_stale = False
         plan = prepared.plan
         args = (np.uint64(self.device_table.data_ptr()), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
                 np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step), np.uint64(0),
                 np.int32(prepared.flags)) + prepared.scalars
         with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
             self.kernel((plan.grid,), (plan.block,), args)
-
-
-def _step_helpers(relaunch: Relaunch):
-    """Numba's compiled bookkeeping helpers (step counters, version counters), loaded once."""
-    from . import numba as numba_backend
-
-    relaunch.helpers = numba_backend.helpers()
-    return relaunch.helpers
 
 
 def relaunch(bucket: Bucket, grad_positions: list, execute: Optional[Callable[[PreparedLaunch], None]] = None,
