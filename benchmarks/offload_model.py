@@ -15,7 +15,9 @@ max(host update, host->device), and the peak GPU memory.  On CUDA, torchao's
 ``CPUOffloadOptimizer`` too where torchao is installed (an optional peer).
 
 Then the pipeline as the profiler sees it (``bf16opt.offload.PHASES``): per step and per chunk,
-the host update, the waits on copies, and the rest -- the pipeline's own host overhead.
+the host kernels (on the update thread), the calling thread asleep while they run, and its own
+host work (the uploads it enqueues, the Python around them); and, without a profiler, the
+per-chunk host overhead: (step at 4x the chunks - step) / the extra chunks.
 ``--trace PATH`` writes a Chrome/Perfetto trace of the first preset's offloaded iterations.
 
 Without a GPU the device is the CPU and the link a stand-in: a ``ThreadedCopyEngine`` throttled
@@ -33,7 +35,7 @@ import time
 import torch
 
 import bf16opt
-from bf16opt.offload import PHASES, host_threads, use_copy_engine
+from bf16opt.offload import PHASES, default_threads, host_threads, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine, engine_for, phase
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.offload_model
@@ -55,7 +57,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--presets", default=PRESETS, help=f"comma-separated AdamW presets (default {PRESETS})")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="offload_threads (default: all cores)")
+    parser.add_argument("--threads", type=int, default=None, help="offload_threads (default: the "
+                        "package's: all cores of the process, less one on CUDA)")
     parser.add_argument("--chunk", type=int, default=None, help="pipeline chunk, elements (default: the "
                         "package's on CUDA; params/64 on CPU)")
     parser.add_argument("--bandwidth", type=float, default=25e9, help="CPU stand-in link, bytes/s each way")
@@ -163,7 +166,7 @@ def host_update_alone(args, preset: str) -> float:
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator).mul(1e-2).to(p.dtype)
     opt = bf16opt.AdamW(params, lr=1e-4, precision=preset)
-    with host_threads(args.threads):
+    with host_threads(args.threads, args.device):  # the offloaded step's threads
         return median_time(opt.step, args.warmup, args.repeats)
 
 
@@ -236,24 +239,24 @@ def range_cost(args) -> float:
 
 
 def breakdown(profile: dict) -> dict:
-    """The pipeline's time per step split into the host update, the waits on copies and the
-    rest (its own host overhead), with the rest per chunk."""
+    """The pipeline's time per step: its wall time on the driving thread (the caller of step()),
+    the host kernels (on the update thread), the driving thread asleep while they run, and the
+    driving thread's own host work -- the uploads it enqueues and the Python around them --
+    in all and per chunk."""
     t, n = profile["seconds"], profile["counts"]
 
     def get(key):
         return t.get(PHASES[key], 0.0)
 
-    waits = get("grad_wait") + get("upload_wait") + get("publish")
     chunks = max(1.0, n.get(PHASES["chunk"], 0.0))
-    overhead = get("pipeline") - get("host_update") - waits
+    waits = get("upload_wait") + get("publish")
+    driving = get("pipeline") - get("update_wait") - waits  # host work of the driving thread
     return {
-        "step": t.get("step", 0.0), "recheck": get("recheck"), "pipeline": get("pipeline"),
-        "host_update": get("host_update"), "waits": waits, "grad_wait": get("grad_wait"),
-        "publish": get("publish"), "overhead": overhead, "chunks": chunks,
-        "per_chunk": {key: get(key) / chunks for key in ("prepare", "upload", "mirror_print")},
-        "overhead_per_chunk": overhead / chunks,
-        "glue_per_chunk": (get("chunk") - get("grad_wait") - get("prepare") - get("host_update")
-                           - get("upload")) / chunks,
+        "step": t.get("step", 0.0), "recheck": get("recheck"), "prepare": get("prepare"),
+        "pipeline": get("pipeline"), "kernels": get("host_update"), "asleep": get("update_wait"),
+        "waits": waits, "driving": driving, "chunks": chunks, "beyond_kernels": get("pipeline") - get("host_update"),
+        "per_chunk": {"driving": driving / chunks, "upload": get("upload") / chunks,
+                      "mirror_print": get("mirror_print") / chunks, "grad_wait": get("grad_wait") / chunks},
     }
 
 
@@ -329,7 +332,7 @@ def header(args) -> str:
     return (f"bf16opt offload on a model: {args.layers} x bf16 Linear({args.dim}, {args.dim}, bias=False) "
             f"({params / 1e6:.1f}M params), input {args.batch} x {args.dim}; AdamW; {where}; "
             f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads); chunk {args.chunk or 'default'} elements; offload_threads "
-            f"{args.threads or 'all'}; medians of {args.repeats} after {args.warmup}")
+            f"{args.threads or f'default ({default_threads(args.device)})'}; medians of {args.repeats} after {args.warmup}")
 
 
 def main(argv=None) -> None:
@@ -366,24 +369,26 @@ def print_breakdown(args, profiles: dict) -> None:
     cost = range_cost(args)
     print(f"\nthe offloaded step on the profiler timeline, per step (ms) and per chunk (us); medians "
           f"are not taken: sums over {args.profile_steps} profiled iterations / {args.profile_steps}")
-    print(f"{'preset':28s} {'step':>7s} {'recheck':>7s} {'pipeline':>8s} {'update':>7s} {'waits':>7s} "
-          f"{'rest':>7s} {'chunks':>6s} | {'rest/ch':>7s} {'prepare':>7s} {'upload':>7s} {'m.print':>7s} "
-          f"{'glue':>7s} {'slope':>7s}")
+    print(f"{'preset':28s} {'step':>7s} {'recheck':>7s} {'prepare':>7s} {'pipeline':>8s} {'kernels':>7s} "
+          f"{'asleep':>7s} {'waits':>7s} {'driving':>7s} {'p-kern':>7s} {'chunks':>6s} | {'driving':>7s} "
+          f"{'upload':>7s} {'m.print':>7s} {'g.wait':>7s} {'slope':>7s}")
     for preset, (profile, per_chunk) in profiles.items():
         b = breakdown(profile)
         pc = b["per_chunk"]
-        print(f"{preset:28s} {1e3 * b['step']:7.2f} {1e3 * b['recheck']:7.2f} {1e3 * b['pipeline']:8.2f} "
-              f"{1e3 * b['host_update']:7.2f} {1e3 * b['waits']:7.2f} {1e3 * b['overhead']:7.2f} "
-              f"{b['chunks']:6.0f} | {1e6 * b['overhead_per_chunk']:7.1f} {1e6 * pc['prepare']:7.1f} "
-              f"{1e6 * pc['upload']:7.1f} {1e6 * pc['mirror_print']:7.1f} {1e6 * b['glue_per_chunk']:7.1f} "
-              f"{1e6 * per_chunk:7.1f}")
-    print(f"  step: Optimizer.step; recheck: the staged grads' and mirrors' checks; pipeline: update, "
-          f"uploads and publish;\n  update: the host kernels; waits: on grad copies, last step's uploads "
-          f"and the publish; rest = pipeline - update - waits\n  (the pipeline's own host overhead); per "
-          f"chunk: rest, the backend's prepare, the upload enqueue (with m.print, the\n  fingerprints "
-          f"summed from the mirror), glue = chunk - waits - prepare - update - upload (Python between);\n"
-          f"  slope: without a profiler, (step at 4x the chunks - step) / the extra chunks.\n"
-          f"  A profiled range costs ~{1e6 * cost:.1f} us here (included above; ~6 ranges per chunk).")
+        print(f"{preset:28s} {1e3 * b['step']:7.2f} {1e3 * b['recheck']:7.2f} {1e3 * b['prepare']:7.2f} "
+              f"{1e3 * b['pipeline']:8.2f} {1e3 * b['kernels']:7.2f} {1e3 * b['asleep']:7.2f} "
+              f"{1e3 * b['waits']:7.2f} {1e3 * b['driving']:7.2f} {1e3 * b['beyond_kernels']:7.2f} "
+              f"{b['chunks']:6.0f} | {1e6 * pc['driving']:7.1f} {1e6 * pc['upload']:7.1f} "
+              f"{1e6 * pc['mirror_print']:7.1f} {1e6 * pc['grad_wait']:7.1f} {1e6 * per_chunk:7.1f}")
+    print(f"  step: Optimizer.step; recheck: the staged grads' and mirrors' checks; prepare: the bucket's one "
+          f"prepare;\n  pipeline: update, uploads and publish, on the driving thread (the caller of step()); "
+          f"kernels: the host\n  kernel calls (update thread); asleep: the driving thread waiting for a chunk "
+          f"to be written; waits: on last\n  step's uploads and the publish; driving = pipeline - asleep - "
+          f"waits (the driving thread's host work);\n  p-kern = pipeline - kernels (what the pipeline adds to "
+          f"its kernels). Per chunk: driving, the upload\n  enqueue (with m.print, the fingerprints taken from "
+          f"the mirrors), g.wait: the update thread waiting for grads;\n  slope: the per-chunk host overhead "
+          f"without a profiler, (step at 4x the chunks - step) / the extra chunks.\n"
+          f"  A profiled range costs ~{1e6 * cost:.1f} us here (included above; ~4 ranges per chunk).")
     if args.trace:
         print(f"  trace of {args.presets.split(',')[0]}: {args.trace} (chrome://tracing or ui.perfetto.dev)")
 

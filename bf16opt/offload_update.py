@@ -115,9 +115,10 @@ class RowUpdate:
         self._seen = chunk + 1
 
     def finish(self) -> None:
-        """Once the update thread is done (also after an error on either thread)."""
-        if self._job is not None:
-            job, self._job = self._job, None
+        """Returns once the update thread is done with this update (also after an error on
+        either thread; its own error re-raised)."""
+        job, self._job = self._job, None
+        if job is not None:
             concurrent.futures.wait([job])
             job.result()
         self.launch.finish()

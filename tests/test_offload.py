@@ -14,6 +14,7 @@ import copy
 import gc
 import io
 import os
+import time
 import weakref
 
 import pytest
@@ -299,6 +300,36 @@ def test_jittery_engine_gives_the_same_bits_and_the_pipeline_waits(monkeypatch, 
     assert_each_chunk_ran_once(launches, steps)
     assert launches[0][2] >= sum(p.numel() for p in model.parameters()) // 12
     assert all(transfer.done() for direction, _, transfer, _ in engine.log if direction == "h2d")
+    engine.close()
+
+
+def test_each_chunk_is_uploaded_before_the_next_is_updated(monkeypatch):
+    """The driving thread enqueues a chunk's uploads as soon as the update thread wrote it, while
+    the kernel call goes on: here the update thread holds back after each chunk until an upload
+    of it is enqueued (a pipeline uploading only after the call would keep it waiting)."""
+    engine = RecordingEngine()
+    real_run, released = RowLaunch.run, []
+
+    def run(self, first, end, done):
+        for chunk in range(first, end):
+            before = sum(direction == "h2d" for direction, *_ in engine.log)
+            real_run(self, chunk, chunk + 1, done)
+            deadline = time.monotonic() + 30
+            while sum(direction == "h2d" for direction, *_ in engine.log) == before:
+                assert time.monotonic() < deadline, f"chunk {chunk}: no upload while the update waits"
+                time.sleep(1e-3)
+            released.append(chunk)
+
+    monkeypatch.setattr(RowLaunch, "run", run)
+    data = batches(torch.bfloat16, 2)
+    ref_model, ref_opt = make("AdamW", torch.bfloat16, None, transposed=False, backend="numba")
+    model, opt = make("AdamW", torch.bfloat16, "cpu", transposed=False, backend="numba")
+    opt._offloader.chunk_elements = 16  # every chunk holds a piece of a contiguous param
+    use_copy_engine(opt, engine)
+    train(ref_model, ref_opt, data)
+    train(model, opt, data)
+    assert_same_run(ref_model, ref_opt, model, opt)
+    assert len(released) >= 2 * (sum(p.numel() for p in model.parameters()) // 16)
     engine.close()
 
 
