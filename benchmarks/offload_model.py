@@ -248,13 +248,13 @@ def breakdown(profile: dict) -> dict:
     def get(key):
         return t.get(PHASES[key], 0.0)
 
-    chunks = max(1.0, n.get(PHASES["chunk"], 0.0))
+    chunks = max(1, profile["chunks"])
     waits = get("upload_wait") + get("publish")
     driving = get("pipeline") - get("update_wait") - waits  # host work of the driving thread
     return {
         "step": t.get("step", 0.0), "recheck": get("recheck"), "prepare": get("prepare"),
         "pipeline": get("pipeline"), "kernels": get("host_update"), "asleep": get("update_wait"),
-        "waits": waits, "driving": driving, "chunks": chunks, "beyond_kernels": get("pipeline") - get("host_update"),
+        "waits": waits, "driving": driving, "chunks": chunks, "turns": n.get(PHASES["chunk"], 0.0), "beyond_kernels": get("pipeline") - get("host_update"),
         "per_chunk": {"driving": driving / chunks, "upload": get("upload") / chunks,
                       "mirror_print": get("mirror_print") / chunks, "grad_wait": get("grad_wait") / chunks},
     }
@@ -270,6 +270,7 @@ def offload_contender(args, preset: str, trace=None) -> tuple:
     seconds = median_time(lambda: iteration(model, x, opt), args.warmup, args.repeats)
     peak = peak_gib(args.device)
     profile = profiled(args, model, x, opt, trace)
+    profile["chunks"] = sum(-(-p.numel() // opt._offloader.chunk_elements) for p in model.parameters())
     model(x).float().pow(2).mean().backward()
     per_chunk = chunk_slope(args, opt)
     if engine is not None:
@@ -370,7 +371,7 @@ def print_breakdown(args, profiles: dict) -> None:
     print(f"\nthe offloaded step on the profiler timeline, per step (ms) and per chunk (us); medians "
           f"are not taken: sums over {args.profile_steps} profiled iterations / {args.profile_steps}")
     print(f"{'preset':28s} {'step':>7s} {'recheck':>7s} {'prepare':>7s} {'pipeline':>8s} {'kernels':>7s} "
-          f"{'asleep':>7s} {'waits':>7s} {'driving':>7s} {'p-kern':>7s} {'chunks':>6s} | {'driving':>7s} "
+          f"{'asleep':>7s} {'waits':>7s} {'driving':>7s} {'p-kern':>7s} {'chunks':>6s} {'turns':>5s} | {'driving':>7s} "
           f"{'upload':>7s} {'m.print':>7s} {'g.wait':>7s} {'slope':>7s}")
     for preset, (profile, per_chunk) in profiles.items():
         b = breakdown(profile)
@@ -378,13 +379,13 @@ def print_breakdown(args, profiles: dict) -> None:
         print(f"{preset:28s} {1e3 * b['step']:7.2f} {1e3 * b['recheck']:7.2f} {1e3 * b['prepare']:7.2f} "
               f"{1e3 * b['pipeline']:8.2f} {1e3 * b['kernels']:7.2f} {1e3 * b['asleep']:7.2f} "
               f"{1e3 * b['waits']:7.2f} {1e3 * b['driving']:7.2f} {1e3 * b['beyond_kernels']:7.2f} "
-              f"{b['chunks']:6.0f} | {1e6 * pc['driving']:7.1f} {1e6 * pc['upload']:7.1f} "
+              f"{b['chunks']:6.0f} {b['turns']:5.1f} | {1e6 * pc['driving']:7.1f} {1e6 * pc['upload']:7.1f} "
               f"{1e6 * pc['mirror_print']:7.1f} {1e6 * pc['grad_wait']:7.1f} {1e6 * per_chunk:7.1f}")
     print(f"  step: Optimizer.step; recheck: the staged grads' and mirrors' checks; prepare: the bucket's one "
           f"prepare;\n  pipeline: update, uploads and publish, on the driving thread (the caller of step()); "
           f"kernels: the host\n  kernel calls (update thread); asleep: the driving thread waiting for a chunk "
           f"to be written; waits: on last\n  step's uploads and the publish; driving = pipeline - asleep - "
-          f"waits (the driving thread's host work);\n  p-kern = pipeline - kernels (what the pipeline adds to "
+          f"waits (the driving thread's host work);\n  turns: the driving thread's turns (it uploads the chunks written since its last turn); p-kern = pipeline - kernels (what the pipeline adds to "
           f"its kernels). Per chunk: driving, the upload\n  enqueue (with m.print, the fingerprints taken from "
           f"the mirrors), g.wait: the update thread waiting for grads;\n  slope: the per-chunk host overhead "
           f"without a profiler, (step at 4x the chunks - step) / the extra chunks.\n"

@@ -345,16 +345,21 @@ class Offloader:
         return inputs
 
     def _upload_chunks(self, update, params: list, records: list, reads_param: bool, nvtx: bool) -> tuple:
-        """(uploads started, fingerprints taken from the mirrors) after each chunk, in order."""
+        """(uploads started, fingerprints taken from the mirrors): in chunk order, each turn
+        uploading the chunks written since the last, a param's adjacent pieces as one copy (a
+        driving thread that falls behind the update makes fewer, larger copies)."""
         uploads, prints = [], [None] * len(params)
         targets = [self._upload_target(param, record, reads_param) for param, record in zip(params, records)]
-        for k, pieces in enumerate(update.pieces):
+        first, count = 0, len(update.pieces)
+        while first < count:
             with phase(PHASES["chunk"], nvtx):
                 with phase(PHASES["update_wait"], nvtx):
-                    update.wait(k)
+                    update.wait(first)
+                end = update.written_from(first + 1)
                 with phase(PHASES["upload"], nvtx):
-                    for i, start, count in pieces:
-                        self._upload(targets[i], records[i], start, count, prints, i, uploads, nvtx)
+                    for i, start, size in _merged(update.pieces[first:end]):
+                        self._upload(targets[i], records[i], start, size, prints, i, uploads, nvtx)
+            first = end
         return uploads, prints
 
     def _upload_target(self, param: torch.Tensor, record: _HostParam, reads_param: bool) -> tuple:
@@ -411,6 +416,18 @@ class Offloader:
 
     def pinned(self) -> bool:
         return any(r.mirror.is_pinned() for r in self._records.values())
+
+
+def _merged(chunks: list) -> list:
+    """The pieces of consecutive chunks, a param's adjacent pieces joined into one."""
+    pieces = []
+    for chunk in chunks:
+        for i, start, count in chunk:
+            if pieces and pieces[-1][0] == i and sum(pieces[-1][1:]) == start:
+                pieces[-1] = (i, pieces[-1][1], pieces[-1][2] + count)
+            else:
+                pieces.append((i, start, count))
+    return pieces
 
 
 def use_copy_engine(optimizer, engine: CopyEngine) -> None:

@@ -53,7 +53,8 @@ PHASES = {
     "prepare": "bf16opt.offload.prepare",            # the backend's checks and launch: once per bucket
     "pipeline": "bf16opt.offload.pipeline",          # one bucket's update and uploads, published
     "upload_wait": "bf16opt.offload.upload_wait",    # last step's uploads finished (they read the mirrors)
-    "chunk": "bf16opt.offload.chunk",                # one chunk on the driving thread: its wait and uploads
+    "chunk": "bf16opt.offload.chunk",                # a turn of the driving thread: a chunk's wait, the
+                                                     # uploads of the chunks written since its last turn
     "update_wait": "bf16opt.offload.update_wait",    # the chunk not written yet: the driving thread sleeps
     "grad_wait": "bf16opt.offload.grad_wait",        # (update thread) a chunk's grad and read-back copies
     "host_update": "bf16opt.offload.host_update",    # (update thread) one kernel call over a run of chunks

@@ -6,6 +6,8 @@ count)`` each) and four steps, called in this order by the thread driving the pi
 
 * :meth:`start` -- with, per chunk, the copies its inputs wait for (grads, read-back mirrors);
 * :meth:`wait` ``(k)`` -- returns once chunk ``k`` is written (in chunk order);
+* :meth:`written_from` ``(k)`` -- the first chunk from ``k`` on not known to be written yet
+  (never blocks);
 * :meth:`finish` -- after the last chunk, or on an error: nothing runs any more when it returns.
 
 Two kinds:
@@ -114,6 +116,11 @@ class RowUpdate:
             time.sleep(look)
         self._seen = chunk + 1
 
+    def written_from(self, chunk: int) -> int:
+        while chunk < len(self.pieces) and self.launch.is_done(self._done, chunk):
+            chunk += 1
+        return chunk
+
     def finish(self) -> None:
         """Returns once the update thread is done with this update (also after an error on
         either thread; its own error re-raised)."""
@@ -147,6 +154,10 @@ class PieceUpdate:
         if self.bucket.counts is not None:
             for row, (i, _, _) in enumerate(self.pieces[chunk]):
                 self.bucket.counts[i] += piece_bucket.counts[row]
+
+    @staticmethod
+    def written_from(chunk: int) -> int:
+        return chunk  # (a chunk is written when the driving thread waits for it)
 
     def _piece_bucket(self, pieces: list):
         """A bucket of the pieces' elements; each keeps its elements' global indices and its

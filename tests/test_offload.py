@@ -333,6 +333,13 @@ def test_each_chunk_is_uploaded_before_the_next_is_updated(monkeypatch):
     engine.close()
 
 
+def test_pieces_of_chunks_written_together_are_uploaded_as_one_copy_per_param():
+    from bf16opt.offload import _merged
+    chunks = [[(0, 0, 5)], [(0, 5, 5), (1, 0, 2)], [(1, 2, 4), (3, 0, 1)], [(3, 1, 1), (3, 4, 1)]]
+    assert _merged(chunks) == [(0, 0, 10), (1, 0, 6), (3, 0, 2), (3, 4, 1)]
+    assert _merged(chunks[1:2]) == chunks[1] and _merged([]) == []
+
+
 def test_throttled_engine_gives_the_same_bits():
     with ThreadedCopyEngine(bandwidth=5e6, latency=1e-4) as engine:
         ref_model, ref_opt, model, opt = run_pair("AdamW", torch.bfloat16, chunk=16, engine=engine,
@@ -928,6 +935,18 @@ def test_default_threads_follow_the_process_affinity(monkeypatch):
     finally:
         os.sched_setaffinity(0, before)
     assert seen and set(seen) == {1}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity (Linux)")
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_default_threads_leave_a_core_to_the_thread_driving_cuda(monkeypatch, cores):
+    """CUDA params: one core fewer than the process has (at least one), for the thread that
+    enqueues the copies while the update runs; CPU params: every core."""
+    from bf16opt.offload import default_threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert default_threads(torch.device("cuda", 0)) == max(1, cores - 1)
+    assert default_threads("cuda") == max(1, cores - 1)
+    assert default_threads(torch.device("cpu")) == default_threads() == cores
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

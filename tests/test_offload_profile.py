@@ -72,8 +72,8 @@ def test_a_profiled_offloaded_step_records_every_phase_and_changes_no_bit():
     assert not missing, sorted(missing)
     if config is not None:  # the copies, on the engine's worker threads
         assert {"bf16opt.copy.d2h", "bf16opt.copy.h2d"} <= names, sorted(n for n in names if "bf16opt" in n)
-    chunks = sum(event.name == PHASES["chunk"] for event in prof.events())
-    assert chunks == 3 * (32 * 32 // 256)  # one range per chunk
+    turns = sum(event.name == PHASES["chunk"] for event in prof.events())
+    assert 1 <= turns <= 3 * (32 * 32 // 256)  # the driving thread's turns: at most one per chunk
     for net in nets[1:] + [reference]:
         for a, b in zip(nets[0].parameters(), net.parameters()):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
