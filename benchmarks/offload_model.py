@@ -67,6 +67,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=3, help="offloaded iterations profiled per preset")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the first preset")
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao's CPUOffloadOptimizer")
+    parser.add_argument("--thread-sweep", action="store_true", help="the first preset's offloaded iteration and "
+                        "host update alone with every core, one fewer and two fewer (the default's choice)")
     args = parser.parse_args(argv)
     on_cuda = torch.device(args.device).type == "cuda"
     args.layers = args.layers or (16 if on_cuda else 4)
@@ -109,6 +111,21 @@ def iteration(model, x, opt) -> None:
     synchronize(x.device)
 
 
+def medians_in_turn(first, second, warmup: int, repeats: int) -> tuple:
+    """(median seconds of ``first``, of ``second``), each run in turn with the other: the
+    difference holds where the machine's load drifts (the stand-in's cores are shared)."""
+    for _ in range(warmup):
+        first()
+        second()
+    samples: tuple = ([], [])
+    for _ in range(repeats):
+        for function, times in zip((first, second), samples):
+            start = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - start)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
 def median_time(function, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         function()
@@ -131,10 +148,11 @@ def peak_gib(device):
     return torch.cuda.max_memory_allocated() / GiB if torch.device(device).type == "cuda" else None
 
 
-def offloaded(model, args, preset: str):
-    """``offload="cpu"``; on CPU through the stand-in link (its engine returned to close)."""
+def offloaded(model, args, preset: str, threads=None):
+    """``offload="cpu"`` with ``threads`` (default ``--threads``) host threads; on CPU through the
+    stand-in link (its engine returned to close)."""
     opt = bf16opt.AdamW(model.parameters(), lr=1e-4, precision=preset, offload="cpu",
-                        offload_threads=args.threads)
+                        offload_threads=threads or args.threads)
     engine = None
     if torch.device(args.device).type == "cpu":
         engine = ThreadedCopyEngine(bandwidth=args.bandwidth)
@@ -156,17 +174,38 @@ def contender(args, make_opt) -> tuple:
     return seconds, peak
 
 
+def exposed_in_turn(args, model, x, opt) -> tuple:
+    """(iteration, forward+backward alone), medians of seconds, timed in turn on ``model`` with
+    ``opt`` and a plain copy of the model (made after the peak memory was read)."""
+    plain = make_model(args)
+    with host_threads(args.threads):
+        return medians_in_turn(lambda: iteration(model, x, opt), lambda: iteration(plain, x, None),
+                               args.warmup, args.repeats)
+
+
+def device_contender(args, preset: str) -> tuple:
+    """(iteration, forward+backward alone in turn, peak GPU GiB): state on the device."""
+    fresh_memory(args.device)
+    model, x = make_model(args), make_input(args)
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-4, precision=preset)
+    with host_threads(args.threads):
+        median_time(lambda: iteration(model, x, opt), args.warmup, 1)
+    peak = peak_gib(args.device)
+    return (*exposed_in_turn(args, model, x, opt), peak)
+
+
 # ---------------------------------------------------------------- the parts alone
 
-def host_update_alone(args, preset: str) -> float:
-    """The host update over the model's sizes on host buffers, no copies (``--threads`` threads)."""
+def host_update_alone(args, preset: str, threads=None) -> float:
+    """The host update over the model's sizes on host buffers, no copies (``threads``, default
+    ``--threads``, else the offloaded step's default)."""
     generator = torch.Generator().manual_seed(2)
     params = [torch.nn.Parameter(torch.randn(args.dim, args.dim, generator=generator).to(torch.bfloat16))
               for _ in range(args.layers)]
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator).mul(1e-2).to(p.dtype)
     opt = bf16opt.AdamW(params, lr=1e-4, precision=preset)
-    with host_threads(args.threads, args.device):  # the offloaded step's threads
+    with host_threads(threads or args.threads, args.device):  # the offloaded step's threads
         return median_time(opt.step, args.warmup, args.repeats)
 
 
@@ -263,19 +302,21 @@ def breakdown(profile: dict) -> dict:
 # ---------------------------------------------------------------- contenders and the report
 
 def offload_contender(args, preset: str, trace=None) -> tuple:
-    """(median iteration seconds, peak GPU GiB, profile, per-chunk seconds) of the offloaded model."""
+    """(median iteration seconds, forward+backward alone timed in turn, peak GPU GiB, profile,
+    per-chunk seconds) of the offloaded model."""
     fresh_memory(args.device)
     model, x = make_model(args), make_input(args)
     opt, engine = offloaded(model, args, preset)
-    seconds = median_time(lambda: iteration(model, x, opt), args.warmup, args.repeats)
+    median_time(lambda: iteration(model, x, opt), args.warmup, 1)
     peak = peak_gib(args.device)
+    seconds, fwd_bwd = exposed_in_turn(args, model, x, opt)
     profile = profiled(args, model, x, opt, trace)
     profile["chunks"] = sum(-(-p.numel() // opt._offloader.chunk_elements) for p in model.parameters())
     model(x).float().pow(2).mean().backward()
     per_chunk = chunk_slope(args, opt)
     if engine is not None:
         engine.close()
-    return seconds, peak, profile, per_chunk
+    return seconds, fwd_bwd, peak, profile, per_chunk
 
 
 def chunk_slope(args, opt) -> float:
@@ -349,21 +390,44 @@ def main(argv=None) -> None:
     print(f"{'ms':34s} {'iteration':>9s} {'exposed':>8s} {'host alone':>10s} {'exp/max':>7s} {'peak GiB':>8s}")
     profiles = {}
     for number, preset in enumerate(presets):
-        on_device, device_peak = contender(
-            args, lambda m: bf16opt.AdamW(m.parameters(), lr=1e-4, precision=preset))
-        seconds, peak, profile, per_chunk = offload_contender(args, preset, args.trace if number == 0 else None)
+        on_device, device_fwd_bwd, device_peak = device_contender(args, preset)
+        seconds, offload_fwd_bwd, peak, profile, per_chunk = offload_contender(
+            args, preset, args.trace if number == 0 else None)
         profiles[preset] = (profile, per_chunk)
         host = host_update_alone(args, preset)
-        exposed = seconds - fwd_bwd
-        print(f"{preset + ', state on the device':34s} {1e3 * on_device:9.1f} {1e3 * (on_device - fwd_bwd):8.1f} "
-              f"{'':10s} {'':7s} {gib(device_peak):>8s}")
+        exposed = seconds - offload_fwd_bwd
+        print(f"{preset + ', state on the device':34s} {1e3 * on_device:9.1f} "
+              f"{1e3 * (on_device - device_fwd_bwd):8.1f} {'':10s} {'':7s} {gib(device_peak):>8s}")
         print(f"{preset + ', offload=cpu':34s} {1e3 * seconds:9.1f} {1e3 * exposed:8.1f} {1e3 * host:10.1f} "
               f"{exposed / max(host, up):7.2f} {gib(peak):>8s}", flush=True)
         gc.collect()
     for name, seconds, peak in torchao_rows(args):
         print(f"{name:34s} {1e3 * seconds:9.1f} {1e3 * (seconds - fwd_bwd):8.1f} {'':10s} {'':7s} {gib(peak):>8s}")
-    print("  exposed = iteration - forward+backward; exp/max = exposed / max(host update alone, host->device)")
+    print("  exposed = iteration - forward+backward alone (timed in turn with the iteration: the load drifts); "
+          "exp/max = exposed / max(host update alone, host->device)")
     print_breakdown(args, profiles)
+    if args.thread_sweep:
+        thread_sweep(args, presets[0], up)
+
+
+def thread_sweep(args, preset: str, up: float) -> None:
+    """The offloaded iteration and the host update alone with every core of the process, one
+    fewer and two fewer (issue 38: the thread driving CUDA needs a core)."""
+    cores = default_threads()
+    print(f"\nhost threads, {preset} (default here: {default_threads(args.device)}; the process has {cores} cores)")
+    print(f"{'threads':>7s} {'iteration':>9s} {'exposed':>8s} {'host alone':>10s} {'exp/max':>7s}")
+    for threads in sorted({max(1, cores - k) for k in (0, 1, 2)}, reverse=True):
+        fresh_memory(args.device)
+        model, x = make_model(args), make_input(args)
+        opt, engine = offloaded(model, args, preset, threads)
+        seconds, fwd_bwd = exposed_in_turn(args, model, x, opt)
+        if engine is not None:
+            engine.close()
+        del model, x, opt
+        host = host_update_alone(args, preset, threads)
+        exposed = seconds - fwd_bwd
+        print(f"{threads:7d} {1e3 * seconds:9.1f} {1e3 * exposed:8.1f} {1e3 * host:10.1f} "
+              f"{exposed / max(host, up):7.2f}", flush=True)
 
 
 def print_breakdown(args, profiles: dict) -> None:

@@ -50,15 +50,17 @@ __all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "PHASES", "Offloader", "c
            "use_copy_engine"]
 
 OFFLOAD_VALUES = (None, "cpu")
-#: elements per pipeline chunk: a kernel call's fixed cost stays small, yet the first upload
-#: starts early (figures: docs/performance.md, benchmarks/offload_step.py)
+#: elements per pipeline chunk: the first upload starts early, and a chunk's uploads are few
+#: (figures: docs/performance.md, benchmarks/offload_step.py)
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
 
 def check_offload(value, threads=None) -> None:
     if value not in OFFLOAD_VALUES:
         raise ValueError(f"offload must be None or 'cpu', got {value!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"offload_threads must be None (all cores of the process) or an int >= 1, "
+        raise ValueError(f"offload_threads must be None (the cores of the process, less one for CUDA "
+                         f"params) or an int >= 1, "
                          f"got {threads!r}")
 
 
