@@ -83,6 +83,7 @@ class RowUpdate:
         self.pieces = launch.pieces
         self.reads_param = launch.bucket.config.weights != "copy"  # (a master copy wins over param edits)
         self._done = self._job = None
+        self._started, self._seen = 0.0, 0  # when the update started; chunks known written
 
     def start(self, inputs: list) -> None:
         self._done = self.launch.counters()
@@ -119,6 +120,7 @@ class RowUpdate:
     def written_from(self, chunk: int) -> int:
         while chunk < len(self.pieces) and self.launch.is_done(self._done, chunk):
             chunk += 1
+        self._seen = max(self._seen, chunk)  # (the pace the next look's sleep is taken from)
         return chunk
 
     def finish(self) -> None:
