@@ -366,7 +366,7 @@ class Offloader:
 
     def _upload_target(self, param: torch.Tensor, record: _HostParam, reads_param: bool) -> tuple:
         """(the param's flat view, or None when strided: uploaded whole after its last piece;
-        its element count; its engine; whether its fingerprint is taken from the mirror)."""
+        its real view; its engine; whether its fingerprint is taken from the mirror)."""
         shard = _real(local(param).detach())
         flat = shard.view(-1) if shard.is_contiguous() else None
         return flat, shard, self.engine(param.device), reads_param and self._prints_from_mirror(shard, record)
