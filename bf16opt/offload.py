@@ -36,6 +36,7 @@ import torch
 
 from .distributed import local
 from .offload_copies import CopyEngine, engine_for, phase
+from .storage import Q8, Q8_BLOCK, q8_piece
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "PHASES", "Offloader", "check_offload",
            "use_copy_engine"]
@@ -348,6 +349,8 @@ class Offloader:
         about ``chunk_elements`` elements each."""
         pieces = []
         step = max(1, self.chunk_elements)
+        if bucket.config.quantized:  # pieces of q8 state are whole blocks
+            step = -(-step // Q8_BLOCK) * Q8_BLOCK
         for i, param in enumerate(bucket.params):
             numel = param.numel()
             pieces += [(i, start, min(step, numel - start)) for start in range(0, numel, step)] or [(i, 0, 0)]
@@ -375,6 +378,7 @@ class Offloader:
                     if transfer is not None:
                         transfer.wait()
             tensors = [None if bucket.tensors[k][i] is None else
+                       q8_piece(bucket.tensors[k][i], start, count) if bucket.tensors[k][i].dtype == Q8 else
                        bucket.tensors[k][i].view(-1)[start:start + count] for k in range(n_roles)]
             # a piece keeps its elements' global indices and its param's streams
             piece_bucket.append(tensors, bucket.indices[i], bucket.offset(i) + start, bucket.stream_id(i))

@@ -305,7 +305,9 @@ def new_buffers(param: torch.Tensor, state: dict, config: KernelConfig, offloade
         if key in state:
             continue
         copy = role.storage == "companion" and config.weights == "copy"  # the master starts as the param
-        if offloader is not None:  # in host memory (page-locked for CUDA params)
+        if offloader is not None and dtype == Q8:
+            made[key] = offloader.to_host(torch.zeros(q8_shape(param.numel()), dtype=dtype))
+        elif offloader is not None:  # in host memory (page-locked for CUDA params)
             made[key] = offloader.host_like(param, dtype, param.detach() if copy else None)
         elif copy:
             made[key] = param.detach().to(dtype, memory_format=torch.preserve_format, copy=True)

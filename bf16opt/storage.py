@@ -251,6 +251,13 @@ def q8_shape(numel: int) -> tuple:
     return (-(-numel // Q8_BLOCK), Q8_ROW)
 
 
+def q8_piece(q: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """The q8 tensor of elements ``start .. start + count`` of ``q`` (a view; ``start`` on a block)."""
+    if start % Q8_BLOCK:
+        raise ValueError(f"a piece of a q8 tensor starts on a block of {Q8_BLOCK}, got element {start}")
+    return q[start // Q8_BLOCK:(start + count + Q8_BLOCK - 1) // Q8_BLOCK]
+
+
 def q8_signed(role: str) -> bool:
     """Whether the state ``role`` uses the signed map (first moments) or the unsigned one."""
     if role in Q8_SIGNED_ROLES:
