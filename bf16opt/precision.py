@@ -40,6 +40,7 @@ Rules that turn a request into a plan (documented in the README too):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,7 +49,7 @@ import torch
 
 from .storage import Q8
 
-__all__ = ["Precision", "PRESETS", "StoragePlan", "all_plans", "as_precision", "plan_for"]
+__all__ = ["Precision", "PRESETS", "StoragePlan", "all_plans", "as_precision", "plan_for", "q8_plans"]
 
 #: dtypes a Precision may name, and the params the kernels update
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -324,7 +325,8 @@ def _plan_for(precision: Precision, param_dtype: torch.dtype, small: bool) -> St
 def all_plans(quality: bool = False) -> list:
     """Every StoragePlan the policy allows (what a kernel backend must be able to run).
 
-    ``quality=True`` adds the stochastic-rounding, Kahan and remainder plans.
+    ``quality=True`` adds the stochastic-rounding, Kahan and remainder plans (q8 plans:
+    :func:`q8_plans`).
     """
     plans = []
     for param in PARAM_DTYPES:
@@ -347,6 +349,16 @@ def all_plans(quality: bool = False) -> list:
                     extra.add(plan)
         plans += sorted(extra, key=str)
     return plans
+
+
+def q8_plans() -> list:
+    """The plans with q8 moments the CUDA kernels are instantiated for: each plan of
+    ``all_plans(quality=True)`` with float32 moments, with both moments q8 instead, rounded
+    to nearest or stochastically.  (A precision mixing a q8 moment with an element one runs
+    on the Numba and reference backends.)"""
+    return [dataclasses.replace(plan, exp_avg=Q8, exp_avg_sq=Q8, q8_rounding=q8_rounding)
+            for q8_rounding in ROUNDINGS for plan in all_plans(quality=True)
+            if plan.exp_avg == plan.exp_avg_sq == torch.float32]
 
 
 def _quality_precisions():
