@@ -58,6 +58,7 @@ def run(preset, data, steps: int, lr: float, backend: str) -> dict:
     result = train(preset, data, optimizer="adamw", steps=steps, lr=lr, seed=0, batch=32, block=64, width=128,
                    layers=2, backend=backend, show_progress=False)
     result["seconds"] = time.perf_counter() - start
+    print(f"  ({preset}: final {result['final']:.4f}, {result['seconds']:.0f} s)", file=sys.stderr, flush=True)
     return result
 
 
@@ -65,12 +66,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--skip-maps", action="store_true", help="no reference-backend runs of the two maps")
+    parser.add_argument("--maps-only", action="store_true", help="only the two maps (and fp32, the baseline)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     data = torch.frombuffer(bytearray(stdlib_corpus()), dtype=torch.uint8)
     lr = DEFAULT_LR["adamw"]
     rows = []
-    for preset in ("fp32", "fp32-remainder-q8", "bf16-sr-q8", "fp32-remainder-bf16-states"):
+    presets = ("fp32",) if args.maps_only else ("fp32", "fp32-remainder-q8", "bf16-sr-q8", "fp32-remainder-bf16-states")
+    for preset in presets:
         rows.append((preset, run(preset, data, args.steps, lr, "numba")))
     if not args.skip_maps:
         for kind in ("dynamic", "companded"):

@@ -369,7 +369,7 @@ def q8_normalized(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def q8_nearest_index(y: torch.Tensor, signed: bool, kind: str = None) -> torch.Tensor:
     """Round-to-nearest map index of normalized values: ``#{k: B[k] < y}`` (a tie goes down)."""
     bounds = torch.tensor(q8_boundaries(signed, kind or Q8_MAP_KIND), dtype=torch.float32, device=y.device)
-    return (y[..., None] > bounds).sum(dim=-1)
+    return torch.searchsorted(bounds, y.contiguous(), right=False)  # (the count of bounds < y)
 
 
 def q8_stochastic_index(y: torch.Tensor, random: torch.Tensor, signed: bool,
@@ -378,7 +378,7 @@ def q8_stochastic_index(y: torch.Tensor, random: torch.Tensor, signed: bool,
     ``lo + 1`` when ``float(u >> 16) < f * 65536`` with ``f = (y - T[lo]) / (T[lo+1] - T[lo])``
     (float32 operations); the top index stays."""
     table = torch.tensor(q8_map(signed, kind or Q8_MAP_KIND), dtype=torch.float32, device=y.device)
-    lo = (y[..., None] >= table).sum(dim=-1) - 1
+    lo = torch.searchsorted(table, y.contiguous(), right=True) - 1  # (the count of values <= y, less 1)
     lo = torch.clamp(lo, min=0)
     top = lo >= Q8_LEVELS - 1
     lo_safe = torch.where(top, lo - 1, lo)

@@ -68,14 +68,59 @@ SIGNED_VALUES, SIGNED_BOUNDS = maps(True)
 UNSIGNED_VALUES, UNSIGNED_BOUNDS = maps(False)
 
 
+# The binary search over a map's 255 entries, as the spec states it, costs eight dependent
+# loads and branches per element; the kernels count in two comparisons instead: the upper 15
+# bits of y's float32 pattern name a bucket of floats, and ``*_FROM[bucket]`` is the number of
+# entries below the bucket's smallest float.  No bucket holds more than two entries (checked
+# below), so the count is FROM + (entry FROM < y) + (entry FROM + 1 < y): the same number.
+KEY_SHIFT = 17
+
+
+def _bucket_starts(table: np.ndarray, strict: bool) -> np.ndarray:
+    """uint8 per bucket: #{table < bucket's smallest float} (strict) or #{table < it} for <=
+    counting (the same number: entries equal to the smallest float are counted by the
+    comparisons)."""
+    keys = np.arange(1 << (32 - KEY_SHIFT), dtype=np.uint64)
+    first = (keys << np.uint64(KEY_SHIFT)).astype(np.uint32).view(np.float32)
+    last = (((keys + np.uint64(1)) << np.uint64(KEY_SHIFT)) - np.uint64(1)).astype(np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        low, high = np.fmin(first, last), np.fmax(first, last)
+    finite = np.isfinite(low) & np.isfinite(high)
+    entries = table[:255].astype(np.float32)
+    starts = np.zeros(keys.size, dtype=np.int64)
+    starts[finite] = np.searchsorted(entries, low[finite], side="left")
+    inside = np.searchsorted(entries, high[finite], side="right") - starts[finite]
+    assert inside.max() <= 2, "a bucket holds more than two map entries"
+    return starts.astype(np.uint8)
+
+
+def _padded(table: np.ndarray) -> np.ndarray:
+    """The 255 entries then +inf: the two comparisons never read past it."""
+    return np.concatenate((table[:255], np.full(2, np.inf))).astype(np.float32)
+
+
+SIGNED_BOUNDS_PADDED = _padded(SIGNED_BOUNDS)
+UNSIGNED_BOUNDS_PADDED = _padded(UNSIGNED_BOUNDS)
+SIGNED_VALUES_PADDED = _padded(SIGNED_VALUES)
+UNSIGNED_VALUES_PADDED = _padded(UNSIGNED_VALUES)
+SIGNED_BOUNDS_FROM = _bucket_starts(SIGNED_BOUNDS_PADDED, True)
+UNSIGNED_BOUNDS_FROM = _bucket_starts(UNSIGNED_BOUNDS_PADDED, True)
+SIGNED_VALUES_FROM = _bucket_starts(SIGNED_VALUES_PADDED, False)
+UNSIGNED_VALUES_FROM = _bucket_starts(UNSIGNED_VALUES_PADDED, False)
+
+
 @njit(inline="always")
-def _count_below(table, y, strict):
-    """#{k < 255: table[k] < y} (``strict``) or <= y, by an 8-step binary search."""
-    index = 0
-    for step in (128, 64, 32, 16, 8, 4, 2, 1):
-        probe = table[index + step - 1]
-        index += step if (probe < y if strict else probe <= y) else 0
-    return index
+def _count_below(table, starts, y):
+    """#{k < 255: table[k] < y}."""
+    first = np.int64(starts[f32_to_bits(y) >> np.uint32(KEY_SHIFT)])
+    return first + np.int64(table[first] < y) + np.int64(table[first + 1] < y)
+
+
+@njit(inline="always")
+def _count_at_most(table, starts, y):
+    """#{k < 255: table[k] <= y}."""
+    first = np.int64(starts[f32_to_bits(y) >> np.uint32(KEY_SHIFT)])
+    return first + np.int64(table[first] <= y) + np.int64(table[first + 1] <= y)
 
 
 @njit(inline="always")
@@ -95,25 +140,32 @@ def decode_block(codes, count, kind, out):
 def quantize_block(values, count, kind, stochastic, key, buffer_odd, first_element, codes):
     """Quantize ``values[:count]`` into the block's row at ``codes`` (codes and scale);
     returns the number of non-zero values stored as zero (telemetry's underflows)."""
-    table = SIGNED_VALUES if kind == SIGNED else UNSIGNED_VALUES
-    bounds = SIGNED_BOUNDS if kind == SIGNED else UNSIGNED_BOUNDS
-    scale = np.float32(0.0)
+    table = SIGNED_VALUES_PADDED if kind == SIGNED else UNSIGNED_VALUES_PADDED
+    table_from = SIGNED_VALUES_FROM if kind == SIGNED else UNSIGNED_VALUES_FROM
+    bounds = SIGNED_BOUNDS_PADDED if kind == SIGNED else UNSIGNED_BOUNDS_PADDED
+    bounds_from = SIGNED_BOUNDS_FROM if kind == SIGNED else UNSIGNED_BOUNDS_FROM
+    # the largest finite magnitude, as the largest of the magnitudes' bit patterns (the same
+    # order for non-negative floats; NaN and inf left out): an integer maximum, which vectorises
+    largest = np.uint32(0)
     for j in range(count):
-        magnitude = abs(values[j])
-        finite = magnitude < np.float32(np.inf)  # (False for NaN)
-        scale = magnitude if finite and magnitude > scale else scale
-    bits = f32_to_bits(scale)
-    codes[256] = np.uint8(bits & np.uint32(0xFF))
-    codes[257] = np.uint8((bits >> np.uint32(8)) & np.uint32(0xFF))
-    codes[258] = np.uint8((bits >> np.uint32(16)) & np.uint32(0xFF))
-    codes[259] = np.uint8(bits >> np.uint32(24))
+        magnitude = f32_to_bits(values[j]) & np.uint32(0x7FFFFFFF)
+        magnitude = magnitude if magnitude < np.uint32(0x7F800000) else np.uint32(0)
+        largest = magnitude if magnitude > largest else largest
+    codes[256] = np.uint8(largest & np.uint32(0xFF))
+    codes[257] = np.uint8((largest >> np.uint32(8)) & np.uint32(0xFF))
+    codes[258] = np.uint8((largest >> np.uint32(16)) & np.uint32(0xFF))
+    codes[259] = np.uint8(largest >> np.uint32(24))
+    scale = bits_to_f32(largest)
+    divisor = scale if largest != np.uint32(0) else np.float32(1.0)
+    ys = scratch_block()
+    for j in range(count):  # y = x / scale (0 where the scale is 0: x is then 0 or not finite)
+        ys[j] = values[j] / divisor if largest != np.uint32(0) else np.float32(0.0)
     underflows = 0
     nan_code = 0x80 if kind == SIGNED else 0xFF
     for j in range(count):
-        x = values[j]
-        y = x / scale if scale > np.float32(0.0) else np.float32(0.0)
+        x, y = values[j], ys[j]
         if stochastic:
-            lo = _count_below(table, y, False) - 1
+            lo = _count_at_most(table, table_from, y) - 1
             lo = lo if lo > 0 else 0
             top = lo >= 254
             low = lo - 1 if top else lo
@@ -122,11 +174,10 @@ def quantize_block(values, count, kind, stochastic, key, buffer_odd, first_eleme
             up = np.float32(word >> np.uint32(16)) < fraction * np.float32(65536.0)
             index = lo if top else lo + (1 if up else 0)
         else:
-            index = _count_below(bounds, y, True)
+            index = _count_below(bounds, bounds_from, y)
         code = (index - 127) & 255 if kind == SIGNED else index
-        finite = abs(x) < np.float32(np.inf)
-        code = code if finite else nan_code
-        codes[j] = np.uint8(code)
+        finite = (f32_to_bits(x) & np.uint32(0x7FFFFFFF)) < np.uint32(0x7F800000)
+        codes[j] = np.uint8(code if finite else nan_code)
         underflows += (x != np.float32(0.0)) & finite & (table[index] * scale == np.float32(0.0))
     return underflows
 
