@@ -19,7 +19,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from bf16opt import AdamW, Precision, PRESETS, storage
+from bf16opt import PRESETS, Precision, storage
 from bf16opt.cli import DEFAULT_LR, stdlib_corpus
 from bf16opt.compare import CharGPT, batches, train, warmup_cosine
 

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .precision import StoragePlan
-from .storage import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8_BLOCK, Q8_ROW, WEIGHTS
+from .storage import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS
 
 __all__ = ["ADAM", "ALGORITHMS", "FLOAT32_GRAD_BIT", "LION", "SGD", "AdamScalars", "Algorithm",
            "KernelConfig", "LionScalars", "Role", "SGDScalars", "grad_dtypes", "kernel_config"]
@@ -297,5 +297,3 @@ def kernel_config(algorithm: Algorithm, plan: StoragePlan, flags: tuple = (),
 
 #: element bytes of each storage dtype as the kernels see it
 ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int16: 2}
-#: bytes per element of a q8 moment (codes, and a float32 scale per block of 256)
-Q8_ELEMENT_BYTES = Q8_ROW / Q8_BLOCK
