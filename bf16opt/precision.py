@@ -207,9 +207,10 @@ PRESETS: dict[str, Precision] = {
     # exact fp32 master (bf16 param + remainder) with 8-bit block-quantized moments
     "fp32-remainder-q8": Precision(torch.float32, Q8, Q8, compensation="remainder", small_moments=torch.float32,
                                    name="fp32-remainder-q8"),
-    # bf16 master with stochastic rounding, 8-bit block-quantized moments (bf16 for small params)
+    # bf16 master and 8-bit block-quantized moments (bf16 for small params), all stochastically
+    # rounded: with q8 moments rounded to nearest the quality run ended far worse (docs/numerics.md)
     "bf16-sr-q8": Precision(torch.bfloat16, Q8, Q8, rounding="stochastic", small_moments=torch.bfloat16,
-                            name="bf16-sr-q8"),
+                            q8_rounding="stochastic", name="bf16-sr-q8"),
 }
 
 

@@ -121,7 +121,7 @@ def test_torch_state_dict_converts_with_round_to_nearest_even(name, preset):
     assert ours.param_groups[0]["lr"] == 1e-2 and ours.param_groups[0]["amsgrad"]
     assert ours.param_groups[0]["precision"] == PRESETS[preset]  # precision stays ours
     for p, q in zip(model.parameters(), ours_model.parameters()):
-        plan = plan_for(PRESETS[preset], q.dtype)
+        plan = plan_for(PRESETS[preset], q.dtype, q.numel())
         torch_state, state = theirs.state[p], ours.state[q]
         assert float(state["step"]) == float(torch_state["step"])
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
@@ -153,7 +153,7 @@ def test_state_dict_of_one_preset_loads_into_another(source, target):
     other = bf16opt.AdamW(model.parameters(), precision=target)
     other.load_state_dict(opt.state_dict())
     for p in model.parameters():
-        plan = plan_for(PRESETS[target], p.dtype)
+        plan = plan_for(PRESETS[target], p.dtype, p.numel())
         for key, dtype in (("exp_avg", plan.exp_avg), ("exp_avg_sq", plan.exp_avg_sq)):
             np.testing.assert_array_equal(bits(other.state[p][key]),
                                           encode_bits(to_numpy_f32(opt.state[p][key]), dtype))
@@ -313,7 +313,7 @@ def test_torch_sgd_state_dict_loads_into_sgd(preset):
     ours.load_state_dict(save_and_load(theirs.state_dict()))
     assert ours.param_groups[0]["nesterov"] and ours.param_groups[0]["momentum"] == 0.9
     for p, q in zip(model.parameters(), ours_model.parameters()):
-        dtype = plan_for(PRESETS[preset], q.dtype).exp_avg
+        dtype = plan_for(PRESETS[preset], q.dtype, q.numel()).exp_avg
         buffer = ours.state[q]["momentum_buffer"]
         np.testing.assert_array_equal(bits(buffer), encode_bits(to_numpy_f32(theirs.state[p]["momentum_buffer"]),
                                                                 dtype))
