@@ -52,6 +52,9 @@ class Adam(MixedPrecisionOptimizer):
       moments in host RAM, updated by the CPU kernels, overlapped with the copies
       (``bf16opt/offload.py``); also per param group.  ``offload_threads``: host threads of
       the offloaded update (default: all cores of the process's affinity).
+    * ``update_in_backward``: update each param from its post-accumulate-grad hook as soon as
+      its grad is final in backward, and free the grad (``bf16opt/release.py``; README,
+      "Update in backward"); also per param group.  ``step()`` then completes the step.
 
     The math, with :math:`\theta` the master weights, per step :math:`t`:
 
@@ -81,14 +84,14 @@ class Adam(MixedPrecisionOptimizer):
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
                  precision: str | Precision = "fp32", backend: str = "auto", seed: int | None = None,
                  track_precision: bool = False, offload: str | None = None,
-                 offload_threads: int | None = None) -> None:
+                 offload_threads: int | None = None, update_in_backward: bool = False) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         foreach=foreach, maximize=maximize, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
                         precision=precision, backend=backend,
                         seed=seed, track_precision=track_precision,
-                        offload=offload, offload_threads=offload_threads)
+                        offload=offload, offload_threads=offload_threads, update_in_backward=update_in_backward)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -121,12 +124,12 @@ class AdamW(Adam):
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
-                 offload_threads: int | None = None) -> None:
+                 offload_threads: int | None = None, update_in_backward: bool = False) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, precision=precision,
                          backend=backend, seed=seed, track_precision=track_precision, offload=offload,
-                         offload_threads=offload_threads)
+                         offload_threads=offload_threads, update_in_backward=update_in_backward)
 
     def _force_group_entries(self, group: dict) -> None:
         group["decoupled_weight_decay"] = True

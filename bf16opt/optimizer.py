@@ -18,12 +18,13 @@ per-step float32 scalars; the math lives in ``backends/reference.py`` and the ke
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
 
 from . import state_dict as state_dicts
-from . import step_cache, step_hooks
+from . import release, step_cache, step_hooks
 from .algorithms import Algorithm, KernelConfig, kernel_config
 from .amp import amp_arguments
 from .backends import backend_name, check_backend_name, resolve_backend
@@ -31,7 +32,7 @@ from .checks import (check_flag, check_implementation_flags, check_no_aliasing, 
                      check_param, check_seed, default_seed)
 from .offload import Offloader, check_offload
 from .precision import Precision, as_precision, plan_for
-from .step_plan import float64_backend, plan_step
+from .step_plan import float64_backend, plan_step, plan_update
 from .tensors import real_view
 
 _IMMUTABLE = frozenset((bool, int, float, str, type(None), Precision))
@@ -81,6 +82,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             del self.__dict__["_constructing"]
         self._record_offloaded([p for group in self.param_groups if group.get("offload") == "cpu"
                                 for p in group["params"]])
+        self._sync_release_hooks()
 
     # ---- subclass interface
     def _check_hyperparameters(self, group: dict) -> None:
@@ -137,12 +139,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._check_group(group, tensors)
         group["params"] = params
         super().add_param_group(group)
-        if group.get("offload") == "cpu" and not self.__dict__.get("_constructing"):
-            try:
+        if self.__dict__.get("_constructing"):
+            return
+        try:
+            if group.get("offload") == "cpu":
                 self._record_offloaded(tensors)
-            except BaseException:
-                self.param_groups.pop()
-                raise
+            self._sync_release_hooks()
+        except BaseException:
+            self.param_groups.pop()
+            self._sync_release_hooks()
+            raise
 
     def _record_offloaded(self, params: list) -> None:
         """Host buffers and grad hooks of newly offloaded params (grads start leaving during the
@@ -184,6 +190,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                              "lives in host RAM and is updated by backend='numba' (or 'auto')")
         check_implementation_flags(group)
         check_flag(group.get("track_precision", False), "track_precision")
+        check_flag(group.get(release.KEY, False), release.KEY)
         if "seed" in group:
             group["seed"] = check_seed(group["seed"])  # numpy integers become ints
         if group.get("sr_streams", "position") != "position":
@@ -280,6 +287,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             _set_grad_mode(grad_enabled)
 
     def _step_without_grad(self, closure, grad_scale, found_inf):
+        hooks = self.__dict__.get("_release_hooks")
+        if (hooks is not None and hooks.hooked()) or release.wanted(self.param_groups):
+            return self._release_step(closure, grad_scale, found_inf)
+        return self._full_step(closure, grad_scale, found_inf)
+
+    def _full_step(self, closure, grad_scale, found_inf):
         inv_grad_scale, skip = amp_arguments(self, grad_scale, found_inf)
         loss = None
         if closure is not None:
@@ -296,8 +309,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for _, _, run in reuse.answers:
                 run()
             return loss
-        plan = plan_step(self, inv_grad_scale, reuse.answers)
-        # ---- phase two: nothing has changed so far, and nothing below raises on user input
+        self._install_and_run(plan_step(self, inv_grad_scale, reuse.answers))
+        return loss
+
+    def _install_and_run(self, plan) -> None:
+        """Phase two of a step or of an update in backward: nothing has changed so far, and
+        nothing here raises on user input."""
         for group, precision in plan.precisions:
             group["precision"] = precision
         for param, state in plan.states.items():
@@ -322,7 +339,74 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     self._precision_counts[param] = (param.numel(), counts)
         if plan.built or plan.stale_launches:
             self._keep_launches(plan.built)
+
+    # ---- update in backward (release.py)
+    @property
+    def _release(self) -> release.ReleaseHooks:
+        """The hooks of the groups that update in backward (made at the first one)."""
+        hooks = self.__dict__.get("_release_hooks")
+        if hooks is None:
+            hooks = self.__dict__["_release_hooks"] = release.ReleaseHooks(self)
+        return hooks
+
+    def _sync_release_hooks(self) -> None:
+        hooks = self.__dict__.get("_release_hooks")
+        if (hooks is not None and hooks.hooked()) or release.wanted(self.param_groups):
+            self._release.sync(self.param_groups)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._sync_release_hooks()  # (hooks are not pickled: a copy makes its own)
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Grad accumulation with ``update_in_backward=True``: backwards run inside this block
+        update nothing, so their grads add up in ``.grad`` as usual; the next backward outside
+        it updates each param from the sum (or ``step()`` does, if no backward follows).
+        Without update in backward it changes nothing."""
+        hooks = self._release
+        hooks.accumulating += 1
+        try:
+            yield self
+        finally:
+            hooks.accumulating -= 1
+
+    def _release_step(self, closure, grad_scale, found_inf):
+        """step() when a group updates in backward: refuses what cannot be right, then updates
+        the params that still hold grads as a normal step would, and syncs the hooks."""
+        attributes = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
+        release.check_step(self.param_groups, closure, grad_scale, found_inf, attributes)
+        loss = self._full_step(closure, grad_scale, found_inf)
+        self._sync_release_hooks()
+        self._release.checked = False
         return loss
+
+    def _update_in_backward(self, number: int, first_index: int, positions: list) -> None:
+        """Update the params at ``positions`` of group ``number`` from their grads, then free
+        the grads (their hook, in backward).  Raises before anything changes."""
+        grad_enabled = torch.is_grad_enabled()
+        _set_grad_mode(False)
+        try:
+            hooks = self._release
+            if not hooks.checked:  # a bad setting raises before this backward updates any param
+                for other, group in enumerate(self.param_groups):
+                    if group.get(release.KEY):
+                        self._group_precision(other, group)
+                hooks.checked = True
+            group = self.param_groups[number]
+            plan = plan_update(self, number, group, first_index, positions)
+            self._group_launches.pop(number, None)  # (kept for full steps of the whole group)
+            self._install_and_run(plan)
+            for position in positions:
+                group["params"][position].grad = None
+        finally:
+            _set_grad_mode(grad_enabled)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; then the hooks of ``update_in_backward`` follow the groups'
+        settings (a group switched on updates from its next backward)."""
+        super().zero_grad(set_to_none)
+        self._sync_release_hooks()
 
     def _keep_launches(self, built: list) -> None:
         """Keep the launches this step built for the next steps to reuse; forget those of

@@ -1,0 +1,128 @@
+"""Update in backward (gradient release): ``update_in_backward=True`` per param group.
+
+A param of such a group is updated from its post-accumulate-grad hook, as soon as autograd has
+accumulated its grad for this backward, and its grad is freed right after the update read it:
+the model's grads never all exist at once.  The update is the normal step's for that param
+alone (``step_plan.plan_update``): its own state, step counter, scalars and stochastic-rounding
+stream, so its bits are the normal step's for the same grad.
+
+* :class:`ReleaseHooks` keeps one hook per param of a release group: installed at construction,
+  ``add_param_group``, ``zero_grad`` and ``step``; removed there when the group leaves the mode,
+  and when the optimizer is garbage collected (the hooks hold no reference to it).
+* Inside ``optimizer.accumulating()`` the hooks do nothing, so grads accumulate; the next
+  backward outside updates from the sum.
+* ``step()`` updates the params that still hold a grad, as a normal step would (none after a
+  backward outside ``accumulating()``), and returns; ``zero_grad()`` has nothing left to free.
+* What cannot work refuses by name (``check_step``): a closure, GradScaler.  Sparse grads are
+  refused by the update's own checks, in the hook.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+__all__ = ["ReleaseHooks", "check_step", "wanted"]
+
+KEY = "update_in_backward"
+
+
+def wanted(groups: list) -> bool:
+    """Whether any group asks for updates in backward."""
+    return any(group.get(KEY) for group in groups)
+
+
+def check_step(groups: list, closure, grad_scale, found_inf, scaler_attributes: bool) -> None:
+    """Refuse a step that cannot be right when a group updates in backward (before it changes
+    anything): a closure's backward would update inside step, and GradScaler's inf check and
+    unscale need every grad at once, after backward."""
+    names = [number for number, group in enumerate(groups) if group.get(KEY)]
+    if not names:
+        return
+    if closure is not None:
+        raise ValueError(f"step(closure) is not supported with update_in_backward=True (param groups "
+                         f"{names}): the params are updated during backward, so call backward "
+                         f"yourself, then step() without a closure")
+    if grad_scale is not None or found_inf is not None or scaler_attributes:
+        raise RuntimeError(f"torch.amp.GradScaler cannot be used with update_in_backward=True (param groups "
+                           f"{names}): it finds infs and unscales after backward, when these params were "
+                           f"already updated from scaled grads in this backward; train in bfloat16 "
+                           f"without a scaler, or set update_in_backward=False")
+
+
+class ReleaseHooks:
+    """The post-accumulate-grad hooks of an optimizer's release groups."""
+
+    def __init__(self, optimizer):
+        self._owner = weakref.ref(optimizer)
+        self._handles: dict = {}        # param -> hook handle (params are hashed by identity)
+        self._places: dict = {}         # id(param) -> (group number, position in it)
+        self._layout: tuple = ()        # (group, its param count) of each group when placed
+        self._starts: list = []         # each group's first optimizer index when placed
+        self.accumulating = 0           # depth of accumulating() blocks
+        self.checked = False            # every release group's settings checked since the last step
+        self.lock = threading.Lock()    # one update at a time (CUDA backward runs a thread per device)
+        weakref.finalize(optimizer, ReleaseHooks._remove_all, self._handles)
+
+    def sync(self, groups: list) -> None:
+        """Hooks on exactly the params of the groups in the mode that require grads."""
+        keep = {param for group in groups if group.get(KEY) is True
+                for param in group["params"] if param.requires_grad}
+        for param in [param for param in self._handles if param not in keep]:
+            self._handles.pop(param).remove()
+        owner_ref = weakref.ref(self)
+        for param in keep:
+            if param not in self._handles:
+                self._handles[param] = param.register_post_accumulate_grad_hook(
+                    lambda tensor, owner_ref=owner_ref: _grad_ready(owner_ref, tensor))
+        self._layout = ()  # (placed again at the next hook)
+
+    def hooked(self) -> int:
+        return len(self._handles)
+
+    @staticmethod
+    def _remove_all(handles: dict) -> None:
+        for handle in handles.values():
+            handle.remove()
+        handles.clear()
+
+    def place(self, groups: list, param: torch.Tensor):
+        """(group number, first optimizer index of the group, position in it) of ``param``, or
+        None when no group lists it."""
+        layout = tuple((id(group), len(group["params"])) for group in groups)
+        found = self._places.get(id(param)) if layout == self._layout else None
+        if found is None or groups[found[0]]["params"][found[1]] is not param:
+            self._placed(groups, layout)  # (groups changed, or a param list was edited in place)
+            found = self._places.get(id(param))
+            if found is None:
+                return None
+        number, position = found
+        return number, self._starts[number], position
+
+    def _placed(self, groups: list, layout: tuple) -> None:
+        self._places = {id(p): (number, position) for number, group in enumerate(groups)
+                        for position, p in enumerate(group["params"])}
+        self._starts = [0]
+        for group in groups:
+            self._starts.append(self._starts[-1] + len(group["params"]))
+        self._layout = layout
+
+    def on_grad(self, param: torch.Tensor) -> None:
+        optimizer = self._owner()
+        if optimizer is None or self.accumulating:
+            return
+        with self.lock:
+            groups = optimizer.param_groups
+            place = self.place(groups, param)
+            if place is None or groups[place[0]].get(KEY) is not True:
+                return
+            number, first_index, position = place
+            optimizer._update_in_backward(number, first_index, [position])
+
+
+def _grad_ready(owner_ref, param: torch.Tensor) -> None:
+    hooks = owner_ref()
+    if hooks is not None:
+        hooks.on_grad(param)
