@@ -55,6 +55,9 @@ class Adam(MixedPrecisionOptimizer):
     * ``update_in_backward``: update each param from its post-accumulate-grad hook as soon as
       its grad is final in backward, and free the grad (``bf16opt/release.py``; README,
       "Update in backward"); also per param group.  ``step()`` then completes the step.
+    * ``max_grad_norm_per_param``: scale each param's grad to at most this L2 norm, on its
+      own, as its update reads it (``bf16opt/clipping.py``): the clipping that works with
+      ``update_in_backward``; also per param group.  Default None: no clipping.
 
     The math, with :math:`\theta` the master weights, per step :math:`t`:
 
@@ -84,14 +87,16 @@ class Adam(MixedPrecisionOptimizer):
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
                  precision: str | Precision = "fp32", backend: str = "auto", seed: int | None = None,
                  track_precision: bool = False, offload: str | None = None,
-                 offload_threads: int | None = None, update_in_backward: bool = False) -> None:
+                 offload_threads: int | None = None, update_in_backward: bool = False,
+                 max_grad_norm_per_param: float | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         foreach=foreach, maximize=maximize, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
                         precision=precision, backend=backend,
                         seed=seed, track_precision=track_precision,
-                        offload=offload, offload_threads=offload_threads, update_in_backward=update_in_backward)
+                        offload=offload, offload_threads=offload_threads, update_in_backward=update_in_backward,
+                        max_grad_norm_per_param=max_grad_norm_per_param)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -124,12 +129,14 @@ class AdamW(Adam):
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
-                 offload_threads: int | None = None, update_in_backward: bool = False) -> None:
+                 offload_threads: int | None = None, update_in_backward: bool = False,
+                 max_grad_norm_per_param: float | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, precision=precision,
                          backend=backend, seed=seed, track_precision=track_precision, offload=offload,
-                         offload_threads=offload_threads, update_in_backward=update_in_backward)
+                         offload_threads=offload_threads, update_in_backward=update_in_backward,
+                        max_grad_norm_per_param=max_grad_norm_per_param)
 
     def _force_group_entries(self, group: dict) -> None:
         group["decoupled_weight_decay"] = True

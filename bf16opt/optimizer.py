@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import state_dict as state_dicts
-from . import release, step_cache, step_hooks
+from . import clipping, release, step_cache, step_hooks
 from .algorithms import Algorithm, KernelConfig, kernel_config
 from .amp import amp_arguments
 from .backends import backend_name, check_backend_name, resolve_backend
@@ -191,6 +191,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         check_implementation_flags(group)
         check_flag(group.get("track_precision", False), "track_precision")
         check_flag(group.get(release.KEY, False), release.KEY)
+        clipping.check_max_norm(group.get(clipping.KEY))
         if "seed" in group:
             group["seed"] = check_seed(group["seed"])  # numpy integers become ints
         if group.get("sr_streams", "position") != "position":
@@ -330,6 +331,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._state_configs.update(plan.known)
         if plan.offloaded is not None:  # params that left the offloaded groups free their host buffers
             self._offloader.release(plan.offloaded)
+        for grad, factor, offloaded in plan.clips:
+            if offloaded is not None:  # (its host copy may still be arriving)
+                self._offloader.wait_grad(offloaded)
+            grad.mul_(factor)
         for run in plan.reused:
             run()
         for bucket, launch in plan.launches:

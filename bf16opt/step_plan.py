@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import state_dict as state_dicts
-from . import step_cache
+from . import clipping, step_cache
 from .algorithms import KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, f32, reference, resolve_backend
 from .checks import check_step_count
@@ -75,6 +75,7 @@ class StepPlan:
     reused: list = field(default_factory=list)         # phase two of each group whose kept launch is reused
     built: list = field(default_factory=list)          # (group number, KeptLaunchMaterial or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
+    clips: list = field(default_factory=list)          # (grad the kernels read, clip factor): scaled first
     stale_launches: bool = False                       # kept launches of groups that are gone
 
 
@@ -152,11 +153,16 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
     backends = {device: resolve_backend(group["backend"], HOST if offloader else device)
                 for device in {param.device for param in params}}
     entries = _entries(optimizer, plan, group, first_index, precision, positions, params, offloader)
+    max_norm = group.get(clipping.KEY)
+    factors = None if max_norm is None else _clip_factors(entries, float(max_norm), inv_grad_scale)
     if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
         written = {id(p) for p, _ in plan.mirror_writes}
         staged = offloader.stage([e.original for e in entries],
                                  [e.config.weights != "copy" and id(e.original) not in written for e in entries])
         entries = [entry._replace(param=mirror, grad=grad) for (mirror, grad), entry in zip(staged, entries)]
+    if factors is not None:  # (an offloaded grad is scaled in its host copy, by the same factor)
+        plan.clips += [(entry.grad, factor.to(entry.grad.device), entry.original if offloader else None)
+                       for entry, factor in zip(entries, factors)]
     plan.counters.extend(entry.counter for entry in entries)
     counts = torch.stack([e.counter.double() for e in entries]).tolist()
     for value, entry in zip(counts, entries):
@@ -180,7 +186,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
         plan.launches.append((bucket, launch))
         launched.append((bucket, backend))
     fresh = any(entry.original in plan.states or entry.original in plan.buffers for entry in entries)
-    plan.built.append((number, None if offloader or fresh else
+    plan.built.append((number, None if offloader or fresh or factors is not None else
                        KeptLaunchMaterial(group, first_index, precision, entries, launched)))
 
 
@@ -251,6 +257,18 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     if changed:
         plan.states[original] = wrapped(state, original)
     return state
+
+
+def _clip_factors(entries: list, max_norm: float, inv_grad_scale: float) -> list:
+    """Each entry's per-update clip factor (``clipping.py``), from its grad on its device."""
+    if inv_grad_scale != 1.0:
+        raise ValueError(f"{clipping.KEY} clips grads as they are read; with GradScaler they are still "
+                         f"scaled then: call scaler.unscale_(optimizer) before scaler.step")
+    for entry in entries:
+        if is_dtensor(entry.original):
+            raise ValueError(f"{clipping.KEY} clips each param by its own norm; param {entry.number} is a "
+                             f"DTensor, whose shard's norm is not the param's")
+    return [clipping.coefficient(entry.grad, max_norm) for entry in entries]
 
 
 def _buckets(group: dict, entries: list, steps: list) -> list:

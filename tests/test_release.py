@@ -363,3 +363,60 @@ def test_cuda_kernels_update_a_param_alone_as_in_its_bucket():
         for i, bucket in enumerate(alone):
             cuda_backend.run(bucket, scalars, execute=emulation.emulator.execute, **emulation.SMALL_CHUNKS)
             emulation.assert_same_bits(_param_alone(expected, i), bucket, f"{name} param {i} alone")
+
+
+# ---------------------------------------------------------------- per-update clipping
+
+
+def clip_each_by_hand(params, max_norm):
+    """clipping.py's rule, written out with torch ops."""
+    for p in params:
+        norm = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32)
+        p.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_per_update_clipping_gives_the_same_bits_in_both_modes_and_clips(offload):
+    data = batches(3)
+    model_a, opt_a = make("Adam-amsgrad-L2", precision="bf16-sr", backend="numba")
+    norms = []
+    for x in data:  # by hand, then a normal step without the option
+        loss_of(model_a, x).backward()
+        norms += [float(torch.linalg.vector_norm(p.grad, dtype=torch.float32)) for p in model_a.parameters()]
+        clip_each_by_hand(model_a.parameters(), 0.5)
+        opt_a.step()
+        opt_a.zero_grad()
+    assert max(norms) > 5  # (the clip really scaled)
+    for release in (False, True):
+        model_b, opt_b = make("Adam-amsgrad-L2", precision="bf16-sr", backend="numba", offload=offload,
+                              update_in_backward=release, max_grad_norm_per_param=0.5)
+        train(model_b, opt_b, data, scheduler=False)
+        for a, b in zip(model_a.parameters(), model_b.parameters()):
+            assert same_bits(a.detach(), b.detach())
+        state_a, state_b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+        assert all(same_bits(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i])
+
+
+@pytest.mark.parametrize("value, error", [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                                          ("1", TypeError), (torch.tensor(1.0), TypeError)])
+def test_a_bad_max_grad_norm_per_param_is_refused_changing_nothing(value, error):
+    model, opt = make(backend="reference", max_grad_norm_per_param=1.0)
+    loss_of(model, batches()[0]).backward()
+    with pytest.raises(error, match="max_grad_norm_per_param"):
+        bf16opt.AdamW(model.parameters(), max_grad_norm_per_param=value)
+    opt.param_groups[0]["max_grad_norm_per_param"] = value
+    before = snapshot(opt)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(error, match="max_grad_norm_per_param"):
+        opt.step()
+    assert_unchanged(opt, before)
+    assert all(same_bits(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_per_update_clipping_refuses_scaled_grads():
+    model, opt = make(backend="reference", max_grad_norm_per_param=1.0)
+    loss_of(model, batches()[0]).backward()
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="unscale_"):
+        opt.step(grad_scale=torch.tensor(2.0 ** 16))
+    assert_unchanged(opt, before)
