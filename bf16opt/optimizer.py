@@ -19,6 +19,7 @@ per-step float32 scalars; the math lives in ``backends/reference.py`` and the ke
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -331,19 +332,23 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._state_configs.update(plan.known)
         if plan.offloaded is not None:  # params that left the offloaded groups free their host buffers
             self._offloader.release(plan.offloaded)
-        for grad, factor, offloaded in plan.clips:
+        for run in plan.reused:
+            run()
+        self._run_launches(plan.clips, plan.launches)
+        if plan.built or plan.stale_launches:
+            self._keep_launches(plan.built)
+
+    def _run_launches(self, clips: list, launches: list) -> None:
+        """The kernels of a plan, after its grads' clipping."""
+        for grad, factor, offloaded in clips:
             if offloaded is not None:  # (its host copy may still be arriving)
                 self._offloader.wait_grad(offloaded)
             grad.mul_(factor)
-        for run in plan.reused:
-            run()
-        for bucket, launch in plan.launches:
+        for bucket, launch in launches:
             launch()
             if bucket.counts is not None:
                 for param, counts in zip(bucket.params, bucket.counts.tolist()):
                     self._precision_counts[param] = (param.numel(), counts)
-        if plan.built or plan.stale_launches:
-            self._keep_launches(plan.built)
 
     # ---- update in backward (release.py)
     @property
@@ -377,8 +382,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             hooks.accumulating -= 1
 
     def _release_step(self, closure, grad_scale, found_inf):
-        """step() when a group updates in backward: refuses what cannot be right, then updates
-        the params that still hold grads as a normal step would, and syncs the hooks."""
+        """step() when a group updates in backward: completes the offloaded updates under way,
+        refuses what cannot be right, then updates the params that still hold grads as a
+        normal step would, and syncs the hooks."""
+        self._finish_pending()
         attributes = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
         release.check_step(self.param_groups, closure, grad_scale, found_inf, attributes)
         loss = self._full_step(closure, grad_scale, found_inf)
@@ -399,13 +406,38 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         self._group_precision(other, group)
                 hooks.checked = True
             group = self.param_groups[number]
+            params = [group["params"][position] for position in positions]
+            background = self._background if group.get("offload") == "cpu" else None
+            if background is not None and any(id(param) in background.params for param in params):
+                background.finish()  # (their last update still reads their host buffers)
             plan = plan_update(self, number, group, first_index, positions)
             self._group_launches.pop(number, None)  # (kept for full steps of the whole group)
-            self._install_and_run(plan)
-            for position in positions:
-                group["params"][position].grad = None
+            if background is None:
+                self._install_and_run(plan)
+            else:  # the host update and upload go on beside backward
+                clips, launches = plan.clips, plan.launches
+                plan.clips, plan.launches = [], []
+                self._install_and_run(plan)
+                background.submit(functools.partial(self._run_launches, clips, launches), params)
+                release.finish_with_backward(background)
+            for param in params:  # (an offloaded grad: the copy engine keeps it until copied)
+                param.grad = None
         finally:
             _set_grad_mode(grad_enabled)
+
+    @property
+    def _background(self) -> release.Background:
+        """The thread of the offloaded updates in backward (made at the first)."""
+        background = self.__dict__.get("_background_instance")
+        if background is None:
+            background = self.__dict__["_background_instance"] = release.Background(self)
+        return background
+
+    def _finish_pending(self) -> None:
+        """Wait for the offloaded updates started in backward (re-raising an error of one)."""
+        background = self.__dict__.get("_background_instance")
+        if background is not None:
+            background.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; then the hooks of ``update_in_backward`` follow the groups'
@@ -499,6 +531,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
         State tensors keep their storage dtypes (bf16 moments stay bf16).
         """
+        self._finish_pending()
         return state_dicts.save(super().state_dict(), self.algorithm.name, type(self).__name__)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -511,6 +544,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         A master copy missing from the state dict is taken from the param.  Anything that
         does not fit raises before the optimizer changes.
         """
+        self._finish_pending()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:

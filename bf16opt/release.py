@@ -15,16 +15,24 @@ stream, so its bits are the normal step's for the same grad.
   backward outside ``accumulating()``), and returns; ``zero_grad()`` has nothing left to free.
 * What cannot work refuses by name (``check_step``): a closure, GradScaler.  Sparse grads are
   refused by the update's own checks, in the hook.
+* Offloaded groups (``offload="cpu"``): the hook plans the update (its checks, the grad's copy to
+  the host already started by the offload hook) and frees the device grad (the copy engine keeps
+  it alive until copied); the host update and the upload of the new param run on a
+  :class:`Background` thread while backward goes on.  Backward waits for them at its end
+  (re-raising an error of theirs), so it returns with every param updated, as without offload;
+  ``step()``, ``state_dict()`` and ``load_state_dict()`` wait too, where it could not.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
+from typing import Callable
 
 import torch
 
-__all__ = ["ReleaseHooks", "check_step", "wanted"]
+__all__ = ["Background", "ReleaseHooks", "check_step", "wanted"]
 
 KEY = "update_in_backward"
 
@@ -126,3 +134,72 @@ def _grad_ready(owner_ref, param: torch.Tensor) -> None:
     hooks = owner_ref()
     if hooks is not None:
         hooks.on_grad(param)
+
+
+def finish_with_backward(background: "Background") -> None:
+    """Make the running backward wait, at its end, for the updates ``background`` runs, so that
+    it returns with every param updated (the next forward must not read a param whose upload is
+    under way); without torch's end-of-backward callbacks, ``step()`` waits instead."""
+    if background.waited_by_backward:
+        return
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue_callback = getattr(engine, "queue_callback", None)  # (what FSDP uses, private)
+    if queue_callback is None:
+        return
+    background.waited_by_backward = True
+
+    def at_backward_end() -> None:
+        background.waited_by_backward = False
+        background.finish()
+    queue_callback(at_backward_end)
+
+
+class Background:
+    """One thread running an optimizer's offloaded updates in order, during backward."""
+
+    def __init__(self, owner):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._queued = 0                # jobs submitted and not finished
+        self._error = None              # the first error of a job, re-raised by finish()
+        self.params: set = set()        # ids of the params whose updates are queued
+        self.waited_by_backward = False  # the running backward waits for them at its end
+        self._thread = threading.Thread(target=Background._serve, args=(self._jobs, weakref.ref(self)),
+                                        name="bf16opt-update-in-backward", daemon=True)
+        self._thread.start()
+        weakref.finalize(owner, self._jobs.put, None)  # (the thread ends with the optimizer)
+
+    def submit(self, job: Callable[[], None], params: list) -> None:
+        with self._idle:
+            self._queued += 1
+            self.params.update(map(id, params))
+        self._jobs.put(job)
+
+    def finish(self) -> None:
+        """Wait for every queued update; re-raise the first error of one."""
+        with self._idle:
+            while self._queued:
+                self._idle.wait()
+            self.params.clear()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue, self_ref) -> None:
+        while (job := jobs.get()) is not None:
+            error = None
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 -- handed to finish()
+                error = exc
+            del job
+            self = self_ref()
+            if self is None:
+                return
+            with self._idle:
+                if error is not None and self._error is None:
+                    self._error = error
+                self._queued -= 1
+                self._idle.notify_all()
+            del self

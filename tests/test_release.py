@@ -420,3 +420,67 @@ def test_per_update_clipping_refuses_scaled_grads():
     with pytest.raises(ValueError, match="unscale_"):
         opt.step(grad_scale=torch.tensor(2.0 ** 16))
     assert_unchanged(opt, before)
+
+
+# ---------------------------------------------------------------- offloaded: host updates in backward
+
+
+def offloaded(opt, chunk=7):
+    """The stand-in link: copies on worker threads, completed late and out of order."""
+    from bf16opt.offload import use_copy_engine  # noqa: PLC0415
+    from bf16opt.offload_copies import ThreadedCopyEngine  # noqa: PLC0415
+
+    use_copy_engine(opt, ThreadedCopyEngine(latency=2e-4, jitter=1e-3, seed=3))
+    opt._offloader.chunk_elements = chunk
+    return opt
+
+
+@pytest.mark.parametrize("opt_name, preset", [("AdamW", "bf16-sr"), ("Lion", "fp32-remainder"),
+                                              ("SGD-momentum", "bf16-kahan"), ("Adam-amsgrad-L2", "fp32")])
+def test_offloaded_updates_in_backward_give_the_normal_steps_bits(opt_name, preset):
+    model_a, opt_a = make(opt_name, precision=preset, backend="numba")
+    train(model_a, opt_a, batches())
+    model_b, opt_b = make(opt_name, precision=preset, backend="numba", offload="cpu", update_in_backward=True)
+    train(model_b, offloaded(opt_b), batches())
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert same_bits(a.detach(), b.detach())
+    state_a, state_b = opt_a.state_dict(), opt_b.state_dict()
+    assert [{k: v for k, v in g.items() if k != "offload"} for g in state_a["param_groups"]] == \
+        [{k: v for k, v in g.items() if k != "offload"} for g in state_b["param_groups"]]
+    assert all(same_bits(value, state_b["state"][i][key]) for i, s in state_a["state"].items()
+               for key, value in s.items())
+
+
+def test_offloaded_accumulation_switches_and_backwards_without_a_step():
+    data = batches(6)
+    model_a, opt_a = make(precision="bf16-sr", backend="numba")
+    accumulate_and_step(model_a, opt_a, data, 2, release_route=False)
+    for x in data[:2]:
+        loss_of(model_a, x).backward()
+        opt_a.step()
+        opt_a.zero_grad()
+    model_b, opt_b = make(precision="bf16-sr", backend="numba", offload="cpu", update_in_backward=True)
+    offloaded(opt_b)
+    accumulate_and_step(model_b, opt_b, data, 2, release_route=True)
+    opt_b.param_groups[0]["lr"] = opt_a.param_groups[0]["lr"]
+    for x in data[:2]:  # two backwards in a row: the second waits for the first's host updates
+        loss_of(model_b, x).backward()
+    opt_b.step()
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert same_bits(a.detach(), b.detach())
+    assert all(p.grad is None for p in model_b.parameters())
+
+
+def test_an_error_of_an_offloaded_update_is_raised_by_backward():
+    model, opt = make(backend="numba", offload="cpu", update_in_backward=True)
+    offloaded(opt)
+
+    def failing(clips, launches):
+        raise RuntimeError("host update failed")
+    opt._run_launches = failing
+    with pytest.raises(RuntimeError, match="host update failed"):
+        loss_of(model, batches()[0]).backward()
+    del opt._run_launches
+    opt.step()  # (reported once; the optimizer goes on)
+    loss_of(model, batches()[1]).backward()
+    opt.step()
