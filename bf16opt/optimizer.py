@@ -33,7 +33,7 @@ from .checks import (check_flag, check_implementation_flags, check_no_aliasing, 
                      check_param, check_seed, default_seed)
 from .offload import Offloader, check_offload
 from .precision import Precision, as_precision, plan_for
-from .step_plan import float64_backend, plan_step, plan_update
+from .step_plan import float64_backend, plan_step, plan_update, single_param_group
 from .tensors import real_view
 
 _IMMUTABLE = frozenset((bool, int, float, str, type(None), Precision))
@@ -393,9 +393,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._release.checked = False
         return loss
 
-    def _update_in_backward(self, number: int, first_index: int, positions: list) -> None:
-        """Update the params at ``positions`` of group ``number`` from their grads, then free
-        the grads (their hook, in backward).  Raises before anything changes."""
+    def _update_in_backward(self, number: int, first_index: int, position: int) -> None:
+        """Update the param at ``position`` of group ``number`` (the optimizer's param number
+        ``first_index + position``) from its grad, then free the grad: its hook, in backward.
+        Raises before anything changes."""
         grad_enabled = torch.is_grad_enabled()
         _set_grad_mode(False)
         try:
@@ -406,24 +407,42 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         self._group_precision(other, group)
                 hooks.checked = True
             group = self.param_groups[number]
-            params = [group["params"][position] for position in positions]
-            background = self._background if group.get("offload") == "cpu" else None
-            if background is not None and any(id(param) in background.params for param in params):
-                background.finish()  # (their last update still reads their host buffers)
-            plan = plan_update(self, number, group, first_index, positions)
-            self._group_launches.pop(number, None)  # (kept for full steps of the whole group)
-            if background is None:
+            precision = self._group_precision(number, group)
+            narrowed = single_param_group(group, position)
+            param = narrowed["params"][0]
+            kept = hooks.launches.get(param)
+            run = kept and kept.prepare(self, narrowed, first_index + position, precision, 1.0)
+            if run:  # nothing the param's launch was built from changed since its last update
+                group["precision"] = precision
+                run()
+            elif group.get("offload") == "cpu":
+                self._offloaded_update(number, narrowed, first_index + position, precision)
+            else:
+                plan = plan_update(self, number, narrowed, first_index + position, precision)
+                self._group_launches.pop(number, None)  # (kept for full steps of the whole group)
                 self._install_and_run(plan)
-            else:  # the host update and upload go on beside backward
-                clips, launches = plan.clips, plan.launches
-                plan.clips, plan.launches = [], []
-                self._install_and_run(plan)
-                background.submit(functools.partial(self._run_launches, clips, launches), params)
-                release.finish_with_backward(background)
-            for param in params:  # (an offloaded grad: the copy engine keeps it until copied)
-                param.grad = None
+                group["precision"] = precision
+                material = plan.built[0][1] if plan.built else None
+                hooks.keep_launch(param, None if material is None else step_cache.build(self, material))
+            param.grad = None  # (an offloaded grad: the copy engine keeps it until copied)
         finally:
             _set_grad_mode(grad_enabled)
+
+    def _offloaded_update(self, number: int, narrowed: dict, index: int, precision) -> None:
+        """Plan and install an offloaded param's update; its host update and upload go on
+        beside backward, which waits for them at its end."""
+        background = self._background
+        param = narrowed["params"][0]
+        if id(param) in background.params:
+            background.finish()  # (its last update still reads its host buffers)
+        plan = plan_update(self, number, narrowed, index, precision)
+        self._group_launches.pop(number, None)
+        clips, launches = plan.clips, plan.launches
+        plan.clips, plan.launches = [], []
+        self._install_and_run(plan)
+        self.param_groups[number]["precision"] = precision
+        background.submit(functools.partial(self._run_launches, clips, launches), [param])
+        release.finish_with_backward(background)
 
     @property
     def _background(self) -> release.Background:

@@ -72,6 +72,7 @@ class ReleaseHooks:
         self.accumulating = 0           # depth of accumulating() blocks
         self.checked = False            # every release group's settings checked since the last step
         self.lock = threading.Lock()    # one update at a time (CUDA backward runs a thread per device)
+        self.launches: dict = {}        # param -> its update's launch kept (step_cache.GroupLaunch)
         weakref.finalize(optimizer, ReleaseHooks._remove_all, self._handles)
 
     def sync(self, groups: list) -> None:
@@ -80,12 +81,21 @@ class ReleaseHooks:
                 for param in group["params"] if param.requires_grad}
         for param in [param for param in self._handles if param not in keep]:
             self._handles.pop(param).remove()
+        for param in [param for param in self.launches if param not in keep]:
+            del self.launches[param]
         owner_ref = weakref.ref(self)
         for param in keep:
             if param not in self._handles:
                 self._handles[param] = param.register_post_accumulate_grad_hook(
                     lambda tensor, owner_ref=owner_ref: _grad_ready(owner_ref, tensor))
         self._layout = ()  # (placed again at the next hook)
+
+    def keep_launch(self, param: torch.Tensor, launch) -> None:
+        """Keep ``param``'s launch for its next updates (None: forget it)."""
+        if launch is None:
+            self.launches.pop(param, None)
+        else:
+            self.launches[param] = launch
 
     def hooked(self) -> int:
         return len(self._handles)
@@ -127,7 +137,7 @@ class ReleaseHooks:
             if place is None or groups[place[0]].get(KEY) is not True:
                 return
             number, first_index, position = place
-            optimizer._update_in_backward(number, first_index, [position])
+            optimizer._update_in_backward(number, first_index, position)
 
 
 def _grad_ready(owner_ref, param: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from .precision import plan_for
 from .storage import stream_id
 from .tensors import HOST, layout_name, real_view, shards, state_is_on, state_moved, wrapped
 
-__all__ = ["ParamEntry", "StepPlan", "float64_backend", "plan_step", "plan_update"]
+__all__ = ["ParamEntry", "StepPlan", "float64_backend", "plan_step", "plan_update", "single_param_group"]
 
 
 class ParamEntry(NamedTuple):
@@ -88,16 +88,14 @@ def float64_backend(name: str):
     return reference
 
 
-def stream_ids(group: dict, first_index: int, positions=None) -> list:
-    """The stochastic-rounding stream id of each param (of those at ``positions`` in the
-    group, default all): its name's hash when the group has names
+def stream_ids(group: dict, first_index: int) -> list:
+    """Each param's stochastic-rounding stream id: its name's hash when the group has names
     (``model.named_parameters()``), else its position in the optimizer; a group loaded from
     a format-1 state dict keeps positions (``sr_streams``, see state_dict.py)."""
-    positions = range(len(group["params"])) if positions is None else positions
     names = group.get("param_names")
     if names is None or group.get("sr_streams") == "position":
-        return [first_index + k for k in positions]
-    return [stream_id(first_index + k, names[k]) for k in positions]
+        return [first_index + i for i in range(len(group["params"]))]
+    return [stream_id(first_index + i, name) for i, name in enumerate(names)]
 
 
 def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=()) -> StepPlan:
@@ -127,23 +125,32 @@ def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=()) -> StepPlan:
     return plan
 
 
-def plan_update(optimizer, number: int, group: dict, first_index: int, positions: list) -> StepPlan:
-    """Phase one of an update of some params of group ``number`` alone, those at ``positions``
-    in the group (update in backward, ``release.py``): a full step's plan of the group
-    restricted to them, each with its own state, step counter and random stream, so its bits
-    are the full step's.  No launch is kept (the group's next full step plans afresh)."""
+def single_param_group(group: dict, position: int) -> dict:
+    """``group`` narrowed to its param at ``position`` (and that param's name): the same
+    settings and hyper-parameters (update in backward, ``release.py``)."""
+    narrowed = dict(group)
+    narrowed["params"] = [group["params"][position]]
+    names = group.get("param_names")
+    if names is not None:
+        narrowed["param_names"] = [names[position]]
+    return narrowed
+
+
+def plan_update(optimizer, number: int, narrowed: dict, first_index: int, precision) -> StepPlan:
+    """Phase one of the update of one param alone (update in backward): the full step's plan
+    of ``narrowed`` (group ``number`` narrowed to the param, :func:`single_param_group`),
+    whose param is the optimizer's number ``first_index``.  The param keeps its state, step
+    counter, scalars and random stream, so its bits are the full step's.  The launch built
+    (``plan.built``) is the narrowed group's, kept by the caller for this param."""
     plan = StepPlan()
-    precision = optimizer._group_precision(number, group)
-    _plan_group(optimizer, plan, number, group, first_index, precision, 1.0, positions)
-    plan.built = []  # (a group updated in part keeps no launch: the caller drops the group's)
+    _plan_group(optimizer, plan, number, narrowed, first_index, precision, 1.0)
     return plan
 
 
 def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index: int, precision,
-                inv_grad_scale: float, positions: Optional[list] = None) -> None:
-    """A group's part of the plan: its params' entries, then its buckets' launches; only the
-    params at ``positions`` in the group when given."""
-    positions, params = params_with_grad(optimizer, group, first_index, positions)
+                inv_grad_scale: float) -> None:
+    """A group's part of the plan: its params' entries, then its buckets' launches."""
+    params = params_with_grad(optimizer, group, first_index)
     if not params:
         plan.built.append((number, None))  # (a kept launch would hold on to its tensors)
         return
@@ -152,7 +159,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
     offloader = optimizer._offloader if group.get("offload") == "cpu" else None
     backends = {device: resolve_backend(group["backend"], HOST if offloader else device)
                 for device in {param.device for param in params}}
-    entries = _entries(optimizer, plan, group, first_index, precision, positions, params, offloader)
+    entries = _entries(optimizer, plan, group, first_index, precision, params, offloader)
     max_norm = group.get(clipping.KEY)
     factors = None if max_norm is None else _clip_factors(entries, float(max_norm), inv_grad_scale)
     if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
@@ -190,17 +197,17 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
                        KeptLaunchMaterial(group, first_index, precision, entries, launched)))
 
 
-def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision, positions: list,
-             params: list, offloader) -> list:
-    """Each param's :class:`ParamEntry` (``positions``: their places in the group), its state
-    found, converted or made aside."""
+def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision, params: list,
+             offloader) -> list:
+    """Each param's :class:`ParamEntry`, its state found, converted or made aside."""
     distributed = dtensor_type() is not None  # else no DTensor exists in this process
-    ids = stream_ids(group, first_index, positions)
+    position = {id(p): first_index + i for i, p in enumerate(group["params"])}
+    ids = stream_ids(group, first_index)
     flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
     configs = {}  # param dtype -> config (one lookup per dtype, not per param)
     entries = []
-    for original, position, stream in zip(params, positions, ids):
-        number = first_index + position
+    for original in params:
+        number = position[id(original)]
         # complex params are updated as real views, like torch; a DTensor as its local shard
         sharded = distributed and is_dtensor(original)
         param = real_view(local(original) if sharded else original)
@@ -223,7 +230,7 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         offset = shard_offset(optimizer, original, number) if sharded and config.stochastic else 0
         grad = real_view(local(original.grad) if sharded else original.grad)
         entries.append(ParamEntry(param, grad, config, {**state, **made}, counter, number,
-                                  original, offset, stream))
+                                  original, offset, ids[number - first_index]))
     return entries
 
 
@@ -295,16 +302,13 @@ def _check_finite(scalars, number: int, step: int) -> None:
                          f"float32 {', '.join(bad)} at step {step}; lower lr or weight_decay")
 
 
-def params_with_grad(optimizer, group: dict, first_index: int = 0, positions: Optional[list] = None) -> tuple:
-    """(positions in the group, params) of the group's params that have grads, among those at
-    ``positions`` when given; raises on grads the step cannot use (naming each param by its
-    index in the optimizer, as state dicts do)."""
-    found, params = [], []
+def params_with_grad(optimizer, group: dict, first_index: int = 0) -> list:
+    """The group's params that have grads; raises on grads the step cannot use (naming each
+    param by its index in the optimizer, as state dicts do)."""
+    params = []
     distributed = dtensor_type() is not None  # else no DTensor exists in this process
     name = type(optimizer).__name__
-    group_params = group["params"]
-    for position in range(len(group_params)) if positions is None else positions:
-        param, index = group_params[position], first_index + position
+    for index, param in enumerate(group["params"], start=first_index):
         grad = param.grad
         if grad is None:
             continue
@@ -327,9 +331,8 @@ def params_with_grad(optimizer, group: dict, first_index: int = 0, positions: Op
                              f"({tuple(param.shape)}, {param.dtype}, {param.device}); grads "
                              f"have the param's shape, device and dtype (or float32 for a "
                              f"bfloat16/float16 param)")
-        found.append(position)
         params.append(param)
-    return found, params
+    return params
 
 
 def new_buffers(param: torch.Tensor, state: dict, config: KernelConfig, offloader=None) -> dict:
