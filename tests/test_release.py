@@ -484,3 +484,25 @@ def test_an_error_of_an_offloaded_update_is_raised_by_backward():
     opt.step()  # (reported once; the optimizer goes on)
     loss_of(model, batches()[1]).backward()
     opt.step()
+
+
+def test_named_params_and_edits_between_updates_give_the_normal_steps_bits():
+    """Named params (random streams named by name), then a preset, an lr and a flag changed
+    between steps: each param's kept launch must notice and plan again."""
+    runs = []
+    for release in (False, True):
+        model = Net()
+        opt = bf16opt.Adam(model.named_parameters(), lr=1e-2, precision="bf16-sr", backend="numba",
+                           seed=5, update_in_backward=release)
+        for k, x in enumerate(batches(6)):
+            if k == 2:
+                opt.param_groups[0]["precision"] = "fp32-remainder"
+            if k == 3:
+                opt.param_groups[0]["lr"] = 3e-3
+            if k == 4:
+                opt.param_groups[0]["amsgrad"] = True
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
