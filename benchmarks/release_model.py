@@ -15,8 +15,8 @@ update alone - backward alone) + the last param's upload.  Then the parts: forwa
 the host update of all params alone, one param's upload.
 
 ``--clipping``: what each clipping choice of update in backward costs per param, measured on
-one ``dim x dim`` param: its update alone, a per-update clip (``clip_grad_norm_`` of that param:
-a norm and a scale of its grad), and a speculative clip's snapshot (a copy of the param and its
+one ``dim x dim`` param: its update alone, a per-update clip (``max_grad_norm_per_param``: a
+float32 norm and a scale of its grad), and a speculative clip's snapshot (a copy of the param and its
 state, taken before each update so a redo can restore it), with the bytes each keeps.
 
 Without a GPU the device is the CPU and the link a stand-in (``ThreadedCopyEngine`` throttled
@@ -33,6 +33,7 @@ import time
 import torch
 
 import bf16opt
+from bf16opt import clipping
 from bf16opt.offload import host_threads, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine, engine_for
 
@@ -57,6 +58,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="offload_threads (default: all cores)")
     parser.add_argument("--bandwidth", type=float, default=25e9, help="CPU stand-in link, bytes/s each way")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch's intra-op threads (default: "
+                        "torch's); on the CPU stand-in, backward and the host update share the cores")
     parser.add_argument("--no-offload", action="store_true", help="only the runs with state on the device")
     parser.add_argument("--no-clipping", action="store_true", help="skip the clipping costs")
     args = parser.parse_args(argv)
@@ -121,33 +124,70 @@ def median_time(function, warmup: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def run(args, preset=None, offload=None, release=False) -> dict:
-    """Median iteration, peak GPU MiB and peak grad MiB of a fresh model with this optimizer
-    (``preset=None``: no optimizer, the grads dropped)."""
-    gc.collect()
-    cuda = torch.device(args.device).type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-    model, x = make_model(args), make_input(args)
-    meter = GradMeter(model)
-    opt = engine = None
-    if preset is not None:
-        opt = bf16opt.AdamW(model.parameters(), lr=1e-4, precision=preset, offload=offload,
-                            offload_threads=args.threads, update_in_backward=release)
-        if offload and not cuda:
-            engine = ThreadedCopyEngine(bandwidth=args.bandwidth)
-            use_copy_engine(opt, engine)
-    with host_threads(args.threads):
-        for _ in range(args.warmup):
-            iteration(model, x, opt)
-        if cuda:
+class Variant:
+    """A fresh model with one optimizer setting (``preset=None``: no optimizer, grads dropped)."""
+
+    def __init__(self, args, preset=None, offload=None, release=False):
+        self.args, self.cuda = args, torch.device(args.device).type == "cuda"
+        self.model, self.x = make_model(args), make_input(args)
+        self.meter = GradMeter(self.model)
+        self.opt = self.engine = None
+        if preset is not None:
+            self.opt = bf16opt.AdamW(self.model.parameters(), lr=1e-4, precision=preset, offload=offload,
+                                     offload_threads=args.threads, update_in_backward=release)
+            if offload and not self.cuda:
+                self.engine = ThreadedCopyEngine(bandwidth=args.bandwidth)
+                use_copy_engine(self.opt, self.engine)
+        self.samples = []
+
+    def timed(self) -> None:
+        start = time.perf_counter()
+        with host_threads(self.args.threads):
+            iteration(self.model, self.x, self.opt)
+        self.samples.append(time.perf_counter() - start)
+
+    def peak(self) -> tuple:
+        """(peak GPU MiB of one iteration or None, the most grad MiB alive at once)."""
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        meter.peak = 0
-        seconds = median_time(lambda: iteration(model, x, opt), 0, args.repeats)
-    peak = torch.cuda.max_memory_allocated() / MiB if cuda else None
-    if engine is not None:
-        engine.close()
-    return {"seconds": seconds, "peak": peak, "grads": meter.peak / MiB}
+        self.meter.peak = 0
+        with host_threads(self.args.threads):
+            iteration(self.model, self.x, self.opt)
+        gpu = torch.cuda.max_memory_allocated() / MiB if self.cuda else None
+        return gpu, self.meter.peak / MiB
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def peaks(args, settings: list) -> list:
+    """Each setting's peaks, one model alive at a time (the GPU peak is the process's)."""
+    found = []
+    for setting in settings:
+        gc.collect()
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
+        variant = Variant(args, *setting)
+        for _ in range(args.warmup):
+            variant.timed()
+        found.append(variant.peak())
+        variant.close()
+        del variant
+    return found
+
+
+def interleaved(args, settings: list) -> list:
+    """Each setting's median iteration, the settings' iterations interleaved (this machine's
+    speed drifts between runs)."""
+    variants = [Variant(args, *setting) for setting in settings]
+    for round_number in range(args.warmup + args.repeats):
+        for variant in variants:
+            variant.timed()
+    medians = [statistics.median(v.samples[args.warmup:]) for v in variants]
+    for variant in variants:
+        variant.close()
+    return medians
 
 
 # ---------------------------------------------------------------- the parts alone
@@ -206,21 +246,26 @@ def clipping_costs(args, preset: str) -> dict:
     state = [t for t in opt.state[param].values() if t.numel() > 1]
     snapshot = [torch.empty_like(t) for t in [param.detach(), *state]]
 
-    def timed(function):
-        def call():
-            function()
-            synchronize(args.device)
-        return median_time(call, args.warmup, args.repeats)
-
     def snap():
         for copy, tensor in zip(snapshot, [param.detach(), *state]):
             copy.copy_(tensor)
+
+    def clip():  # what max_grad_norm_per_param adds to an update (bf16opt/clipping.py)
+        param.grad.mul_(clipping.coefficient(param.grad, 1.0))
+
+    parts = {"update": opt.step, "clip": clip, "snapshot": snap}
+    samples = {name: [] for name in parts}
+    for round_number in range(args.warmup + args.repeats):  # interleaved: this machine's speed drifts
+        for name, function in parts.items():
+            start = time.perf_counter()
+            function()
+            synchronize(args.device)
+            samples[name].append(time.perf_counter() - start)
+    costs = {name: statistics.median(values[args.warmup:]) for name, values in samples.items()}
     state_bytes = sum(t.element_size() for t in state)
-    return {"update": timed(opt.step),
-            "clip": timed(lambda: torch.nn.utils.clip_grad_norm_([param], 1.0)),
-            "snapshot": timed(snap),
-            # the grad kept until the norm is known, plus the snapshot of param and state
-            "snapshot_bytes": param.grad.element_size() + param.element_size() + state_bytes}
+    # the grad kept until the norm is known, plus the snapshot of param and state
+    costs["snapshot_bytes"] = param.grad.element_size() + param.element_size() + state_bytes
+    return costs
 
 
 # ---------------------------------------------------------------- report
@@ -232,7 +277,8 @@ def header(args) -> str:
              f"CPU stand-in: {cpu_name()}; link {args.bandwidth / 1e9:g} GB/s each way (ThreadedCopyEngine)")
     return (f"bf16opt update in backward on a model: {args.layers} x bf16 Linear({args.dim}, {args.dim}, "
             f"bias=False) ({params / 1e6:.1f}M params), input {args.batch} x {args.dim}; AdamW; {where}; "
-            f"torch {torch.__version__}; medians of {args.repeats} after {args.warmup}")
+            f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads); offload_threads "
+            f"{args.threads or 'all'}; medians of {args.repeats} after {args.warmup}")
 
 
 def mib(value) -> str:
@@ -241,31 +287,34 @@ def mib(value) -> str:
 
 def main(argv=None) -> None:
     args = parse(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     presets = [p for p in args.presets.split(",") if p]
     print(header(args), flush=True)
     forward = forward_alone(args)
-    alone = run(args)
-    backward = alone["seconds"] - forward
     upload = one_upload(args)
-    print(f"forward {1e3 * forward:.1f} ms, backward {1e3 * backward:.1f} ms (forward+backward "
-          f"{1e3 * alone['seconds']:.1f} ms, peak GPU MiB {mib(alone['peak'])}); one param's upload "
-          f"{1e3 * upload:.2f} ms\n")
+    print(f"forward {1e3 * forward:.1f} ms; one param's upload {1e3 * upload:.2f} ms\n")
     print(f"{'ms / MiB':44s} {'iteration':>9s} {'exposed':>8s} {'target':>7s} {'peak GPU':>8s} {'grads':>6s}")
     for preset in presets:
+        settings = [(preset, offload, release) for offload in ((None,) if args.no_offload else (None, "cpu"))
+                    for release in (False, True)]
+        found = peaks(args, [(None,)] + settings)
+        seconds = interleaved(args, [(None,)] + settings)
+        alone = seconds[0]
         host = host_update_alone(args, preset)
+        backward = alone - forward
         target = max(0.0, host - backward) + upload
-        for offload in (None,) if args.no_offload else (None, "cpu"):
-            for release in (False, True):
-                row = run(args, preset, offload, release)
-                name = f"{preset}, {'offload=cpu' if offload else 'state on device'}, " \
-                       f"{'update_in_backward' if release else 'normal step'}"
-                exposed = row["seconds"] - alone["seconds"]
-                print(f"{name:44s} {1e3 * row['seconds']:9.1f} {1e3 * exposed:8.1f} "
-                      f"{1e3 * target if offload else float('nan'):7.1f} {mib(row['peak']):>8s} "
-                      f"{row['grads']:6.0f}", flush=True)
-        print(f"  {preset}: host update alone {1e3 * host:.1f} ms")
-    print("  exposed = iteration - forward+backward; target (offloaded) = max(0, host update alone - "
-          "backward) + one upload; grads = most grad bytes alive at once")
+        print(f"{'forward+backward alone':44s} {1e3 * alone:9.1f} {'':8s} {'':7s} {mib(found[0][0]):>8s} "
+              f"{found[0][1]:6.0f}")
+        for (_, offload, release), iteration_seconds, (gpu, grads) in zip(settings, seconds[1:], found[1:]):
+            name = f"{preset}, {'offload=cpu' if offload else 'state on device'}, " \
+                   f"{'update_in_backward' if release else 'normal step'}"
+            shown = f"{1e3 * target:7.1f}" if offload else f"{'':7s}"
+            print(f"{name:44s} {1e3 * iteration_seconds:9.1f} {1e3 * (iteration_seconds - alone):8.1f} {shown} "
+                  f"{mib(gpu):>8s} {grads:6.0f}", flush=True)
+        print(f"  {preset}: host update alone {1e3 * host:.1f} ms, backward alone {1e3 * backward:.1f} ms")
+    print("  exposed = iteration - forward+backward alone (interleaved); target (offloaded) = max(0, host update "
+          "alone - backward alone) + one upload; grads = most grad MiB alive at once")
     if args.no_clipping:
         return
     print(f"\nclipping with update in backward, per Linear({args.dim}, {args.dim}) param (ms; bytes/param kept)")

@@ -19,7 +19,6 @@ per-step float32 scalars; the math lives in ``backends/reference.py`` and the ke
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,8 +31,9 @@ from .backends import backend_name, check_backend_name, resolve_backend
 from .checks import (check_flag, check_implementation_flags, check_no_aliasing, check_number, check_ordered_params,
                      check_param, check_seed, default_seed)
 from .offload import Offloader, check_offload
+from .offload_copies import phase
 from .precision import Precision, as_precision, plan_for
-from .step_plan import float64_backend, plan_step, plan_update, single_param_group
+from .step_plan import float64_backend, plan_step
 from .tensors import real_view
 
 _IMMUTABLE = frozenset((bool, int, float, str, type(None), Precision))
@@ -407,42 +407,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         self._group_precision(other, group)
                 hooks.checked = True
             group = self.param_groups[number]
-            precision = self._group_precision(number, group)
-            narrowed = single_param_group(group, position)
-            param = narrowed["params"][0]
-            kept = hooks.launches.get(param)
-            run = kept and kept.prepare(self, narrowed, first_index + position, precision, 1.0)
-            if run:  # nothing the param's launch was built from changed since its last update
-                group["precision"] = precision
-                run()
-            elif group.get("offload") == "cpu":
-                self._offloaded_update(number, narrowed, first_index + position, precision)
-            else:
-                plan = plan_update(self, number, narrowed, first_index + position, precision)
-                self._group_launches.pop(number, None)  # (kept for full steps of the whole group)
-                self._install_and_run(plan)
-                group["precision"] = precision
-                material = plan.built[0][1] if plan.built else None
-                hooks.keep_launch(param, None if material is None else step_cache.build(self, material))
-            param.grad = None  # (an offloaded grad: the copy engine keeps it until copied)
+            with phase(release.PHASES["update"], group["params"][position].is_cuda):
+                release.update(self, number, group, first_index, position)
         finally:
             _set_grad_mode(grad_enabled)
-
-    def _offloaded_update(self, number: int, narrowed: dict, index: int, precision) -> None:
-        """Plan and install an offloaded param's update; its host update and upload go on
-        beside backward, which waits for them at its end."""
-        background = self._background
-        param = narrowed["params"][0]
-        if id(param) in background.params:
-            background.finish()  # (its last update still reads its host buffers)
-        plan = plan_update(self, number, narrowed, index, precision)
-        self._group_launches.pop(number, None)
-        clips, launches = plan.clips, plan.launches
-        plan.clips, plan.launches = [], []
-        self._install_and_run(plan)
-        self.param_groups[number]["precision"] = precision
-        background.submit(functools.partial(self._run_launches, clips, launches), [param])
-        release.finish_with_backward(background)
 
     @property
     def _background(self) -> release.Background:

@@ -25,6 +25,7 @@ stream, so its bits are the normal step's for the same grad.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import weakref
@@ -32,9 +33,19 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Background", "ReleaseHooks", "check_step", "wanted"]
+from . import step_cache
+from .offload_copies import phase
+from .step_plan import plan_update, single_param_group
+
+__all__ = ["Background", "PHASES", "ReleaseHooks", "check_step", "update", "wanted"]
 
 KEY = "update_in_backward"
+#: update in backward's ranges on the profiler timeline (NVTX too for CUDA params)
+PHASES = {
+    "update": "bf16opt.release.update",                # a hook's update (offloaded: its plan and install)
+    "host_update": "bf16opt.release.host_update",      # an offloaded param's host update and upload
+    "backward_wait": "bf16opt.release.backward_wait",  # backward's end, waiting for the host updates
+}
 
 
 def wanted(groups: list) -> bool:
@@ -146,6 +157,48 @@ def _grad_ready(owner_ref, param: torch.Tensor) -> None:
         hooks.on_grad(param)
 
 
+def update(optimizer, number: int, group: dict, first_index: int, position: int) -> None:
+    """Update the param at ``position`` of group ``number`` (the optimizer's param number
+    ``first_index + position``) from its grad and free the grad; raises before anything changes.
+    The param's launch is kept between updates (a one-param group's ``step_cache.GroupLaunch``)."""
+    hooks = optimizer._release
+    precision = optimizer._group_precision(number, group)
+    narrowed = single_param_group(group, position)
+    param = narrowed["params"][0]
+    kept = hooks.launches.get(param)
+    run = kept and kept.prepare(optimizer, narrowed, first_index + position, precision, 1.0)
+    if run:  # nothing the param's launch was built from changed since its last update
+        group["precision"] = precision
+        run()
+    elif group.get("offload") == "cpu":
+        _offloaded_update(optimizer, number, narrowed, first_index + position, precision)
+    else:
+        plan = plan_update(optimizer, number, narrowed, first_index + position, precision)
+        optimizer._group_launches.pop(number, None)  # (kept for full steps of the whole group)
+        optimizer._install_and_run(plan)
+        group["precision"] = precision
+        material = plan.built[0][1] if plan.built else None
+        hooks.keep_launch(param, None if material is None else step_cache.build(optimizer, material))
+    param.grad = None  # (an offloaded grad: the copy engine keeps it until copied)
+
+
+def _offloaded_update(optimizer, number: int, narrowed: dict, index: int, precision) -> None:
+    """Plan and install an offloaded param's update; its host update and upload go on beside
+    backward, which waits for them at its end."""
+    background = optimizer._background
+    param = narrowed["params"][0]
+    if id(param) in background.params:
+        background.finish()  # (its last update still reads its host buffers)
+    plan = plan_update(optimizer, number, narrowed, index, precision)
+    optimizer._group_launches.pop(number, None)
+    clips, launches = plan.clips, plan.launches
+    plan.clips, plan.launches = [], []
+    optimizer._install_and_run(plan)
+    optimizer.param_groups[number]["precision"] = precision
+    background.submit(functools.partial(optimizer._run_launches, clips, launches), [param])
+    finish_with_backward(background)
+
+
 def finish_with_backward(background: "Background") -> None:
     """Make the running backward wait, at its end, for the updates ``background`` runs, so that
     it returns with every param updated (the next forward must not read a param whose upload is
@@ -160,7 +213,8 @@ def finish_with_backward(background: "Background") -> None:
 
     def at_backward_end() -> None:
         background.waited_by_backward = False
-        background.finish()
+        with phase(PHASES["backward_wait"], background.cuda):
+            background.finish()
     queue_callback(at_backward_end)
 
 
@@ -174,12 +228,14 @@ class Background:
         self._error = None              # the first error of a job, re-raised by finish()
         self.params: set = set()        # ids of the params whose updates are queued
         self.waited_by_backward = False  # the running backward waits for them at its end
+        self.cuda = False               # (NVTX ranges too)
         self._thread = threading.Thread(target=Background._serve, args=(self._jobs, weakref.ref(self)),
                                         name="bf16opt-update-in-backward", daemon=True)
         self._thread.start()
         weakref.finalize(owner, self._jobs.put, None)  # (the thread ends with the optimizer)
 
     def submit(self, job: Callable[[], None], params: list) -> None:
+        self.cuda = self.cuda or any(param.is_cuda for param in params)
         with self._idle:
             self._queued += 1
             self.params.update(map(id, params))
@@ -200,7 +256,8 @@ class Background:
         while (job := jobs.get()) is not None:
             error = None
             try:
-                job()
+                with phase(PHASES["host_update"], False):
+                    job()
             except BaseException as exc:  # noqa: BLE001 -- handed to finish()
                 error = exc
             del job
