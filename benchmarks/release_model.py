@@ -11,10 +11,15 @@ and with ``update_in_backward=True``.  Each row: the iteration, the exposed step
 forward+backward alone), the peak GPU memory of an iteration (CUDA; ``max_memory_allocated``
 after warm-up) and the most grad bytes alive at once (counted by hooks, on any device: the part
 of the peak release removes).  Offloaded rows add the target of issue 39: exposed <= max(0, host
-update alone - backward alone) + the last param's upload.  Then the parts: forward, backward,
-the host update of all params alone, one param's upload.
+update alone - backward alone) + the last param's upload, and with update in backward the tail:
+how long backward's end and ``step()`` waited for the host updates (the rest of the exposed time
+is host work inside backward: the hooks' checks and the host update competing with backward
+for the CPU's cores, which a GPU's backward does not).  The iterations of the settings of a
+preset are interleaved (this machine's speed drifts between runs); the peaks are measured with
+one model alive at a time.  Then the parts: forward, backward, the host update of all params
+alone, one param's upload.
 
-``--clipping``: what each clipping choice of update in backward costs per param, measured on
+Then (``--no-clipping`` skips it) what each clipping choice of update in backward costs per param, measured on
 one ``dim x dim`` param: its update alone, a per-update clip (``max_grad_norm_per_param``: a
 float32 norm and a scale of its grad), and a speculative clip's snapshot (a copy of the param and its
 state, taken before each update so a redo can restore it), with the bytes each keeps.
@@ -33,7 +38,7 @@ import time
 import torch
 
 import bf16opt
-from bf16opt import clipping
+from bf16opt import clipping, release
 from bf16opt.offload import host_threads, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine, engine_for
 
@@ -138,13 +143,15 @@ class Variant:
             if offload and not self.cuda:
                 self.engine = ThreadedCopyEngine(bandwidth=args.bandwidth)
                 use_copy_engine(self.opt, self.engine)
-        self.samples = []
+        self.samples, self.tails = [], []
 
     def timed(self) -> None:
+        _WAITS.clear()
         start = time.perf_counter()
         with host_threads(self.args.threads):
             iteration(self.model, self.x, self.opt)
         self.samples.append(time.perf_counter() - start)
+        self.tails.append(sum(_WAITS))
 
     def peak(self) -> tuple:
         """(peak GPU MiB of one iteration or None, the most grad MiB alive at once)."""
@@ -159,6 +166,22 @@ class Variant:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+#: seconds waited for the offloaded updates in backward this iteration (at backward's end, or in step)
+_WAITS: list = []
+_finish = release.Background.finish
+
+
+def _timed_finish(self) -> None:
+    start = time.perf_counter()
+    try:
+        _finish(self)
+    finally:
+        _WAITS.append(time.perf_counter() - start)
+
+
+release.Background.finish = _timed_finish  # (this benchmark's own measurement)
 
 
 def peaks(args, settings: list) -> list:
@@ -184,7 +207,8 @@ def interleaved(args, settings: list) -> list:
     for round_number in range(args.warmup + args.repeats):
         for variant in variants:
             variant.timed()
-    medians = [statistics.median(v.samples[args.warmup:]) for v in variants]
+    medians = [(statistics.median(v.samples[args.warmup:]), statistics.median(v.tails[args.warmup:]))
+               for v in variants]
     for variant in variants:
         variant.close()
     return medians
@@ -294,27 +318,31 @@ def main(argv=None) -> None:
     forward = forward_alone(args)
     upload = one_upload(args)
     print(f"forward {1e3 * forward:.1f} ms; one param's upload {1e3 * upload:.2f} ms\n")
-    print(f"{'ms / MiB':44s} {'iteration':>9s} {'exposed':>8s} {'target':>7s} {'peak GPU':>8s} {'grads':>6s}")
+    print(f"{'ms / MiB':44s} {'iteration':>9s} {'exposed':>8s} {'tail':>6s} {'target':>7s} {'peak GPU':>8s} "
+          f"{'grads':>6s}")
     for preset in presets:
         settings = [(preset, offload, release) for offload in ((None,) if args.no_offload else (None, "cpu"))
                     for release in (False, True)]
         found = peaks(args, [(None,)] + settings)
         seconds = interleaved(args, [(None,)] + settings)
-        alone = seconds[0]
+        alone = seconds[0][0]
         host = host_update_alone(args, preset)
         backward = alone - forward
         target = max(0.0, host - backward) + upload
-        print(f"{'forward+backward alone':44s} {1e3 * alone:9.1f} {'':8s} {'':7s} {mib(found[0][0]):>8s} "
+        print(f"{'forward+backward alone':44s} {1e3 * alone:9.1f} {'':8s} {'':6s} {'':7s} {mib(found[0][0]):>8s} "
               f"{found[0][1]:6.0f}")
-        for (_, offload, release), iteration_seconds, (gpu, grads) in zip(settings, seconds[1:], found[1:]):
+        for (_, offload, in_backward), (iteration_seconds, tail), (gpu, grads) in zip(settings, seconds[1:],
+                                                                                     found[1:]):
             name = f"{preset}, {'offload=cpu' if offload else 'state on device'}, " \
-                   f"{'update_in_backward' if release else 'normal step'}"
+                   f"{'update_in_backward' if in_backward else 'normal step'}"
             shown = f"{1e3 * target:7.1f}" if offload else f"{'':7s}"
-            print(f"{name:44s} {1e3 * iteration_seconds:9.1f} {1e3 * (iteration_seconds - alone):8.1f} {shown} "
-                  f"{mib(gpu):>8s} {grads:6.0f}", flush=True)
+            tail_shown = f"{1e3 * tail:6.1f}" if offload and in_backward else f"{'':6s}"
+            print(f"{name:44s} {1e3 * iteration_seconds:9.1f} {1e3 * (iteration_seconds - alone):8.1f} "
+                  f"{tail_shown} {shown} {mib(gpu):>8s} {grads:6.0f}", flush=True)
         print(f"  {preset}: host update alone {1e3 * host:.1f} ms, backward alone {1e3 * backward:.1f} ms")
-    print("  exposed = iteration - forward+backward alone (interleaved); target (offloaded) = max(0, host update "
-          "alone - backward alone) + one upload; grads = most grad MiB alive at once")
+    print("  exposed = iteration - forward+backward alone (interleaved); tail = time backward's end and step() "
+          "waited for the host updates in backward; target (offloaded) = max(0, host update alone - backward "
+          "alone) + one upload; grads = most grad MiB alive at once")
     if args.no_clipping:
         return
     print(f"\nclipping with update in backward, per Linear({args.dim}, {args.dim}) param (ms; bytes/param kept)")

@@ -506,3 +506,37 @@ def test_named_params_and_edits_between_updates_give_the_normal_steps_bits():
             opt.zero_grad()
         runs.append((model, opt))
     assert_same_run(*runs[0], *runs[1])
+
+
+# ---------------------------------------------------------------- the timeline and the benchmark
+
+
+def test_the_updates_in_backward_are_ranges_on_the_profiler_timeline():
+    from bf16opt.release import PHASES  # noqa: PLC0415
+
+    model, opt = make(backend="numba", offload="cpu", update_in_backward=True)
+    offloaded(opt)
+    loss_of(model, batches()[0]).backward()  # (compiled outside the profile)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_of(model, batches()[1]).backward()
+        opt.step()
+    names = {event.name for event in prof.events()}
+    assert {PHASES["update"], PHASES["backward_wait"]} <= names
+
+
+def test_release_model_benchmark_prints_every_row():
+    """benchmarks/release_model.py on a tiny CPU model (its figures mean nothing here)."""
+    import pathlib  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "release_model.py"
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--layers", "2", "--dim", "64",
+                             "--batch", "8", "--presets", "bf16", "--repeats", "1", "--warmup", "1", "--threads", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for placement in ("state on device", "offload=cpu"):
+        for mode in ("normal step", "update_in_backward"):
+            assert any(line.startswith(f"bf16, {placement}, {mode}") for line in lines), result.stdout
+    assert any("per-update clip" in line and "speculative snapshot" in line for line in lines), result.stdout
