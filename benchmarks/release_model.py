@@ -57,8 +57,10 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--layers", type=int, default=None, help="default: 16 on CUDA, 4 on CPU")
     parser.add_argument("--dim", type=int, default=None, help="default: 4096 on CUDA, 1024 on CPU")
-    parser.add_argument("--batch", type=int, default=None, help="input rows; default: dim on CUDA, 128 on CPU")
-    parser.add_argument("--presets", default=PRESETS, help=f"comma-separated AdamW presets (default {PRESETS})")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="input rows; default: dim on CUDA, 128 on CPU")
+    parser.add_argument("--presets", default=PRESETS,
+                        help=f"comma-separated AdamW presets (default {PRESETS})")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="offload_threads (default: all cores)")
@@ -329,8 +331,8 @@ def main(argv=None) -> None:
         host = host_update_alone(args, preset)
         backward = alone - forward
         target = max(0.0, host - backward) + upload
-        print(f"{'forward+backward alone':44s} {1e3 * alone:9.1f} {'':8s} {'':6s} {'':7s} {mib(found[0][0]):>8s} "
-              f"{found[0][1]:6.0f}")
+        print(f"{'forward+backward alone':44s} {1e3 * alone:9.1f} {'':8s} {'':6s} {'':7s} "
+              f"{mib(found[0][0]):>8s} {found[0][1]:6.0f}")
         for (_, offload, in_backward), (iteration_seconds, tail), (gpu, grads) in zip(settings, seconds[1:],
                                                                                      found[1:]):
             name = f"{preset}, {'offload=cpu' if offload else 'state on device'}, " \
@@ -340,12 +342,13 @@ def main(argv=None) -> None:
             print(f"{name:44s} {1e3 * iteration_seconds:9.1f} {1e3 * (iteration_seconds - alone):8.1f} "
                   f"{tail_shown} {shown} {mib(gpu):>8s} {grads:6.0f}", flush=True)
         print(f"  {preset}: host update alone {1e3 * host:.1f} ms, backward alone {1e3 * backward:.1f} ms")
-    print("  exposed = iteration - forward+backward alone (interleaved); tail = time backward's end and step() "
-          "waited for the host updates in backward; target (offloaded) = max(0, host update alone - backward "
-          "alone) + one upload; grads = most grad MiB alive at once")
+    print("  exposed = iteration - forward+backward alone (interleaved); tail = time backward's end and "
+          "step() waited for the host updates in backward; target (offloaded) = max(0, host update alone "
+          "- backward alone) + one upload; grads = most grad MiB alive at once")
     if args.no_clipping:
         return
-    print(f"\nclipping with update in backward, per Linear({args.dim}, {args.dim}) param (ms; bytes/param kept)")
+    print(f"\nclipping with update in backward, per Linear({args.dim}, {args.dim}) param "
+          f"(ms; bytes/param kept)")
     for preset in presets:
         costs = clipping_costs(args, preset)
         print(f"  {preset:10s} update {1e3 * costs['update']:.2f}; per-update clip {1e3 * costs['clip']:.2f} "

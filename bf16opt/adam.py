@@ -95,7 +95,8 @@ class Adam(MixedPrecisionOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay,
                         precision=precision, backend=backend,
                         seed=seed, track_precision=track_precision,
-                        offload=offload, offload_threads=offload_threads, update_in_backward=update_in_backward,
+                        offload=offload, offload_threads=offload_threads,
+                        update_in_backward=update_in_backward,
                         max_grad_norm_per_param=max_grad_norm_per_param)
         super().__init__(params, defaults)
 

@@ -57,7 +57,8 @@ class Lion(MixedPrecisionOptimizer):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
                         precision=precision, backend=backend,
                         seed=seed, track_precision=track_precision,
-                        offload=offload, offload_threads=offload_threads, update_in_backward=update_in_backward,
+                        offload=offload, offload_threads=offload_threads,
+                        update_in_backward=update_in_backward,
                         max_grad_norm_per_param=max_grad_norm_per_param)
         super().__init__(params, defaults)
 

@@ -19,7 +19,7 @@ per-step float32 scalars; the math lives in ``backends/reference.py`` and the ke
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -369,7 +369,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._sync_release_hooks()  # (hooks are not pickled: a copy makes its own)
 
     @contextlib.contextmanager
-    def accumulating(self):
+    def accumulating(self) -> Iterator["MixedPrecisionOptimizer"]:
         """Grad accumulation with ``update_in_backward=True``: backwards run inside this block
         update nothing, so their grads add up in ``.grad`` as usual; the next backward outside
         it updates each param from the sum (or ``step()`` does, if no backward follows).
@@ -386,8 +386,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         refuses what cannot be right, then updates the params that still hold grads as a
         normal step would, and syncs the hooks."""
         self._finish_pending()
-        attributes = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
-        release.check_step(self.param_groups, closure, grad_scale, found_inf, attributes)
+        scaler = any(getattr(self, name, None) is not None for name in ("grad_scale", "found_inf"))
+        release.check_step(self.param_groups, closure, grad_scale, found_inf, scaler)
         loss = self._full_step(closure, grad_scale, found_inf)
         self._sync_release_hooks()
         self._release.checked = False

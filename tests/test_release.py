@@ -127,7 +127,8 @@ def test_grads_are_freed_as_soon_as_each_param_is_updated():
         param.register_post_accumulate_grad_hook(
             lambda p, name=name: seen.append((name, p.grad is None, not same_bits(p.detach(), before[name]))))
     loss_of(model, batches()[0]).backward()
-    assert sorted(seen) == [("b1", True, True), ("empty", True, False), ("w1", True, True), ("w2", True, True)]
+    assert sorted(seen) == [("b1", True, True), ("empty", True, False), ("w1", True, True),
+                            ("w2", True, True)]
     assert all(p.grad is None for p in model.parameters())
     assert all(int(s["step"]) == 1 for s in opt.state.values())
     opt.step()  # nothing pending: the step changes nothing
@@ -532,7 +533,8 @@ def test_release_model_benchmark_prints_every_row():
 
     script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "release_model.py"
     result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--layers", "2", "--dim", "64",
-                             "--batch", "8", "--presets", "bf16", "--repeats", "1", "--warmup", "1", "--threads", "1"],
+                             "--batch", "8", "--presets", "bf16", "--repeats", "1", "--warmup", "1",
+                             "--threads", "1"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
