@@ -541,6 +541,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.state = plan.state
         self._state_configs.clear()
         self._group_launches.clear()  # (they would be rebuilt anyway; this releases the old state now)
+        if "_release_hooks" in self.__dict__:
+            self._release.launches.clear()
         with torch.no_grad():
             for param, new_param in plan.param_writes:
                 param.copy_(new_param)
