@@ -6,9 +6,11 @@
 #   3. benchmarks/gpu_step.py: every preset on one tensor, 64 tensors and GPT-2 small's 148,
 #      beside torch's fused step and the memory-limit kernel, tracked and untracked;
 #   4. benchmarks/offload_step.py (its last table is the real pipeline on CUDA).
+# Before 3: benchmarks/offload_model.py (issue 38's model: the table, its trace) and its thread sweep.
 # Figures go to files under ${OUT:-runs/gpu}: summary.txt, tests.txt, test_times.tsv,
-# gpu_step.md, gpu_step.json, offload_step.txt.  Each stage has a time limit so the whole
-# run stays within 8 minutes; a stage that runs out is reported as such.
+# gpu_step.md, gpu_step.json, offload_step.txt, offload_model.txt (+ _trace.json) and
+# offload_threads.txt.  Each stage has a time limit so the whole run stays within 8 minutes; a
+# stage that runs out is reported as such.
 #
 #   bash benchmarks/gpu_run.sh
 #   GPU_RUN_DRY=1 bash benchmarks/gpu_run.sh   # no GPU: no install, benchmarks as --dry-run
@@ -93,6 +95,8 @@ for module in "${GPU_TESTS[@]}"; do
 done
 
 stage "offload_model.py" "$(( $(left 50) < 100 ? $(left 50) : 100 ))" "$OUT_DIR/offload_model.txt" "$PYTHON" benchmarks/offload_model.py --repeats 3 --warmup 1 --profile-steps 2 --trace "$OUT_DIR/offload_model_trace.json" $([[ "$DRY" == 1 ]] && echo --layers 2 --dim 256 --presets bf16 --repeats 1)
+# issue 38: host threads for the offloaded update, every core vs one and two fewer (bf16)
+stage "offload_model.py --thread-sweep" "$(( $(left 50) < 60 ? $(left 50) : 60 ))" "$OUT_DIR/offload_threads.txt" "$PYTHON" benchmarks/offload_model.py --presets bf16 --repeats 3 --warmup 1 --profile-steps 1 --no-torchao --thread-sweep $([[ "$DRY" == 1 ]] && echo --layers 2 --dim 256 --repeats 1)
 # 3. the step benchmark (offload keeps 50 s for itself)
 if [[ "$DRY" == 1 ]]; then
   STEP_ARGS=(--dry-run --log2-params 12 --shapes one,64 --rows "AdamW bf16,Lion" --repeats 2 --warmup 1)

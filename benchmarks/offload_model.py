@@ -15,7 +15,9 @@ max(host update, host->device), and the peak GPU memory.  On CUDA, torchao's
 ``CPUOffloadOptimizer`` too where torchao is installed (an optional peer).
 
 Then the pipeline as the profiler sees it (``bf16opt.offload.PHASES``): per step and per chunk,
-the host update, the waits on copies, and the rest -- the pipeline's own host overhead.
+the host kernels (on the update thread), the calling thread asleep while they run, and its own
+host work (the uploads it enqueues, the Python around them); and, without a profiler, the
+per-chunk host overhead: (step at 4x the chunks - step) / the extra chunks.
 ``--trace PATH`` writes a Chrome/Perfetto trace of the first preset's offloaded iterations.
 
 Without a GPU the device is the CPU and the link a stand-in: a ``ThreadedCopyEngine`` throttled
@@ -33,7 +35,7 @@ import time
 import torch
 
 import bf16opt
-from bf16opt.offload import PHASES, host_threads, use_copy_engine
+from bf16opt.offload import PHASES, default_threads, host_threads, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine, engine_for, phase
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.offload_model
@@ -55,7 +57,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--presets", default=PRESETS, help=f"comma-separated AdamW presets (default {PRESETS})")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="offload_threads (default: all cores)")
+    parser.add_argument("--threads", type=int, default=None, help="offload_threads (default: the "
+                        "package's: all cores of the process, less one on CUDA)")
     parser.add_argument("--chunk", type=int, default=None, help="pipeline chunk, elements (default: the "
                         "package's on CUDA; params/64 on CPU)")
     parser.add_argument("--bandwidth", type=float, default=25e9, help="CPU stand-in link, bytes/s each way")
@@ -64,6 +67,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=3, help="offloaded iterations profiled per preset")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the first preset")
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao's CPUOffloadOptimizer")
+    parser.add_argument("--thread-sweep", action="store_true", help="the first preset's offloaded iteration and "
+                        "host update alone with every core, one fewer and two fewer (the default's choice)")
     args = parser.parse_args(argv)
     on_cuda = torch.device(args.device).type == "cuda"
     args.layers = args.layers or (16 if on_cuda else 4)
@@ -106,6 +111,21 @@ def iteration(model, x, opt) -> None:
     synchronize(x.device)
 
 
+def medians_in_turn(first, second, warmup: int, repeats: int) -> tuple:
+    """(median seconds of ``first``, of ``second``), each run in turn with the other: the
+    difference holds where the machine's load drifts (the stand-in's cores are shared)."""
+    for _ in range(warmup):
+        first()
+        second()
+    samples: tuple = ([], [])
+    for _ in range(repeats):
+        for function, times in zip((first, second), samples):
+            start = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - start)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
 def median_time(function, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         function()
@@ -128,10 +148,11 @@ def peak_gib(device):
     return torch.cuda.max_memory_allocated() / GiB if torch.device(device).type == "cuda" else None
 
 
-def offloaded(model, args, preset: str):
-    """``offload="cpu"``; on CPU through the stand-in link (its engine returned to close)."""
+def offloaded(model, args, preset: str, threads=None):
+    """``offload="cpu"`` with ``threads`` (default ``--threads``) host threads; on CPU through the
+    stand-in link (its engine returned to close)."""
     opt = bf16opt.AdamW(model.parameters(), lr=1e-4, precision=preset, offload="cpu",
-                        offload_threads=args.threads)
+                        offload_threads=threads or args.threads)
     engine = None
     if torch.device(args.device).type == "cpu":
         engine = ThreadedCopyEngine(bandwidth=args.bandwidth)
@@ -153,17 +174,38 @@ def contender(args, make_opt) -> tuple:
     return seconds, peak
 
 
+def exposed_in_turn(args, model, x, opt) -> tuple:
+    """(iteration, forward+backward alone), medians of seconds, timed in turn on ``model`` with
+    ``opt`` and a plain copy of the model (made after the peak memory was read)."""
+    plain = make_model(args)
+    with host_threads(args.threads):
+        return medians_in_turn(lambda: iteration(model, x, opt), lambda: iteration(plain, x, None),
+                               args.warmup, args.repeats)
+
+
+def device_contender(args, preset: str) -> tuple:
+    """(iteration, forward+backward alone in turn, peak GPU GiB): state on the device."""
+    fresh_memory(args.device)
+    model, x = make_model(args), make_input(args)
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-4, precision=preset)
+    with host_threads(args.threads):
+        median_time(lambda: iteration(model, x, opt), args.warmup, 1)
+    peak = peak_gib(args.device)
+    return (*exposed_in_turn(args, model, x, opt), peak)
+
+
 # ---------------------------------------------------------------- the parts alone
 
-def host_update_alone(args, preset: str) -> float:
-    """The host update over the model's sizes on host buffers, no copies (``--threads`` threads)."""
+def host_update_alone(args, preset: str, threads=None) -> float:
+    """The host update over the model's sizes on host buffers, no copies (``threads``, default
+    ``--threads``, else the offloaded step's default)."""
     generator = torch.Generator().manual_seed(2)
     params = [torch.nn.Parameter(torch.randn(args.dim, args.dim, generator=generator).to(torch.bfloat16))
               for _ in range(args.layers)]
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator).mul(1e-2).to(p.dtype)
     opt = bf16opt.AdamW(params, lr=1e-4, precision=preset)
-    with host_threads(args.threads):
+    with host_threads(threads or args.threads, args.device):  # the offloaded step's threads
         return median_time(opt.step, args.warmup, args.repeats)
 
 
@@ -236,42 +278,45 @@ def range_cost(args) -> float:
 
 
 def breakdown(profile: dict) -> dict:
-    """The pipeline's time per step split into the host update, the waits on copies and the
-    rest (its own host overhead), with the rest per chunk."""
+    """The pipeline's time per step: its wall time on the driving thread (the caller of step()),
+    the host kernels (on the update thread), the driving thread asleep while they run, and the
+    driving thread's own host work -- the uploads it enqueues and the Python around them --
+    in all and per chunk."""
     t, n = profile["seconds"], profile["counts"]
 
     def get(key):
         return t.get(PHASES[key], 0.0)
 
-    waits = get("grad_wait") + get("upload_wait") + get("publish")
-    chunks = max(1.0, n.get(PHASES["chunk"], 0.0))
-    overhead = get("pipeline") - get("host_update") - waits
+    chunks = max(1, profile["chunks"])
+    waits = get("upload_wait") + get("publish")
+    driving = get("pipeline") - get("update_wait") - waits  # host work of the driving thread
     return {
-        "step": t.get("step", 0.0), "recheck": get("recheck"), "pipeline": get("pipeline"),
-        "host_update": get("host_update"), "waits": waits, "grad_wait": get("grad_wait"),
-        "publish": get("publish"), "overhead": overhead, "chunks": chunks,
-        "per_chunk": {key: get(key) / chunks for key in ("prepare", "upload", "mirror_print")},
-        "overhead_per_chunk": overhead / chunks,
-        "glue_per_chunk": (get("chunk") - get("grad_wait") - get("prepare") - get("host_update")
-                           - get("upload")) / chunks,
+        "step": t.get("step", 0.0), "recheck": get("recheck"), "prepare": get("prepare"),
+        "pipeline": get("pipeline"), "kernels": get("host_update"), "asleep": get("update_wait"),
+        "waits": waits, "driving": driving, "chunks": chunks, "turns": n.get(PHASES["chunk"], 0.0), "beyond_kernels": get("pipeline") - get("host_update"),
+        "per_chunk": {"driving": driving / chunks, "upload": get("upload") / chunks,
+                      "mirror_print": get("mirror_print") / chunks, "grad_wait": get("grad_wait") / chunks},
     }
 
 
 # ---------------------------------------------------------------- contenders and the report
 
 def offload_contender(args, preset: str, trace=None) -> tuple:
-    """(median iteration seconds, peak GPU GiB, profile, per-chunk seconds) of the offloaded model."""
+    """(median iteration seconds, forward+backward alone timed in turn, peak GPU GiB, profile,
+    per-chunk seconds) of the offloaded model."""
     fresh_memory(args.device)
     model, x = make_model(args), make_input(args)
     opt, engine = offloaded(model, args, preset)
-    seconds = median_time(lambda: iteration(model, x, opt), args.warmup, args.repeats)
+    median_time(lambda: iteration(model, x, opt), args.warmup, 1)
     peak = peak_gib(args.device)
+    seconds, fwd_bwd = exposed_in_turn(args, model, x, opt)
     profile = profiled(args, model, x, opt, trace)
+    profile["chunks"] = sum(-(-p.numel() // opt._offloader.chunk_elements) for p in model.parameters())
     model(x).float().pow(2).mean().backward()
     per_chunk = chunk_slope(args, opt)
     if engine is not None:
         engine.close()
-    return seconds, peak, profile, per_chunk
+    return seconds, fwd_bwd, peak, profile, per_chunk
 
 
 def chunk_slope(args, opt) -> float:
@@ -329,7 +374,7 @@ def header(args) -> str:
     return (f"bf16opt offload on a model: {args.layers} x bf16 Linear({args.dim}, {args.dim}, bias=False) "
             f"({params / 1e6:.1f}M params), input {args.batch} x {args.dim}; AdamW; {where}; "
             f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads); chunk {args.chunk or 'default'} elements; offload_threads "
-            f"{args.threads or 'all'}; medians of {args.repeats} after {args.warmup}")
+            f"{args.threads or f'default ({default_threads(args.device)})'}; medians of {args.repeats} after {args.warmup}")
 
 
 def main(argv=None) -> None:
@@ -345,45 +390,70 @@ def main(argv=None) -> None:
     print(f"{'ms':34s} {'iteration':>9s} {'exposed':>8s} {'host alone':>10s} {'exp/max':>7s} {'peak GiB':>8s}")
     profiles = {}
     for number, preset in enumerate(presets):
-        on_device, device_peak = contender(
-            args, lambda m: bf16opt.AdamW(m.parameters(), lr=1e-4, precision=preset))
-        seconds, peak, profile, per_chunk = offload_contender(args, preset, args.trace if number == 0 else None)
+        on_device, device_fwd_bwd, device_peak = device_contender(args, preset)
+        seconds, offload_fwd_bwd, peak, profile, per_chunk = offload_contender(
+            args, preset, args.trace if number == 0 else None)
         profiles[preset] = (profile, per_chunk)
         host = host_update_alone(args, preset)
-        exposed = seconds - fwd_bwd
-        print(f"{preset + ', state on the device':34s} {1e3 * on_device:9.1f} {1e3 * (on_device - fwd_bwd):8.1f} "
-              f"{'':10s} {'':7s} {gib(device_peak):>8s}")
+        exposed = seconds - offload_fwd_bwd
+        print(f"{preset + ', state on the device':34s} {1e3 * on_device:9.1f} "
+              f"{1e3 * (on_device - device_fwd_bwd):8.1f} {'':10s} {'':7s} {gib(device_peak):>8s}")
         print(f"{preset + ', offload=cpu':34s} {1e3 * seconds:9.1f} {1e3 * exposed:8.1f} {1e3 * host:10.1f} "
               f"{exposed / max(host, up):7.2f} {gib(peak):>8s}", flush=True)
         gc.collect()
     for name, seconds, peak in torchao_rows(args):
         print(f"{name:34s} {1e3 * seconds:9.1f} {1e3 * (seconds - fwd_bwd):8.1f} {'':10s} {'':7s} {gib(peak):>8s}")
-    print("  exposed = iteration - forward+backward; exp/max = exposed / max(host update alone, host->device)")
+    print("  exposed = iteration - forward+backward alone (timed in turn with the iteration: the load drifts); "
+          "exp/max = exposed / max(host update alone, host->device)")
     print_breakdown(args, profiles)
+    if args.thread_sweep:
+        thread_sweep(args, presets[0], up)
+
+
+def thread_sweep(args, preset: str, up: float) -> None:
+    """The offloaded iteration and the host update alone with every core of the process, one
+    fewer and two fewer (issue 38: the thread driving CUDA needs a core)."""
+    cores = default_threads()
+    print(f"\nhost threads, {preset} (default here: {default_threads(args.device)}; the process has {cores} cores)")
+    print(f"{'threads':>7s} {'iteration':>9s} {'exposed':>8s} {'host alone':>10s} {'exp/max':>7s}")
+    for threads in sorted({max(1, cores - k) for k in (0, 1, 2)}, reverse=True):
+        fresh_memory(args.device)
+        model, x = make_model(args), make_input(args)
+        opt, engine = offloaded(model, args, preset, threads)
+        seconds, fwd_bwd = exposed_in_turn(args, model, x, opt)
+        if engine is not None:
+            engine.close()
+        del model, x, opt
+        host = host_update_alone(args, preset, threads)
+        exposed = seconds - fwd_bwd
+        print(f"{threads:7d} {1e3 * seconds:9.1f} {1e3 * exposed:8.1f} {1e3 * host:10.1f} "
+              f"{exposed / max(host, up):7.2f}", flush=True)
 
 
 def print_breakdown(args, profiles: dict) -> None:
     cost = range_cost(args)
     print(f"\nthe offloaded step on the profiler timeline, per step (ms) and per chunk (us); medians "
           f"are not taken: sums over {args.profile_steps} profiled iterations / {args.profile_steps}")
-    print(f"{'preset':28s} {'step':>7s} {'recheck':>7s} {'pipeline':>8s} {'update':>7s} {'waits':>7s} "
-          f"{'rest':>7s} {'chunks':>6s} | {'rest/ch':>7s} {'prepare':>7s} {'upload':>7s} {'m.print':>7s} "
-          f"{'glue':>7s} {'slope':>7s}")
+    print(f"{'preset':28s} {'step':>7s} {'recheck':>7s} {'prepare':>7s} {'pipeline':>8s} {'kernels':>7s} "
+          f"{'asleep':>7s} {'waits':>7s} {'driving':>7s} {'p-kern':>7s} {'chunks':>6s} {'turns':>5s} | {'driving':>7s} "
+          f"{'upload':>7s} {'m.print':>7s} {'g.wait':>7s} {'slope':>7s}")
     for preset, (profile, per_chunk) in profiles.items():
         b = breakdown(profile)
         pc = b["per_chunk"]
-        print(f"{preset:28s} {1e3 * b['step']:7.2f} {1e3 * b['recheck']:7.2f} {1e3 * b['pipeline']:8.2f} "
-              f"{1e3 * b['host_update']:7.2f} {1e3 * b['waits']:7.2f} {1e3 * b['overhead']:7.2f} "
-              f"{b['chunks']:6.0f} | {1e6 * b['overhead_per_chunk']:7.1f} {1e6 * pc['prepare']:7.1f} "
-              f"{1e6 * pc['upload']:7.1f} {1e6 * pc['mirror_print']:7.1f} {1e6 * b['glue_per_chunk']:7.1f} "
-              f"{1e6 * per_chunk:7.1f}")
-    print(f"  step: Optimizer.step; recheck: the staged grads' and mirrors' checks; pipeline: update, "
-          f"uploads and publish;\n  update: the host kernels; waits: on grad copies, last step's uploads "
-          f"and the publish; rest = pipeline - update - waits\n  (the pipeline's own host overhead); per "
-          f"chunk: rest, the backend's prepare, the upload enqueue (with m.print, the\n  fingerprints "
-          f"summed from the mirror), glue = chunk - waits - prepare - update - upload (Python between);\n"
-          f"  slope: without a profiler, (step at 4x the chunks - step) / the extra chunks.\n"
-          f"  A profiled range costs ~{1e6 * cost:.1f} us here (included above; ~6 ranges per chunk).")
+        print(f"{preset:28s} {1e3 * b['step']:7.2f} {1e3 * b['recheck']:7.2f} {1e3 * b['prepare']:7.2f} "
+              f"{1e3 * b['pipeline']:8.2f} {1e3 * b['kernels']:7.2f} {1e3 * b['asleep']:7.2f} "
+              f"{1e3 * b['waits']:7.2f} {1e3 * b['driving']:7.2f} {1e3 * b['beyond_kernels']:7.2f} "
+              f"{b['chunks']:6.0f} {b['turns']:5.1f} | {1e6 * pc['driving']:7.1f} {1e6 * pc['upload']:7.1f} "
+              f"{1e6 * pc['mirror_print']:7.1f} {1e6 * pc['grad_wait']:7.1f} {1e6 * per_chunk:7.1f}")
+    print(f"  step: Optimizer.step; recheck: the staged grads' and mirrors' checks; prepare: the bucket's one "
+          f"prepare;\n  pipeline: update, uploads and publish, on the driving thread (the caller of step()); "
+          f"kernels: the host\n  kernel calls (update thread); asleep: the driving thread waiting for a chunk "
+          f"to be written; waits: on last\n  step's uploads and the publish; driving = pipeline - asleep - "
+          f"waits (the driving thread's host work);\n  turns: the driving thread's turns (it uploads the chunks written since its last turn); p-kern = pipeline - kernels (what the pipeline adds to "
+          f"its kernels). Per chunk: driving, the upload\n  enqueue (with m.print, the fingerprints taken from "
+          f"the mirrors), g.wait: the update thread waiting for grads;\n  slope: the per-chunk host overhead "
+          f"without a profiler, (step at 4x the chunks - step) / the extra chunks.\n"
+          f"  A profiled range costs ~{1e6 * cost:.1f} us here (included above; ~4 ranges per chunk).")
     if args.trace:
         print(f"  trace of {args.presets.split(',')[0]}: {args.trace} (chrome://tracing or ui.perfetto.dev)")
 

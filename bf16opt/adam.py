@@ -51,7 +51,8 @@ class Adam(MixedPrecisionOptimizer):
     * ``offload``: ``None`` (state lives with the param) or ``"cpu"``: master weights and
       moments in host RAM, updated by the CPU kernels, overlapped with the copies
       (``bf16opt/offload.py``); also per param group.  ``offload_threads``: host threads of
-      the offloaded update (default: all cores of the process's affinity).
+      the offloaded update (default: the cores of the process's affinity, less one for CUDA
+      params).
     * ``update_in_backward``: update each param from its post-accumulate-grad hook as soon as
       its grad is final in backward, and free the grad (``bf16opt/release.py``; README,
       "Update in backward"); also per param group.  ``step()`` then completes the step.

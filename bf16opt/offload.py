@@ -12,14 +12,21 @@ One step's pipeline:
    same version counter and :func:`fingerprint` (clipping, ``unscale_``, ``.data`` edits and
    collectives are seen); else, or without a hook, it is copied again.  A param changed on its
    device since its host mirror was written (``load_state_dict``, an EMA swap) is read back.
-3. **Chunks overlap**: chunk k is updated while chunk k-1's new params travel host->device.
-   The kernels write straight into the uploaded host mirror, and stochastic rounding's element
-   counter stays global to the param, so chunking never changes the bits.
+3. **Chunks overlap**: the update runs in chunks, and each chunk's new params start their
+   host->device copy as soon as it is written, while the later chunks are updated.  With the
+   Numba backend the update is one launch per step and bucket, run by the *update thread*
+   without the GIL, so the calling thread's Python per chunk is a look at a row count and the
+   copies it enqueues (``offload_update.py``).  The kernels write straight into the uploaded
+   host mirror, and stochastic rounding's element counter stays global to the param, so
+   chunking never changes the bits.
 4. **Published before returning**: the uploads are complete (CPU) or ordered before later work
    on the device's current stream (CUDA).
 
 Timeline: each phase above is a range named in :data:`PHASES` (``torch.profiler``, Perfetto;
 NVTX for CUDA params), free when no profiler runs.
+
+Host threads: ``offload_threads`` per group, by default every core of the process but one for
+CUDA params (the thread driving the GPU and the copies needs a core), every core for CPU params.
 
 Memory: no device staging; per param on the host, the state, a mirror and a grad staging buffer
 in the grad's dtype (float32 grads of a 16-bit param are never rounded).
@@ -27,7 +34,7 @@ in the grad's dtype (float32 grads of a 16-bit param are never rounded).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import weakref
 from typing import Optional
@@ -35,65 +42,44 @@ from typing import Optional
 import torch
 
 from .distributed import local
-from .offload_copies import CopyEngine, engine_for, phase
+from .offload_copies import PHASES, CopyEngine, engine_for, phase
+from .offload_update import host_update
+from .offload_update import host_threads as _host_threads
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "PHASES", "Offloader", "check_offload",
            "use_copy_engine"]
 
 OFFLOAD_VALUES = (None, "cpu")
-#: elements per pipeline chunk: a kernel call's fixed cost stays small, yet the first upload
-#: starts early (figures: docs/performance.md, benchmarks/offload_step.py)
+#: elements per pipeline chunk: the first upload starts early, and a chunk's uploads are few
+#: (figures: docs/performance.md, benchmarks/offload_step.py)
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
-
-#: the pipeline's ranges on the profiler timeline (record_function; NVTX for CUDA params)
-PHASES = {
-    "grad_copy": "bf16opt.offload.grad_copy",        # a grad's device->host copy started (hook or step)
-    "recheck": "bf16opt.offload.recheck",            # step's checks of the staged grads and mirrors
-    "recheck_sync": "bf16opt.offload.recheck_sync",  # their one host sync on the fingerprints
-    "mirror_read": "bf16opt.offload.mirror_read",    # a changed param's read-back started
-    "pipeline": "bf16opt.offload.pipeline",          # one bucket's update and uploads, published
-    "upload_wait": "bf16opt.offload.upload_wait",    # last step's uploads finished (they read the mirrors)
-    "chunk": "bf16opt.offload.chunk",                # one chunk: its waits, update and uploads
-    "grad_wait": "bf16opt.offload.grad_wait",        # a piece's grad (and read-back) copy finished
-    "prepare": "bf16opt.offload.prepare",            # the backend's checks and launch for the chunk
-    "host_update": "bf16opt.offload.host_update",    # the host kernel over the chunk
-    "upload": "bf16opt.offload.upload",              # the chunk's host->device copies enqueued
-    "mirror_print": "bf16opt.offload.mirror_print",  # a piece's fingerprint summed from the mirror
-    "publish": "bf16opt.offload.publish",            # uploads finished (CPU) or ordered (CUDA)
-}
 
 
 def check_offload(value, threads=None) -> None:
     if value not in OFFLOAD_VALUES:
         raise ValueError(f"offload must be None or 'cpu', got {value!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"offload_threads must be None (all cores of the process) or an int >= 1, "
+        raise ValueError(f"offload_threads must be None (the cores of the process, less one for CUDA "
+                         f"params) or an int >= 1, "
                          f"got {threads!r}")
 
 
-def default_threads() -> int:
-    """All cores this process may run on (its affinity), not all cores of the machine."""
+def default_threads(device: Optional[torch.device] = None) -> int:
+    """The host update's threads by default: the cores this process may run on (its affinity,
+    not all cores of the machine), less one for CUDA params, whose driving thread enqueues the
+    copies while the update runs (at least one)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    cuda = device is not None and torch.device(device).type == "cuda"
+    return max(1, cores - 1) if cuda else cores
 
 
-@contextlib.contextmanager
-def host_threads(threads: Optional[int]):
-    """Numba's thread count for the host update (restored afterwards; thread-local in Numba)."""
-    try:
-        import numba  # noqa: PLC0415
-    except ImportError:
-        yield
-        return
-    wanted = min(threads or default_threads(), numba.config.NUMBA_NUM_THREADS)
-    before = numba.get_num_threads()
-    numba.set_num_threads(wanted)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(before)
+def host_threads(threads: Optional[int], device: Optional[torch.device] = None):
+    """Numba's thread count on this thread (restored afterwards): ``threads``, by default
+    :func:`default_threads` of ``device``; capped at Numba's pool."""
+    return _host_threads(threads or default_threads(device))
 
 
 def _real(tensor):
@@ -307,122 +293,127 @@ class Offloader:
     @staticmethod
     def check(bucket) -> None:
         """Phase one's check of an offloaded bucket: the pipeline cuts every host buffer into
-        flat pieces, so each must be contiguous."""
+        flat pieces, so each must be contiguous (other kinds of wrong values: the backend's checks)."""
         for column in bucket.tensors:
             for tensor in column:
-                if tensor is not None and not tensor.is_contiguous():
+                if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
                     raise ValueError("offload: a host buffer of the update is not contiguous (was a "
                                      "state tensor replaced by hand?)")
 
-    def run(self, bucket, params: list, backend, scalars, threads: Optional[int] = None) -> None:
-        """Update ``bucket`` (host tensors of the offloaded ``params``) chunk by chunk with
-        ``threads`` host threads, uploading each chunk's new params as soon as it is done;
-        publish the uploads."""
-        with host_threads(threads):
-            self._run(bucket, params, backend, scalars)
-
-    def _run(self, bucket, params: list, backend, scalars) -> None:
-        records = [self._records[p] for p in params]
+    def prepare(self, bucket, params: list, backend, scalars, threads: Optional[int] = None):
+        """Phase one for an offloaded ``bucket`` (host tensors of ``params``): every check, and
+        the host update made once for the step (``offload_update.host_update``).  Returns the
+        launch: the pipeline with ``threads`` host threads (default: :func:`default_threads`)."""
+        self.check(bucket)
         nvtx = bool(params) and params[0].is_cuda  # (a bucket's params share a device)
+        threads = threads or default_threads(params[0].device if params else None)
+        update = host_update(bucket, backend, scalars, self.chunk_elements, threads, nvtx)
+        return functools.partial(self.run, update, params)
+
+    def run(self, update, params: list) -> None:
+        """The pipeline: ``update`` chunk by chunk, each chunk's new params uploaded as soon as
+        it is written; the uploads published."""
+        records = [self._records[p] for p in params]
+        nvtx = bool(params) and params[0].is_cuda
+        reads_param = update.reads_param
         with phase(PHASES["pipeline"], nvtx):
-            with phase(PHASES["upload_wait"], nvtx):
-                for record in records:  # last step's uploads read the mirrors the kernels now write
-                    for upload in record.uploads:
-                        upload.wait()
-                    record.uploads = []
-            uploads = []
-            reads_param = bucket.config.weights != "copy"  # (a master copy wins over param edits)
-            # the uploaded params' fingerprints, summed from the mirror's pieces while in cache
-            from_mirror = [reads_param and self._prints_from_mirror(p, r) for p, r in zip(params, records)]
-            prints = [None] * len(params)
-            for chunk in self._chunks(bucket):
-                with phase(PHASES["chunk"], nvtx):
-                    self._update(chunk, bucket, records, backend, scalars, nvtx)
-                    self._upload(chunk, params, records, from_mirror, prints, uploads, nvtx)
+            self._await_uploads(records, nvtx)
+            update.start(self._inputs(update.pieces, records))
+            try:
+                uploads, prints = self._upload_chunks(update, params, records, reads_param, nvtx)
+            finally:
+                update.finish()  # nothing writes the host buffers any more (also after an error)
             with phase(PHASES["publish"], nvtx):
                 for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
                     engine.publish(uploads)
-        # the mirror is what the param now holds
-        for param, record, piece_sum in zip(params, records, prints):
+        self._note_mirrors(params, records, reads_param, prints)
+
+    @staticmethod
+    def _await_uploads(records: list, nvtx: bool) -> None:
+        """Last step's uploads are done: they read the mirrors the kernels now write."""
+        with phase(PHASES["upload_wait"], nvtx):
+            for record in records:
+                for upload in record.uploads:
+                    upload.wait()
+                record.uploads = []
+
+    @staticmethod
+    def _inputs(pieces: list, records: list) -> list:
+        """Per chunk, the copies it must wait for: the grads (and read-back mirrors) of the
+        params it is the first chunk of."""
+        inputs, seen = [], set()
+        for chunk in pieces:
+            waits = []
+            for i, _, _ in chunk:
+                if i not in seen:
+                    seen.add(i)
+                    record = records[i]
+                    waits += [t for t in (record.grad_transfer, record.mirror_transfer) if t is not None]
+            inputs.append(waits)
+        return inputs
+
+    def _upload_chunks(self, update, params: list, records: list, reads_param: bool, nvtx: bool) -> tuple:
+        """(uploads started, fingerprints taken from the mirrors): in chunk order, each turn
+        uploading the chunks written since the last, a param's adjacent pieces as one copy (a
+        driving thread that falls behind the update makes fewer, larger copies)."""
+        uploads, prints = [], [None] * len(params)
+        targets = [self._upload_target(param, record, reads_param) for param, record in zip(params, records)]
+        first, count = 0, len(update.pieces)
+        while first < count:
+            with phase(PHASES["chunk"], nvtx):
+                with phase(PHASES["update_wait"], nvtx):
+                    update.wait(first)
+                end = update.written_from(first + 1)
+                with phase(PHASES["upload"], nvtx):
+                    for i, start, size in _merged(update.pieces[first:end]):
+                        self._upload(targets[i], records[i], start, size, prints, i, uploads, nvtx)
+            first = end
+        return uploads, prints
+
+    def _upload_target(self, param: torch.Tensor, record: _HostParam, reads_param: bool) -> tuple:
+        """(the param's flat view, or None when strided: uploaded whole after its last piece;
+        its real view; its engine; whether its fingerprint is taken from the mirror)."""
+        shard = _real(local(param).detach())
+        flat = shard.view(-1) if shard.is_contiguous() else None
+        return flat, shard, self.engine(param.device), reads_param and self._prints_from_mirror(shard, record)
+
+    @staticmethod
+    def _upload(target: tuple, record: _HostParam, start: int, count: int, prints: list, i: int,
+                uploads: list, nvtx: bool) -> None:
+        """Start the upload of one piece (a strided param's: all of it, after its last piece)."""
+        flat, shard, engine, from_mirror = target
+        last = start + count == shard.numel()
+        if flat is not None:
+            end = start + count
+            transfer = engine.to_device(flat[start:end], record.mirror.view(-1)[start:end])
+        elif last:
+            transfer = engine.to_device(shard, record.mirror)
+        else:
+            return
+        record.uploads.append(transfer)
+        uploads.append(transfer)
+        if from_mirror and last:
+            with phase(PHASES["mirror_print"], nvtx):
+                prints[i] = fingerprint(record.mirror)
+
+    @staticmethod
+    def _note_mirrors(params: list, records: list, reads_param: bool, prints: list) -> None:
+        """The mirror is what the param now holds (its fingerprint where the update reads it)."""
+        for param, record, taken in zip(params, records, prints):
             shard = local(param)
             record.mirror_version = shard._version
-            record.mirror_print = None if not reads_param else \
-                piece_sum if piece_sum is not None else fingerprint(shard)
+            if not reads_param:
+                record.mirror_print = None
+            else:
+                record.mirror_print = taken if taken is not None else fingerprint(shard)
 
-    def _chunks(self, bucket) -> list:
-        """The pipeline's chunks: lists of (param position, first element, element count) pieces,
-        about ``chunk_elements`` elements each."""
-        pieces = []
-        step = max(1, self.chunk_elements)
-        for i, param in enumerate(bucket.params):
-            numel = param.numel()
-            pieces += [(i, start, min(step, numel - start)) for start in range(0, numel, step)] or [(i, 0, 0)]
-        chunks, current, size = [], [], 0
-        for piece in pieces:
-            current.append(piece)
-            size += piece[2]
-            if size >= self.chunk_elements:
-                chunks.append(current)
-                current, size = [], 0
-        if current:
-            chunks.append(current)
-        return chunks
-
-    def _update(self, chunk: list, bucket, records: list, backend, scalars, nvtx: bool) -> None:
-        """One chunk's host update, once its grads (and read-back mirrors) are on the host."""
-        from .backends import Bucket  # noqa: PLC0415  (backends import the optimizer's modules)
-
-        n_roles = len(bucket.tensors)
-        piece_bucket = Bucket(bucket.config, seed=bucket.seed, step=bucket.step)
-        for i, start, count in chunk:
-            record = records[i]
-            with phase(PHASES["grad_wait"], nvtx):
-                for transfer in (record.grad_transfer, record.mirror_transfer):
-                    if transfer is not None:
-                        transfer.wait()
-            tensors = [None if bucket.tensors[k][i] is None else
-                       bucket.tensors[k][i].view(-1)[start:start + count] for k in range(n_roles)]
-            # a piece keeps its elements' global indices and its param's streams
-            piece_bucket.append(tensors, bucket.indices[i], bucket.offset(i) + start, bucket.stream_id(i))
-        if bucket.counts is not None:
-            piece_bucket.counts = torch.zeros(len(chunk), 3, dtype=torch.int64)
-        with phase(PHASES["prepare"], nvtx):
-            launch = backend.prepare(piece_bucket, scalars)
-        with phase(PHASES["host_update"], nvtx):
-            launch()
-        if bucket.counts is not None:
-            for row, (i, _, _) in enumerate(chunk):
-                bucket.counts[i] += piece_bucket.counts[row]
-
-    def _upload(self, chunk: list, params: list, records: list, from_mirror: list, prints: list,
-                uploads: list, nvtx: bool) -> None:
-        """Start the uploads of one chunk's new params (a strided param's after its last piece)."""
-        with phase(PHASES["upload"], nvtx):
-            for i, start, count in chunk:
-                param = _real(local(params[i]).detach())
-                record = records[i]
-                if from_mirror[i]:
-                    with phase(PHASES["mirror_print"], nvtx):
-                        piece = fingerprint(record.mirror.view(-1)[start:start + count])
-                    prints[i] = piece if prints[i] is None else prints[i] + piece
-                if param.is_contiguous():
-                    transfer = self.engine(params[i].device).to_device(
-                        param.view(-1)[start:start + count], record.mirror.view(-1)[start:start + count])
-                elif start + count == param.numel():
-                    transfer = self.engine(params[i].device).to_device(param, record.mirror)
-                else:
-                    continue
-                record.uploads.append(transfer)
-                uploads.append(transfer)
-
-    def _prints_from_mirror(self, param: torch.Tensor, record: _HostParam) -> bool:
-        """Whether the mirror pieces' fingerprints sum to the uploaded param's, saving a pass over
-        the param: for contiguous, 8-byte aligned CPU params (on a GPU that pass is cheap) whose
-        pieces but the last are whole 8-byte words, so each piece's sum is part of the whole's."""
-        shard = _real(local(param))
+    @staticmethod
+    def _prints_from_mirror(shard: torch.Tensor, record: _HostParam) -> bool:
+        """Whether the mirror's fingerprint is the uploaded param's, saving a pass over the param:
+        for contiguous, 8-byte aligned CPU params (on a GPU that pass is cheap), whose sums take
+        the same path over the same bytes."""
         return (shard.device.type == "cpu" and shard.is_contiguous() and shard.data_ptr() % 8 == 0
-                and record.mirror.data_ptr() % 8 == 0
-                and (self.chunk_elements * shard.element_size()) % 8 == 0)
+                and record.mirror.data_ptr() % 8 == 0)
 
     # ---- accounting
     def host_bytes(self) -> dict:
@@ -433,6 +424,18 @@ class Offloader:
 
     def pinned(self) -> bool:
         return any(r.mirror.is_pinned() for r in self._records.values())
+
+
+def _merged(chunks: list) -> list:
+    """The pieces of consecutive chunks, a param's adjacent pieces joined into one."""
+    pieces = []
+    for chunk in chunks:
+        for i, start, count in chunk:
+            if pieces and pieces[-1][0] == i and sum(pieces[-1][1:]) == start:
+                pieces[-1] = (i, pieces[-1][1], pieces[-1][2] + count)
+            else:
+                pieces.append((i, start, count))
+    return pieces
 
 
 def use_copy_engine(optimizer, engine: CopyEngine) -> None:

@@ -39,8 +39,29 @@ from typing import Iterable, NamedTuple
 import torch
 from torch.autograd import profiler as _profiler
 
-__all__ = ["phase", "Transfer", "CopyEngine", "ImmediateCopyEngine", "ThreadedCopyEngine", "CudaCopyEngine",
-           "HostBytes", "engine_for"]
+__all__ = ["PHASES", "phase", "Transfer", "CopyEngine", "ImmediateCopyEngine", "ThreadedCopyEngine",
+           "CudaCopyEngine", "HostBytes", "engine_for"]
+
+
+#: the offload pipeline's ranges on the profiler timeline (record_function; NVTX for CUDA params);
+#: "update thread": the thread that runs a Numba host update (``offload_update.RowUpdate``)
+PHASES = {
+    "grad_copy": "bf16opt.offload.grad_copy",        # a grad's device->host copy started (hook or step)
+    "recheck": "bf16opt.offload.recheck",            # step's checks of the staged grads and mirrors
+    "recheck_sync": "bf16opt.offload.recheck_sync",  # their one host sync on the fingerprints
+    "mirror_read": "bf16opt.offload.mirror_read",    # a changed param's read-back started
+    "prepare": "bf16opt.offload.prepare",            # the backend's checks and launch: once per bucket
+    "pipeline": "bf16opt.offload.pipeline",          # one bucket's update and uploads, published
+    "upload_wait": "bf16opt.offload.upload_wait",    # last step's uploads finished (they read the mirrors)
+    "chunk": "bf16opt.offload.chunk",                # a turn of the driving thread: a chunk's wait, the
+                                                     # uploads of the chunks written since its last turn
+    "update_wait": "bf16opt.offload.update_wait",    # the chunk not written yet: the driving thread sleeps
+    "grad_wait": "bf16opt.offload.grad_wait",        # (update thread) a chunk's grad and read-back copies
+    "host_update": "bf16opt.offload.host_update",    # (update thread) one kernel call over a run of chunks
+    "upload": "bf16opt.offload.upload",              # the chunk's host->device copies enqueued
+    "mirror_print": "bf16opt.offload.mirror_print",  # an uploaded param's fingerprint, from its mirror
+    "publish": "bf16opt.offload.publish",            # uploads finished (CPU) or ordered (CUDA)
+}
 
 
 class _NoPhase:

@@ -16,7 +16,6 @@ converts a state dict saved with another preset.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -185,11 +184,10 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
         _check_finite(scalars, number, step)
         if config.track:
             bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
-        launch = backend.prepare(bucket, scalars)  # checks and compiles, offloaded or not
-        if offloader:
-            offloader.check(bucket)
-            launch = functools.partial(offloader.run, bucket, originals, backend, scalars,
-                                       group.get("offload_threads"))
+        if offloader:  # checks and compiles, and cuts the update into the pipeline's chunks
+            launch = offloader.prepare(bucket, originals, backend, scalars, group.get("offload_threads"))
+        else:  # checks and compiles
+            launch = backend.prepare(bucket, scalars)
         plan.launches.append((bucket, launch))
         launched.append((bucket, backend))
     fresh = any(entry.original in plan.states or entry.original in plan.buffers for entry in entries)

@@ -39,8 +39,9 @@ from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic
 
 __all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KERNEL_SOURCES", "KEYS", "balanced_bounds",
-           "build_chunk_table", "cached_njit", "chunk_compiler", "run_chunks", "run_chunks_serial",
-           "inline_jit", "tensor_counts", "update_jit"]
+           "build_chunk_table", "cached_njit", "chunk_compiler", "rows_done", "run_chunks",
+           "run_chunks_serial", "run_rows_in_order", "run_rows_in_order_serial", "inline_jit",
+           "tensor_counts", "update_jit"]
 
 #: elements per chunk: large enough for long vector loops, small enough to balance threads
 CHUNK = 1 << 15
@@ -235,6 +236,35 @@ def _compare_exchange(typingctx, array, index, expected, desired):
     return types.int64(array, index, expected, desired), codegen
 
 
+@intrinsic
+def _fetch_add(typingctx, array, index, value):
+    """Atomically add ``value`` to ``array[index]`` (int64), returning the value before; ordered
+    after this thread's earlier writes (a reader that sees the sum sees them too)."""
+    if not isinstance(array, types.Array) or array.dtype != types.int64 \
+            or not all(isinstance(a, types.Integer) for a in (index, value)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        return builder.atomic_rmw("add", builder.gep(data, [args[1]]), args[2], "acq_rel")
+
+    return types.int64(array, index, value), codegen
+
+
+@intrinsic
+def _acquire_load(typingctx, array, index):
+    """``array[index]`` of an int64 array, read with acquire ordering (pairs with :func:`_fetch_add`)."""
+    if not isinstance(array, types.Array) or array.dtype != types.int64 \
+            or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        return builder.load_atomic(builder.gep(data, [args[1]]), "acquire", 8)
+
+    return types.int64(array, index), codegen
+
+
 @njit(inline="always")
 def _run_row(address, table, scalars, keys, row_counts, row):
     """The chunk function at ``address`` on row ``row`` of ``table`` (every driver's call)."""
@@ -291,3 +321,38 @@ def run_chunks_serial(address, table, scalars, keys, row_counts, bounds):
     for part in range(bounds.size - 1):
         for row in range(bounds[part], bounds[part + 1]):
             _run_row(address, table, scalars, keys, row_counts, row)
+
+
+# ---------------------------------------------------------------- the offload pipeline's driver
+@cached_njit(parallel=True, nogil=True)
+def run_rows_in_order(address, table, scalars, keys, row_counts, first, end, chunk_of_row, done,
+                      parts):
+    """Run the chunk function at ``address`` on rows ``first:end`` of ``table``, each once, the
+    ``parts`` threads taking them from one shared counter in row order; after each row, add one to
+    ``done[chunk_of_row[row]]``.  The offload pipeline reads those counts
+    (:func:`rows_done`) to upload each of its chunks (row ranges) as soon as they are written,
+    while the rows after them are still being updated."""
+    cursor = np.full(_CURSOR_STRIDE, first, dtype=np.int64)
+    for _ in prange(parts):
+        while True:
+            row = _fetch_add(cursor, 0, 1)
+            if row >= end:
+                break
+            _run_row(address, table, scalars, keys, row_counts, row)
+            _fetch_add(done, chunk_of_row[row], 1)
+
+
+@cached_njit(nogil=True)
+def run_rows_in_order_serial(address, table, scalars, keys, row_counts, first, end, chunk_of_row, done,
+                             parts):
+    """:func:`run_rows_in_order` on the calling thread only (forked children, as
+    :func:`run_chunks_serial`)."""
+    for row in range(first, end):
+        _run_row(address, table, scalars, keys, row_counts, row)
+        _fetch_add(done, chunk_of_row[row], 1)
+
+
+@cached_njit(nogil=True)
+def rows_done(done, chunk):
+    """``done[chunk]`` as :func:`run_rows_in_order` left it, with its rows' writes visible."""
+    return _acquire_load(done, chunk)

@@ -10,7 +10,9 @@ path for sm_90).
 The instantiations are all plans of ``all_plans(quality=True)`` x each algorithm's
 template flags (Adam's amsgrad, SGD's momentum) x telemetry on/off
 (``all_kernel_names``: 228 Adam + 54 Lion + 78 SGD; maximize, L2, nesterov, ... are
-run-time flags), each compiled for compute_80, and one program of each kind and telemetry
+run-time flags), half of them compiled for compute_80 on each run (every other name, the half
+chosen by the run's seed: ``tests/gpu_sample.py``'s date seed, so consecutive days' runs cover
+every name; ``$BF16OPT_NVRTC_SWEEP=all`` compiles all), and one program of each kind and telemetry
 setting for compute_90 (``SAMPLE`` names spread over the plans).  NVRTC takes ~0.1 s per instantiation
 and grows faster than linearly with the number of name expressions in one program
 (160 names: 16.6 s in one program, 8.8 s in programs of 16), so they are compiled in
@@ -27,7 +29,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +40,9 @@ from bf16opt.algorithms import ALGORITHMS, LION, SGD, kernel_config
 from bf16opt.backends import cuda_compile
 from bf16opt.backends import cupy as cuda_backend
 from bf16opt.precision import all_plans
+
+sys.path.insert(0, str(Path(__file__).parent))  # (gpu_sample.py: the run's seed)
+import gpu_sample  # noqa: E402
 
 pytestmark = pytest.mark.nvrtc
 
@@ -59,6 +67,7 @@ if PROBLEM is not None:
 
 
 BATCH = 16
+SWEEP_VARIABLE = "BF16OPT_NVRTC_SWEEP"
 SAMPLE = 6  # names compiled for each arch after the first, per (kind, telemetry)
 
 
@@ -90,6 +99,14 @@ def ptx_facts(kind: str, arch: str, names: list) -> dict:
     )
 
 
+def first_arch_names(names: list, environ=os.environ) -> list:
+    """The names of one (kind, telemetry) compiled for the first arch on this run: every other
+    one, starting at the seed's parity, or all with ``$BF16OPT_NVRTC_SWEEP=all``."""
+    if environ.get(SWEEP_VARIABLE, "").strip().lower() == "all":
+        return names
+    return names[gpu_sample.sample_seed(environ) % 2::2]
+
+
 def jobs() -> list:
     """(kind, arch, names): programs of BATCH names with one telemetry setting each; every
     name for the first arch (sm_80, the oldest with native bf16), one program of each (kind,
@@ -101,8 +118,9 @@ def jobs() -> list:
         configs = cuda_backend.kernel_configs(kind)
         for track in (False, True):
             names = [n for n, config in configs.items() if config.track == track]
-            for start in range(0, len(names), BATCH):
-                work.append((kind, ARCHS[0], names[start:start + BATCH]))
+            swept = first_arch_names(names)
+            for start in range(0, len(swept), BATCH):
+                work.append((kind, ARCHS[0], swept[start:start + BATCH]))
             for arch in ARCHS[1:]:
                 work.append((kind, arch, names[::-(-len(names) // SAMPLE)]))
     return work
@@ -173,11 +191,20 @@ def test_every_instantiation_compiles(compiled_ptx):
         assert facts["atomics"] == tracked and facts["atomic_add_u64"] == tracked, context
         for name in names:
             compiled.setdefault(name, set()).add(arch)
-    expected = {name for kind in ALGORITHMS for name in cuda_backend.all_kernel_names(kind)}
-    assert set(compiled) == expected
-    assert all(ARCHS[0] in found for found in compiled.values())
+    expected = {name for kind in ALGORITHMS for track in (False, True)
+                for name in first_arch_names([n for n, config in cuda_backend.kernel_configs(kind).items()
+                                              if config.track == track])}
+    assert {name for name, found in compiled.items() if ARCHS[0] in found} == expected
     assert all(sum(arch in found for found in compiled.values()) >= len(ALGORITHMS) * 2 * SAMPLE
                for arch in ARCHS[1:])
+
+
+def test_two_runs_of_other_parity_sweep_every_name():
+    """The first arch's half-sweeps of two consecutive days are disjoint and cover every name."""
+    names = cuda_backend.all_kernel_names("sgd")
+    days = [first_arch_names(names, {"BF16OPT_GPU_SAMPLE_SEED": str(seed)}) for seed in (20261128, 20261129)]
+    assert not set(days[0]) & set(days[1]) and sorted(days[0] + days[1]) == sorted(names)
+    assert first_arch_names(names, {SWEEP_VARIABLE: "all"}) == names
 
 
 def test_cubin_sample():

@@ -778,6 +778,40 @@ def test_parallel_driver_shares_a_range_left_to_one_thread():
     assert np.unique(row_counts[:, 1]).size > 1
 
 
+@settings(max_examples=40)
+@given(rows_per_chunk=st.lists(st.integers(1, 6), max_size=30),
+       cut=st.tuples(st.integers(0, 30), st.integers(0, 30)), parts=st.integers(1, 5), serial=st.booleans())
+def test_ordered_driver_runs_each_row_of_its_chunks_once_and_counts_them(rows_per_chunk, cut, parts, serial):
+    """The offload pipeline's driver: rows of chunks first:end each exactly once, no other row,
+    and each chunk's count of finished rows is its row count (what the pipeline waits for)."""
+    from bf16opt._cpu.chunks import (COUNTERS, KEYS, rows_done, run_rows_in_order,
+                                     run_rows_in_order_serial)
+    chunks = len(rows_per_chunk)
+    first, end = sorted(min(c, chunks) for c in cut)
+    chunk_of_row = np.repeat(np.arange(chunks, dtype=np.int64), rows_per_chunk)
+    first_rows = np.concatenate(([0], np.cumsum(rows_per_chunk, dtype=np.int64)))
+    rows = chunk_of_row.size
+    table = np.zeros((rows, 4), dtype=np.int64)
+    table[:, 1] = np.arange(rows)
+    row_counts = np.zeros((rows, COUNTERS), dtype=np.int64)
+    done = np.zeros(chunks, dtype=np.int64)
+    driver = run_rows_in_order_serial if serial else run_rows_in_order
+    driver(_row_work().address, table, np.array([20], dtype=np.float32),
+           np.zeros((1, KEYS), dtype=np.uint32), row_counts, first_rows[first], first_rows[end],
+           chunk_of_row, done, parts)
+    inside = (chunk_of_row >= first) & (chunk_of_row < end)
+    assert row_counts[:, 0].tolist() == inside.astype(np.int64).tolist()
+    expected = [rows_per_chunk[k] if first <= k < end else 0 for k in range(chunks)]
+    assert [rows_done(done, k) for k in range(chunks)] == expected
+
+
+def test_ordered_driver_releases_the_gil():
+    """The driving thread runs Python (enqueues uploads) while the host update runs."""
+    from bf16opt._cpu.chunks import rows_done, run_rows_in_order, run_rows_in_order_serial
+    for driver in (run_rows_in_order, run_rows_in_order_serial, rows_done):
+        assert driver.targetoptions.get("nogil") is True
+
+
 # ---------------------------------------------------------------- backend selection
 def test_resolve_backend_numba_and_auto_on_cpu():
     cpu = torch.device("cpu")

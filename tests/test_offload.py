@@ -14,6 +14,7 @@ import copy
 import gc
 import io
 import os
+import time
 import weakref
 
 import pytest
@@ -22,6 +23,7 @@ from torch import nn
 
 import bf16opt
 import bf16opt.backends.numba as numba_backend
+from bf16opt.backends.numba_rows import RowLaunch
 from bf16opt.offload import DEFAULT_CHUNK_ELEMENTS, fingerprint, use_copy_engine
 from bf16opt.offload_copies import ThreadedCopyEngine
 from bf16opt.precision import PRESETS, plan_for
@@ -248,26 +250,34 @@ class RecordingEngine(ThreadedCopyEngine):
 
 
 def watch_kernels(monkeypatch, engine):
-    """Before every kernel launch, record the host copies still in flight over a buffer the
-    kernel reads or writes (there must be none)."""
+    """Before every kernel call of the offload pipeline (a run of chunks, on the update thread),
+    record the host copies still in flight over a piece of a buffer the call reads or writes
+    (there must be none), and the chunks it runs: (first, end, chunks of the step)."""
     launches, races = [], []
-    real_prepare = numba_backend.prepare
+    real_run = RowLaunch.run
 
-    def prepare(bucket, scalars):
-        launch = real_prepare(bucket, scalars)
+    def run(self, first, end, done):
+        spans = [span(column[i].view(-1)[start:start + count]) for pieces in self.pieces[first:end]
+                 for i, start, count in pieces for column in self.bucket.tensors
+                 if column[i] is not None and count]
+        for direction, (start, stop), transfer, _ in list(engine.log):
+            if start < stop and not transfer.done() and any(s < stop and start < e for s, e in spans):
+                races.append(direction)
+        launches.append((first, end, len(self.pieces)))
+        real_run(self, first, end, done)
 
-        def checked_launch():
-            spans = [span(t) for column in bucket.tensors for t in column if t is not None and t.numel()]
-            for direction, (start, end), transfer, _ in list(engine.log):
-                if start < end and not transfer.done() and any(s < end and start < e for s, e in spans):
-                    races.append(direction)
-            launches.append(len(bucket.params))
-            launch()
-
-        return checked_launch
-
-    monkeypatch.setattr(numba_backend, "prepare", prepare)
+    monkeypatch.setattr(RowLaunch, "run", run)
     return launches, races
+
+
+def assert_each_chunk_ran_once(launches: list, steps: int) -> None:
+    """The calls of each step run its chunks in order, each exactly once."""
+    expected_first, ends_of_steps = 0, 0
+    for first, end, count in launches:
+        assert first == expected_first and first < end <= count
+        expected_first = end % count
+        ends_of_steps += end == count
+    assert expected_first == 0 and ends_of_steps == steps
 
 
 @pytest.mark.parametrize("opt_name,preset,dtype", [
@@ -287,10 +297,47 @@ def test_jittery_engine_gives_the_same_bits_and_the_pipeline_waits(monkeypatch, 
     # the copies really were asynchronous, and the pipeline waited for each before using its buffer
     assert sum(not done for *_, done in engine.log) > 0
     assert races == []
-    numel = sum(p.numel() for p in model.parameters())
-    assert len(launches) >= steps * (numel // 12)  # one kernel call per chunk
+    assert_each_chunk_ran_once(launches, steps)
+    assert launches[0][2] >= sum(p.numel() for p in model.parameters()) // 12
     assert all(transfer.done() for direction, _, transfer, _ in engine.log if direction == "h2d")
     engine.close()
+
+
+def test_each_chunk_is_uploaded_before_the_next_is_updated(monkeypatch):
+    """The driving thread enqueues a chunk's uploads as soon as the update thread wrote it, while
+    the kernel call goes on: here the update thread holds back after each chunk until an upload
+    of it is enqueued (a pipeline uploading only after the call would keep it waiting)."""
+    engine = RecordingEngine()
+    real_run, released = RowLaunch.run, []
+
+    def run(self, first, end, done):
+        for chunk in range(first, end):
+            before = sum(direction == "h2d" for direction, *_ in engine.log)
+            real_run(self, chunk, chunk + 1, done)
+            deadline = time.monotonic() + 30
+            while sum(direction == "h2d" for direction, *_ in engine.log) == before:
+                assert time.monotonic() < deadline, f"chunk {chunk}: no upload while the update waits"
+                time.sleep(1e-3)
+            released.append(chunk)
+
+    monkeypatch.setattr(RowLaunch, "run", run)
+    data = batches(torch.bfloat16, 2)
+    ref_model, ref_opt = make("AdamW", torch.bfloat16, None, transposed=False, backend="numba")
+    model, opt = make("AdamW", torch.bfloat16, "cpu", transposed=False, backend="numba")
+    opt._offloader.chunk_elements = 16  # every chunk holds a piece of a contiguous param
+    use_copy_engine(opt, engine)
+    train(ref_model, ref_opt, data)
+    train(model, opt, data)
+    assert_same_run(ref_model, ref_opt, model, opt)
+    assert len(released) >= 2 * (sum(p.numel() for p in model.parameters()) // 16)
+    engine.close()
+
+
+def test_pieces_of_chunks_written_together_are_uploaded_as_one_copy_per_param():
+    from bf16opt.offload import _merged
+    chunks = [[(0, 0, 5)], [(0, 5, 5), (1, 0, 2)], [(1, 2, 4), (3, 0, 1)], [(3, 1, 1), (3, 4, 1)]]
+    assert _merged(chunks) == [(0, 0, 10), (1, 0, 6), (3, 0, 2), (3, 4, 1)]
+    assert _merged(chunks[1:2]) == chunks[1] and _merged([]) == []
 
 
 def test_throttled_engine_gives_the_same_bits():
@@ -825,22 +872,28 @@ def test_load_state_dict_never_overrides_offload(saved_offload, live_offload):
 
 
 def _threads_seen(monkeypatch):
-    """Numba's thread count at every kernel launch."""
+    """Numba's thread count at every kernel call of the offload pipeline (on the update
+    thread), and at every other kernel launch (``prepare``'s) in ``plain``."""
     numba = pytest.importorskip("numba")
-    seen = []
-    real_prepare = numba_backend.prepare
+    seen, plain = [], []
+    real_prepare, real_run = numba_backend.prepare, RowLaunch.run
 
     def prepare(bucket, scalars):
         launch = real_prepare(bucket, scalars)
 
         def spied():
-            seen.append(numba.get_num_threads())
+            plain.append(numba.get_num_threads())
             launch()
 
         return spied
 
+    def run(self, first, end, done):
+        seen.append(numba.get_num_threads())
+        real_run(self, first, end, done)
+
     monkeypatch.setattr(numba_backend, "prepare", prepare)
-    return numba, seen
+    monkeypatch.setattr(RowLaunch, "run", run)
+    return numba, seen, plain
 
 
 @pytest.mark.parametrize("threads", [None, 1, 2, 10 ** 6])
@@ -848,20 +901,19 @@ def test_offload_threads_set_the_host_update_threads_and_are_restored(monkeypatc
     """The offloaded update runs with ``offload_threads`` Numba threads (default: every core of
     the process's affinity; capped at Numba's pool), the caller's count is restored after each
     step, and the bits do not depend on it."""
-    numba, seen = _threads_seen(monkeypatch)
+    numba, seen, plain = _threads_seen(monkeypatch)
     numba.set_num_threads(1)
     ref_model, ref_opt, model, opt = run_pair("AdamW", torch.bfloat16, steps=2, precision="bf16-sr",
                                               backend="numba", offload_threads=threads)
     expected = min(threads or len(os.sched_getaffinity(0)), numba.config.NUMBA_NUM_THREADS)
-    offloaded = seen[len(seen) // 2:]  # the offloaded run comes second
-    assert offloaded and set(offloaded) == {expected}
-    assert set(seen[:len(seen) // 2]) == {1}  # the run without offload: the caller's setting
+    assert seen and set(seen) == {expected}
+    assert plain and set(plain) == {1}  # the run without offload: the caller's setting
     assert numba.get_num_threads() == 1
     assert_same_run(ref_model, ref_opt, model, opt)
 
 
 def test_offload_threads_per_group(monkeypatch):
-    numba, seen = _threads_seen(monkeypatch)
+    numba, seen, _ = _threads_seen(monkeypatch)
     model = Net(torch.bfloat16)
     opt = bf16opt.AdamW([{"params": [model.w1], "offload_threads": 1}, {"params": [model.w2]}],
                         backend="numba", offload="cpu", offload_threads=2)
@@ -873,7 +925,7 @@ def test_offload_threads_per_group(monkeypatch):
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
 def test_default_threads_follow_the_process_affinity(monkeypatch):
     """A process pinned to one core (taskset, a container's cpuset) updates on one thread."""
-    numba, seen = _threads_seen(monkeypatch)
+    numba, seen, _ = _threads_seen(monkeypatch)
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})
     try:
@@ -883,6 +935,18 @@ def test_default_threads_follow_the_process_affinity(monkeypatch):
     finally:
         os.sched_setaffinity(0, before)
     assert seen and set(seen) == {1}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity (Linux)")
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_default_threads_leave_a_core_to_the_thread_driving_cuda(monkeypatch, cores):
+    """CUDA params: one core fewer than the process has (at least one), for the thread that
+    enqueues the copies while the update runs; CPU params: every core."""
+    from bf16opt.offload import default_threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert default_threads(torch.device("cuda", 0)) == max(1, cores - 1)
+    assert default_threads("cuda") == max(1, cores - 1)
+    assert default_threads(torch.device("cpu")) == default_threads() == cores
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

@@ -72,8 +72,8 @@ def test_a_profiled_offloaded_step_records_every_phase_and_changes_no_bit():
     assert not missing, sorted(missing)
     if config is not None:  # the copies, on the engine's worker threads
         assert {"bf16opt.copy.d2h", "bf16opt.copy.h2d"} <= names, sorted(n for n in names if "bf16opt" in n)
-    chunks = sum(event.name == PHASES["chunk"] for event in prof.events())
-    assert chunks == 3 * (32 * 32 // 256)  # one range per chunk
+    turns = sum(event.name == PHASES["chunk"] for event in prof.events())
+    assert 1 <= turns <= 3 * (32 * 32 // 256)  # the driving thread's turns: at most one per chunk
     for net in nets[1:] + [reference]:
         for a, b in zip(nets[0].parameters(), net.parameters()):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -107,15 +107,16 @@ def test_a_phase_closes_its_range_when_the_body_raises():
 
 
 def test_offload_model_benchmark_help_and_a_tiny_run(tmp_path):
-    """benchmarks/offload_model.py: --help, then a tiny CPU run printing every row and the
-    pipeline's breakdown, and writing a trace with the named ranges (figures mean nothing here)."""
+    """benchmarks/offload_model.py: --help, then a tiny CPU run printing every row, the
+    pipeline's breakdown and the thread sweep, and writing a trace with the named ranges
+    (figures mean nothing here)."""
     script = str(BENCHMARKS / "offload_model.py")
     shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "--trace" in shown.stdout and "--presets" in shown.stdout, shown.stderr
     trace = tmp_path / "trace.json"
     result = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "2", "--dim", "64",
                              "--presets", "bf16,fp32", "--repeats", "1", "--warmup", "1", "--profile-steps", "1",
-                             "--chunk", "2048", "--threads", "1",
+                             "--chunk", "2048", "--threads", "1", "--thread-sweep",
                              "--trace", str(trace)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -124,5 +125,7 @@ def test_offload_model_benchmark_help_and_a_tiny_run(tmp_path):
         assert any(line.startswith(f"{preset}, state on the device") for line in lines), result.stdout
         assert any(line.split()[:1] == [preset] and "|" in line for line in lines), result.stdout
     assert any(line.startswith("forward+backward alone") for line in lines), result.stdout
+    sweep = lines.index(next(line for line in lines if line.startswith("host threads, bf16")))
+    assert len(lines) >= sweep + 3 and lines[sweep + 2].split()[0].isdigit(), result.stdout
     text = trace.read_text()
     assert PHASES["host_update"] in text and PHASES["chunk"] in text

@@ -1,4 +1,5 @@
-"""Numba steps in forked processes: a multiprocessing child and a DataLoader worker.
+"""Numba steps in forked processes: a multiprocessing child and a DataLoader worker (a step
+with its state beside the param and an offloaded one, whose update thread the child makes anew).
 
 A training script steps a CPU model with ``backend="numba"`` and then forks: a
 ``multiprocessing`` child (start method "fork") or a ``torch.utils.data.DataLoader`` worker
@@ -40,17 +41,21 @@ TIMEOUT = float(sys.argv[1])
 
 
 def digest_of_a_run():
-    """Three bf16-sr AdamW steps on a param of 3 chunks (so the kernel runs on several threads)."""
-    generator = torch.Generator().manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(70001, generator=generator).to(torch.bfloat16))
-    grads = [torch.randn(70001, generator=generator).to(torch.bfloat16) for _ in range(3)]
-    opt = bf16opt.AdamW([param], lr=1e-2, precision="bf16-sr", backend="numba", seed=7)
-    for grad in grads:
-        param.grad = grad
-        opt.step()
+    """Three bf16-sr AdamW steps on a param of 3 chunks (so the kernel runs on several threads),
+    with its state beside it and offloaded (the offload pipeline's update thread, 3 chunks)."""
     digest = hashlib.sha256()
-    for tensor in [param.detach()] + [opt.state[param][key] for key in sorted(opt.state[param])]:
-        digest.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    for offload in (None, "cpu"):
+        generator = torch.Generator().manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(70001, generator=generator).to(torch.bfloat16))
+        grads = [torch.randn(70001, generator=generator).to(torch.bfloat16) for _ in range(3)]
+        opt = bf16opt.AdamW([param], lr=1e-2, precision="bf16-sr", backend="numba", seed=7, offload=offload)
+        if offload:
+            opt._offloader.chunk_elements = 1 << 15
+        for grad in grads:
+            param.grad = grad
+            opt.step()
+        for tensor in [param.detach()] + [opt.state[param][key] for key in sorted(opt.state[param])]:
+            digest.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -542,3 +542,13 @@ def test_release_model_benchmark_prints_every_row():
         for mode in ("normal step", "update_in_backward"):
             assert any(line.startswith(f"bf16, {placement}, {mode}") for line in lines), result.stdout
     assert any("per-update clip" in line and "speculative snapshot" in line for line in lines), result.stdout
+
+
+def test_an_offloaded_bucket_of_empty_params_alone_steps():
+    """An update in backward launches an empty param alone (the offloaded rows' plan of a bucket
+    without rows); so can a normal step of a group whose only param is empty."""
+    empty = nn.Parameter(torch.zeros(0, dtype=torch.bfloat16))
+    opt = bf16opt.AdamW([empty], offload="cpu", backend="numba")
+    empty.grad = torch.zeros_like(empty)
+    opt.step()
+    assert int(opt.state[empty]["step"]) == 1

@@ -210,13 +210,10 @@ def _call(address: int, table: np.ndarray, values: np.ndarray, keys: np.ndarray,
         driver(address, table, values, keys, row_counts, bounds)
 
 
-def prepare(bucket: Bucket, scalars):
-    """Everything that can fail, done now: checks, the chunk function (compiled or loaded),
-    the stream keys.  Returns the launch, which cannot fail on user input."""
+def _checked(bucket: Bucket, scalars) -> tuple:
+    """:func:`prepare`'s checks of a bucket with params (after ``check_scalars``), then (chunk
+    function, float32 scalars, stream keys, item sizes)."""
     config = bucket.config
-    check_scalars(bucket, scalars)
-    if not bucket.params:
-        return lambda: None
     for param in bucket.params:
         if not param.is_cpu:  # (is_cpu, not device.type: asked for every param of every step)
             raise ValueError(f"numba backend: expected CPU tensors, got a param on {param.device}")
@@ -225,12 +222,23 @@ def prepare(bucket: Bucket, scalars):
         raise ValueError(f"numba backend: stochastic rounding needs each param's index "
                          f"(bucket.indices has {len(bucket.indices)} entries for {n} params)")
     check(bucket, "numba")
-    chunks = _chunks()
     values = _values(config, scalars)
     chunk = chunk_function(config, unit_scalars(config, values))
     keys = stream_keys(bucket.seed, bucket.step, bucket.streams()) if config.stochastic else \
-        np.zeros((n, chunks.KEYS), dtype=np.uint32)  # never read
-    itemsizes = _itemsizes(config)
+        np.zeros((n, _chunks().KEYS), dtype=np.uint32)  # never read
+    return chunk, values, keys, _itemsizes(config)
+
+
+def prepare(bucket: Bucket, scalars):
+    """Everything that can fail, done now: checks, the chunk function (compiled or loaded),
+    the stream keys.  Returns the launch, which cannot fail on user input."""
+    config = bucket.config
+    check_scalars(bucket, scalars)
+    if not bucket.params:
+        return lambda: None
+    chunk, values, keys, itemsizes = _checked(bucket, scalars)
+    chunks = _chunks()
+    n = len(bucket.params)
 
     def launch() -> None:
         staged = stage(bucket, "numba", checked=True)
@@ -239,11 +247,28 @@ def prepare(bucket: Bucket, scalars):
         _call(chunk.address, table, values, keys, row_counts, bounds)
         staged.finish()
         if bucket.counts is not None:
-            columns = len(config.algorithm.counters)
-            totals = chunks.tensor_counts(table, row_counts, n)
-            bucket.counts[:, :columns] = torch.from_numpy(totals[:, :columns])
+            _write_counts(bucket, table, row_counts)
 
     return launch
+
+
+def _write_counts(bucket: Bucket, table: np.ndarray, row_counts: np.ndarray) -> None:
+    """Telemetry: each param's counters, summed over its rows, into ``bucket.counts``."""
+    columns = len(bucket.config.algorithm.counters)
+    totals = _chunks().tensor_counts(table, row_counts, len(bucket.params))
+    bucket.counts[:, :columns] = torch.from_numpy(totals[:, :columns])
+
+
+def prepare_rows(bucket: Bucket, scalars, chunk_elements: int):
+    """:func:`prepare` for the offload pipeline: the bucket's one launch of a step, cut into
+    chunks of about ``chunk_elements`` elements, each a row range of one chunk table
+    (``numba_rows.RowLaunch``; every buffer contiguous)."""
+    from .numba_rows import RowLaunch  # noqa: PLC0415  (numba_rows builds on this module)
+
+    check_scalars(bucket, scalars)
+    if not bucket.params:
+        return RowLaunch.empty(bucket)
+    return RowLaunch(bucket, *_checked(bucket, scalars), chunk_elements)
 
 
 def run(bucket: Bucket, scalars) -> None:
