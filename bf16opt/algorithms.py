@@ -229,7 +229,14 @@ class KernelConfig:
 
     @property
     def stochastic(self) -> bool:
-        return self.plan.rounding == "stochastic"
+        """Whether any buffer rounds stochastically (16-bit ones, or q8 moments): the
+        kernels then need the random streams' keys and each element's row-major index."""
+        return self.plan.rounding == "stochastic" or self.plan.q8_rounding == "stochastic"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a state buffer is q8 (blocks of the row-major elements)."""
+        return self.plan.quantized
 
     @functools.cached_property  # (asked for every param of every step)
     def _present(self) -> tuple:

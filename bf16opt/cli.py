@@ -25,7 +25,7 @@ __all__ = ["BACKENDS", "DEFAULT_LR", "DEFAULT_PRESETS", "HEADS", "PRESET_NAMES",
 SUMMARY = "train one small language model per precision preset, side by side."
 #: the names of ``bf16opt.PRESETS``, in its order, without importing torch (a test keeps them equal)
 PRESET_NAMES = ("fp32", "bf16", "bf16-master", "bf16-states", "bf16-sr", "bf16-kahan", "fp32-remainder",
-                "fp32-remainder-bf16-states")
+                "fp32-remainder-bf16-states", "fp32-remainder-q8", "bf16-sr-q8")
 DEFAULT_PRESETS = ("fp32", "bf16", "bf16-kahan", "bf16-sr", "fp32-remainder")
 #: default peak learning rate per optimizer (--lr overrides); its keys are --optimizer's choices
 DEFAULT_LR = {"adamw": 3e-3, "adam": 3e-3, "lion": 3e-4, "sgd": 0.3}

@@ -33,6 +33,7 @@ import time
 from typing import Optional
 
 from .offload_copies import PHASES, phase
+from .storage import Q8, Q8_BLOCK, q8_piece
 
 __all__ = ["PieceUpdate", "RowUpdate", "host_threads", "host_update", "piece_chunks"]
 
@@ -169,8 +170,9 @@ class PieceUpdate:
         bucket = self.bucket
         piece_bucket = Bucket(bucket.config, seed=bucket.seed, step=bucket.step)
         for i, start, count in pieces:
-            tensors = [None if column[i] is None else column[i].view(-1)[start:start + count]
-                       for column in bucket.tensors]
+            tensors = [None if column[i] is None else
+                       q8_piece(column[i], start, count) if column[i].dtype == Q8 else
+                       column[i].view(-1)[start:start + count] for column in bucket.tensors]
             piece_bucket.append(tensors, bucket.indices[i], bucket.offset(i) + start, bucket.stream_id(i))
         if bucket.counts is not None:
             piece_bucket.counts = bucket.counts.new_zeros(len(pieces), 3)
@@ -185,6 +187,8 @@ def piece_chunks(bucket, chunk_elements: int) -> list:
     pieces, about ``chunk_elements`` elements each (an empty param: one empty piece)."""
     pieces = []
     step = max(1, chunk_elements)
+    if bucket.config.quantized:  # pieces of q8 state are whole blocks
+        step = -(-step // Q8_BLOCK) * Q8_BLOCK
     for i, param in enumerate(bucket.params):
         numel = param.numel()
         pieces += [(i, start, min(step, numel - start)) for start in range(0, numel, step)] or [(i, 0, 0)]

@@ -229,10 +229,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return precision
 
     # ---- state
-    def _state_config(self, group: dict, param: torch.Tensor) -> KernelConfig:
+    def _state_config(self, group: dict, param: torch.Tensor, numel: int) -> KernelConfig:
         """The configuration a param's state is kept for (state_dict.py converts into it);
-        ``param``: its real view."""
-        return kernel_config(self.algorithm, plan_for(as_precision(group["precision"]), param.dtype),
+        ``param``: its real view; ``numel``: the whole param's element count."""
+        return kernel_config(self.algorithm, plan_for(as_precision(group["precision"]), param.dtype, numel),
                              tuple(self._flags(group).items()), bool(group.get("track_precision")))
 
     @property

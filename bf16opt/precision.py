@@ -23,6 +23,12 @@ Rules that turn a request into a plan (documented in the README too):
 * ``compensation="kahan"`` adds a buffer (``compensation_dtype``, bfloat16 by default)
   that carries each step's rounding error of 16-bit master weights into the next step;
   with a float32 master there is nothing to compensate and no buffer is made.
+* ``"q8"`` moments (``exp_avg``/``exp_avg_sq``, SGD's momentum through ``exp_avg``) are
+  8-bit codes in blocks of 256 elements with a float32 scale per block (``storage.py``,
+  "q8"), rounded to nearest unless ``q8_rounding="stochastic"``.  A param of fewer than
+  ``q8_min_numel`` elements (4096 by default, counted over the whole param, so every
+  shard of a sharded param decides alike) keeps ``small_moments`` (float32 or bfloat16)
+  instead.
 * float64 params are their own master (no preset is more precise) and are updated in
   float64 math; their moments keep the preset's dtypes.
 * ``compensation="remainder"`` (requires ``master="fp32"``) stores the float32 master of
@@ -34,19 +40,24 @@ Rules that turn a request into a plan (documented in the README too):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["Precision", "PRESETS", "StoragePlan", "all_plans", "as_precision", "plan_for"]
+from .storage import Q8
+
+__all__ = ["Precision", "PRESETS", "StoragePlan", "all_plans", "as_precision", "plan_for", "q8_plans"]
 
 #: dtypes a Precision may name, and the params the kernels update
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: float64 params are updated too, in float64 math, by the reference backend (see plan_for)
 FLOAT64 = torch.float64
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, Q8)
+#: the dtypes of moments kept element by element (a q8 moment's small params keep one of these)
+ELEMENT_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 ROUNDINGS = ("nearest", "stochastic")
 COMPENSATIONS = (None, "kahan", "remainder")
 
@@ -58,17 +69,22 @@ _DTYPE_NAMES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
-SHORT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int16: "int16"}
+SHORT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int16: "int16",
+              Q8: "q8"}
+_Q8_ARGUMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _as_dtype(value, argument: str) -> torch.dtype:
+    if argument in _Q8_ARGUMENTS and (value is Q8 or (isinstance(value, str) and value.lower() == "q8")):
+        return Q8
+    q8 = ", 'q8'" if argument in _Q8_ARGUMENTS else ""
     if isinstance(value, torch.dtype):
         dtype = value
     elif isinstance(value, str) and value.lower() in _DTYPE_NAMES:
         dtype = _DTYPE_NAMES[value.lower()]
     else:
         raise TypeError(
-            f"Precision({argument}=...) must be one of 'fp32', 'bf16', 'fp16' "
+            f"Precision({argument}=...) must be one of 'fp32', 'bf16', 'fp16'{q8} "
             f"or the matching torch dtype, got {value!r}")
     if dtype not in PARAM_DTYPES:
         raise TypeError(f"Precision({argument}=...) must be float32, bfloat16 or float16, got {dtype}")
@@ -90,6 +106,11 @@ class Precision:
             error into the next step) or ``"remainder"`` (exact float32 master as
             bfloat16 param + 16-bit remainder; needs ``master="fp32"``).
         compensation_dtype: dtype of the Kahan buffer (``"bf16"`` or ``"fp32"``).
+        small_moments: dtype (``"fp32"`` or ``"bf16"``) of the ``"q8"`` moments of params
+            with fewer than ``q8_min_numel`` elements.
+        q8_min_numel: the smallest param (in elements) whose moments are ``"q8"``.
+        q8_rounding: how ``"q8"`` moments are rounded to their codes: ``"nearest"`` or
+            ``"stochastic"`` (on the same counter-based streams as 16-bit stochastic rounding).
     """
 
     master: torch.dtype = torch.float32
@@ -98,21 +119,31 @@ class Precision:
     rounding: str = "nearest"
     compensation: str | None = None
     compensation_dtype: torch.dtype = torch.bfloat16
+    small_moments: torch.dtype = torch.float32
+    q8_min_numel: int = 4096
+    q8_rounding: str = "nearest"
     name: str | None = field(default=None, compare=False)
 
     if TYPE_CHECKING:  # the generated __init__ also takes dtype names ("bf16"): __post_init__ converts them
         def __init__(self, master: torch.dtype | str = ..., exp_avg: torch.dtype | str = ...,
                      exp_avg_sq: torch.dtype | str = ..., rounding: str = ..., compensation: str | None = ...,
-                     compensation_dtype: torch.dtype | str = ..., name: str | None = ...) -> None: ...
+                     compensation_dtype: torch.dtype | str = ..., small_moments: torch.dtype | str = ...,
+                     q8_min_numel: int = ..., q8_rounding: str = ..., name: str | None = ...) -> None: ...
 
     def __post_init__(self):
-        for argument in ("master", "exp_avg", "exp_avg_sq", "compensation_dtype"):
+        for argument in ("master", "exp_avg", "exp_avg_sq", "compensation_dtype", "small_moments"):
             object.__setattr__(self, argument, _as_dtype(getattr(self, argument), argument))
         for argument in ("exp_avg", "exp_avg_sq"):
             if getattr(self, argument) not in MOMENT_DTYPES:
                 raise ValueError(
                     f"Precision({argument}=float16) is not supported: moments are stored in "
-                    f"float32 or bfloat16 (float16 cannot hold squared gradients' range)")
+                    f"float32, bfloat16 or q8 (float16 cannot hold squared gradients' range)")
+        if self.small_moments not in ELEMENT_MOMENT_DTYPES:
+            raise ValueError("Precision(small_moments=...) must be 'fp32' or 'bf16'")
+        if isinstance(self.q8_min_numel, bool) or not isinstance(self.q8_min_numel, int) or self.q8_min_numel < 0:
+            raise ValueError(f"Precision(q8_min_numel=...) must be an int >= 0, got {self.q8_min_numel!r}")
+        if self.q8_rounding not in ROUNDINGS:
+            raise ValueError(f"Precision(q8_rounding=...) must be one of {ROUNDINGS}, got {self.q8_rounding!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"Precision(rounding=...) must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.compensation not in COMPENSATIONS:
@@ -132,7 +163,14 @@ class Precision:
         return {"master": SHORT_NAME[self.master], "exp_avg": SHORT_NAME[self.exp_avg],
                 "exp_avg_sq": SHORT_NAME[self.exp_avg_sq], "rounding": self.rounding,
                 "compensation": self.compensation,
-                "compensation_dtype": SHORT_NAME[self.compensation_dtype], "name": self.name}
+                "compensation_dtype": SHORT_NAME[self.compensation_dtype],
+                "small_moments": SHORT_NAME[self.small_moments], "q8_min_numel": self.q8_min_numel,
+                "q8_rounding": self.q8_rounding, "name": self.name}
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any moment is ``"q8"``."""
+        return Q8 in (self.exp_avg, self.exp_avg_sq)
 
     def __str__(self) -> str:
         if self.name:
@@ -166,6 +204,12 @@ PRESETS: dict[str, Precision] = {
                                 name="fp32-remainder"),
     "fp32-remainder-bf16-states": Precision(torch.float32, torch.bfloat16, torch.bfloat16,
                                             compensation="remainder", name="fp32-remainder-bf16-states"),
+    # exact fp32 master (bf16 param + remainder) with 8-bit block-quantized moments
+    "fp32-remainder-q8": Precision(torch.float32, Q8, Q8, compensation="remainder", small_moments=torch.float32,
+                                   name="fp32-remainder-q8"),
+    # bf16 master with stochastic rounding, 8-bit block-quantized moments (bf16 for small params)
+    "bf16-sr-q8": Precision(torch.bfloat16, Q8, Q8, rounding="stochastic", small_moments=torch.bfloat16,
+                            name="bf16-sr-q8"),
 }
 
 
@@ -203,6 +247,12 @@ class StoragePlan:
     rounding: str = "nearest"
     compensation: str | None = None
     compensation_dtype: torch.dtype | None = None
+    q8_rounding: str = "nearest"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a moment is q8 (``storage.Q8``)."""
+        return Q8 in (self.exp_avg, self.exp_avg_sq)
 
     @property
     def weights(self) -> str:
@@ -233,8 +283,15 @@ class StoragePlan:
         return self.master if self.master is not None else self.param
 
 
+def plan_for(precision: Precision, param_dtype: torch.dtype, numel: int | None = None) -> StoragePlan:
+    """The plan of a param of ``param_dtype`` and ``numel`` elements (the whole param's, for
+    a shard; None: as large as q8 asks)."""
+    small = numel is not None and precision.quantized and numel < precision.q8_min_numel
+    return _plan_for(precision, param_dtype, small)
+
+
 @functools.lru_cache(maxsize=None)  # pure, and called for every param at every step
-def plan_for(precision: Precision, param_dtype: torch.dtype) -> StoragePlan:
+def _plan_for(precision: Precision, param_dtype: torch.dtype, small: bool) -> StoragePlan:
     if param_dtype not in PARAM_DTYPES and param_dtype != FLOAT64:
         raise TypeError(f"params must be float64, float32, bfloat16 or float16, got {param_dtype}")
     if precision.master == torch.float16 and param_dtype == torch.bfloat16:
@@ -250,22 +307,26 @@ def plan_for(precision: Precision, param_dtype: torch.dtype) -> StoragePlan:
                                                                                                 FLOAT64)):
         compensation = None  # float32 params are their own master; nothing to compensate
     master_dtype = master or param_dtype
-    sixteen_bit = {master_dtype, precision.exp_avg, precision.exp_avg_sq} - {torch.float32, FLOAT64}
+    exp_avg, exp_avg_sq = (precision.small_moments if small and d == Q8 else d
+                           for d in (precision.exp_avg, precision.exp_avg_sq))
+    sixteen_bit = {master_dtype, exp_avg, exp_avg_sq} - {torch.float32, FLOAT64, Q8}
     return StoragePlan(
         param=param_dtype,
         master=master,
-        exp_avg=precision.exp_avg,
-        exp_avg_sq=precision.exp_avg_sq,
+        exp_avg=exp_avg,
+        exp_avg_sq=exp_avg_sq,
         rounding=precision.rounding if sixteen_bit else "nearest",
         compensation=compensation,
         compensation_dtype=precision.compensation_dtype if compensation == "kahan" else None,
+        q8_rounding=precision.q8_rounding if Q8 in (exp_avg, exp_avg_sq) else "nearest",
     )
 
 
 def all_plans(quality: bool = False) -> list:
     """Every StoragePlan the policy allows (what a kernel backend must be able to run).
 
-    ``quality=True`` adds the stochastic-rounding, Kahan and remainder plans.
+    ``quality=True`` adds the stochastic-rounding, Kahan and remainder plans (q8 plans:
+    :func:`q8_plans`).
     """
     plans = []
     for param in PARAM_DTYPES:
@@ -273,8 +334,8 @@ def all_plans(quality: bool = False) -> list:
                             if _SIGNIFICAND_BITS[d] > _SIGNIFICAND_BITS[param]
                             and not (d == torch.float16 and param == torch.bfloat16)]
         for master in masters:
-            for exp_avg in MOMENT_DTYPES:
-                for exp_avg_sq in MOMENT_DTYPES:
+            for exp_avg in ELEMENT_MOMENT_DTYPES:
+                for exp_avg_sq in ELEMENT_MOMENT_DTYPES:
                     plans.append(StoragePlan(param, master, exp_avg, exp_avg_sq))
     if quality:
         extra = set()
@@ -290,12 +351,22 @@ def all_plans(quality: bool = False) -> list:
     return plans
 
 
+def q8_plans() -> list:
+    """The plans with q8 moments the CUDA kernels are instantiated for: each plan of
+    ``all_plans(quality=True)`` with float32 moments, with both moments q8 instead, rounded
+    to nearest or stochastically.  (A precision mixing a q8 moment with an element one runs
+    on the Numba and reference backends.)"""
+    return [dataclasses.replace(plan, exp_avg=Q8, exp_avg_sq=Q8, q8_rounding=q8_rounding)
+            for q8_rounding in ROUNDINGS for plan in all_plans(quality=True)
+            if plan.exp_avg == plan.exp_avg_sq == torch.float32]
+
+
 def _quality_precisions():
     for master in PARAM_DTYPES:
-        for exp_avg in MOMENT_DTYPES:
-            for exp_avg_sq in MOMENT_DTYPES:
+        for exp_avg in ELEMENT_MOMENT_DTYPES:
+            for exp_avg_sq in ELEMENT_MOMENT_DTYPES:
                 yield Precision(master, exp_avg, exp_avg_sq, rounding="stochastic")
-                for dtype in MOMENT_DTYPES:
+                for dtype in ELEMENT_MOMENT_DTYPES:
                     yield Precision(master, exp_avg, exp_avg_sq, compensation="kahan", compensation_dtype=dtype)
                 if master == torch.float32:
                     yield Precision(master, exp_avg, exp_avg_sq, compensation="remainder")

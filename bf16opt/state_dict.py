@@ -1,6 +1,7 @@
 """State dicts: saving, loading, and converting a param's state from one storage plan to another.
 
-A state dict keeps every state tensor in its stored dtype (bf16 moments stay bf16) under
+A state dict keeps every state tensor in its stored dtype (bf16 moments stay bf16; a q8
+moment is its uint8 tensor of codes and float32 scales, ``storage.py``'s "q8" layout) under
 the keys torch.optim uses (``step``, ``exp_avg``, ``momentum_buffer``...) plus the master
 policy's buffer (``master``, ``compensation`` or ``remainder``, see
 ``StoragePlan.companion_key``).  Loading converts each tensor into the dtype the live
@@ -34,7 +35,7 @@ from .algorithms import KernelConfig
 from .checks import check_step_count
 from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
-from .storage import decode, encode, join_remainder, split_remainder
+from .storage import Q8, decode, encode, join_remainder, q8_decode, q8_encode, q8_shape, q8_signed, split_remainder
 from .tensors import real_view, state_moved, wrapped
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "LoadPlan", "LoadTarget", "convert_state", "plan_load",
@@ -89,7 +90,7 @@ class LoadTarget(NamedTuple):
     saved_group_keys: tuple   # keys every saved group of this kind has...
     foreign_group_keys: tuple  # ...and keys that betray another kind
     normalise_group: Callable[[dict, list], None]  # pins and checks a new group in place (raises)
-    config_of: Callable[[dict, torch.Tensor], KernelConfig]  # the config a param's state is kept for
+    config_of: Callable[[dict, torch.Tensor, int], KernelConfig]  # a param's state's config (real view, numel)
     to_host: Callable[[torch.Tensor], torch.Tensor]  # an offloaded buffer into host memory
 
 
@@ -179,7 +180,7 @@ def _loaded_group(target: LoadTarget, live: dict, saved, number: int, legacy: bo
 def _loaded_state(target: LoadTarget, param, group: dict, saved_state, index) -> tuple:
     """(the param's new state, new param bits or None) from its saved state."""
     real = real_view(local(param))  # a DTensor param: its local shard
-    config = target.config_of(group, real)
+    config = target.config_of(group, real, param.numel())
     offloaded = group.get("offload") == "cpu"  # its state lives in host RAM
     like = real.detach().to("cpu").contiguous() if offloaded else real
     if is_dtensor(param) and isinstance(saved_state, Mapping):  # each saved buffer as this rank's shard
@@ -243,6 +244,8 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
             continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{key} of param {index} must be a tensor, got {type(value).__name__}")
+        if key in moments and _is_q8(value, param):
+            continue
         if value.shape != param.shape:
             raise ValueError(f"{key} of param {index} has shape {tuple(value.shape)}, but the "
                              f"param has shape {tuple(param.shape)}")
@@ -251,7 +254,7 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
     needed = config.state_buffers()
     for key in moments:
         if key in saved and key in needed:
-            state[key] = _converted(saved[key], param, needed[key], f"{key} of param {index}")
+            state[key] = _converted(saved[key], param, needed[key], f"{key} of param {index}", key)
     new_param = None
     weights = config.weights
     if weights in ("copy", "remainder"):
@@ -282,8 +285,21 @@ def _saved_master(saved: dict, param: torch.Tensor, index) -> torch.Tensor:
     return decode(param.detach()).float().clone()
 
 
-def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
-    """A new tensor laid out like ``param`` holding ``encode(value, dtype)``."""
+def _is_q8(value: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether a saved moment is a q8 tensor of the param (uint8 codes and scales)."""
+    return value.dtype == Q8 and tuple(value.shape) == q8_shape(param.numel())
+
+
+def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str, role: str = None) -> torch.Tensor:
+    """A new tensor laid out like ``param`` holding ``encode(value, dtype)``; a q8 moment
+    (``role`` names its map) is dequantized from, or quantized into, to nearest."""
+    if role is not None and isinstance(value, torch.Tensor) and _is_q8(value, param):
+        if value.is_meta:
+            raise ValueError(f"{what} is a meta tensor (no data to load)")
+        value = value.detach().to(param.device)
+        if dtype == Q8:  # the same codes and scales
+            return value.clone(memory_format=torch.contiguous_format)
+        value = q8_decode(value, param.shape, q8_signed(role))
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         raise TypeError(f"{what} must be a floating-point tensor, got {value!r:.80}")
     if value.is_meta:
@@ -295,6 +311,8 @@ def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str) -> tor
     if dtype == torch.float64:  # (no storage plan keeps float64 today; exact if one does)
         return torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
     value_f32 = decode(value)  # float64 states round here
+    if dtype == Q8:
+        return q8_encode(value_f32.contiguous(), q8_signed(role))
     result = torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
     result.copy_(encode(value_f32, dtype))
     return result

@@ -29,7 +29,7 @@ from .backends import Bucket, f32, reference, resolve_backend
 from .checks import check_step_count
 from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local
 from .precision import plan_for
-from .storage import stream_id
+from .storage import Q8, q8_shape, stream_id
 from .tensors import HOST, layout_name, real_view, shards, state_is_on, state_moved, wrapped
 
 __all__ = ["ParamEntry", "StepPlan", "float64_backend", "plan_step", "plan_update", "single_param_group"]
@@ -209,10 +209,11 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         # complex params are updated as real views, like torch; a DTensor as its local shard
         sharded = distributed and is_dtensor(original)
         param = real_view(local(original) if sharded else original)
-        config = configs.get(param.dtype)
+        size = (param.dtype, original.numel() < precision.q8_min_numel)  # (q8 keeps small params' moments)
+        config = configs.get(size)
         if config is None:
-            config = configs[param.dtype] = kernel_config(optimizer.algorithm, plan_for(precision, param.dtype),
-                                                          flags, track)
+            config = configs[size] = kernel_config(optimizer.algorithm,
+                                                   plan_for(precision, param.dtype, original.numel()), flags, track)
         state = _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
         counter = step_counter(state, number)
         made = new_buffers(param, state, config, offloader)
@@ -342,10 +343,14 @@ def new_buffers(param: torch.Tensor, state: dict, config: KernelConfig, offloade
         if key in state:
             continue
         copy = role.storage == "companion" and config.weights == "copy"  # the master starts as the param
-        if offloader is not None:  # in host memory (page-locked for CUDA params)
+        if offloader is not None and dtype == Q8:
+            made[key] = offloader.to_host(torch.zeros(q8_shape(param.numel()), dtype=dtype))
+        elif offloader is not None:  # in host memory (page-locked for CUDA params)
             made[key] = offloader.host_like(param, dtype, param.detach() if copy else None)
         elif copy:
             made[key] = param.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
+        elif dtype == Q8:  # all codes and scales 0: every element decodes to +0
+            made[key] = torch.zeros(q8_shape(param.numel()), dtype=dtype, device=param.device)
         else:
             made[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
     return made

@@ -230,3 +230,205 @@ def join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor
     upper = (param.view(torch.int16).to(torch.int64) & 0xFFFF) - (remainder < 0).to(torch.int64)
     bits = ((upper & 0xFFFF) << 16) | (remainder.to(torch.int64) & 0xFFFF)
     return _from_uint32(bits)
+
+
+# ---------------------------------------------------------------- q8: 8-bit block-quantized moments
+# A q8 moment of a param of n elements is one uint8 tensor of shape (ceil(n / 256), 260): row b
+# holds block b (elements 256*b .. 256*b + 255 of the flattened param) as 256 code bytes, then
+# the block's float32 scale as 4 little-endian bytes.  Padding codes of the last block stay 0.
+Q8 = torch.uint8           # the dtype a StoragePlan names for a q8 moment
+Q8_BLOCK = 256             # elements per block
+Q8_SCALE_BYTES = 4         # one float32 scale per block
+Q8_ROW = Q8_BLOCK + Q8_SCALE_BYTES
+Q8_LEVELS = 255            # codes with a value; the 256th code is NaN
+#: the map of each moment: a signed one for the first moments, an unsigned one for the second
+Q8_SIGNED_ROLES = ("exp_avg", "momentum_buffer")
+Q8_UNSIGNED_ROLES = ("exp_avg_sq", "max_exp_avg_sq")
+
+
+def q8_shape(numel: int) -> tuple:
+    """Shape of the q8 tensor holding ``numel`` elements."""
+    return (-(-numel // Q8_BLOCK), Q8_ROW)
+
+
+def q8_piece(q: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """The q8 tensor of elements ``start .. start + count`` of ``q`` (a view; ``start`` on a block)."""
+    if start % Q8_BLOCK:
+        raise ValueError(f"a piece of a q8 tensor starts on a block of {Q8_BLOCK}, got element {start}")
+    return q[start // Q8_BLOCK:(start + count + Q8_BLOCK - 1) // Q8_BLOCK]
+
+
+def q8_signed(role: str) -> bool:
+    """Whether the state ``role`` uses the signed map (first moments) or the unsigned one."""
+    if role in Q8_SIGNED_ROLES:
+        return True
+    if role in Q8_UNSIGNED_ROLES:
+        return False
+    raise ValueError(f"no q8 map for state {role!r}")
+
+
+def _round_f32(values) -> list:
+    """float64 values rounded once to float32 (round to nearest even), as Python floats."""
+    import numpy as np  # noqa: PLC0415  (the only numpy use of the spec)
+    return [float(v) for v in np.asarray(values, dtype=np.float64).astype(np.float32)]
+
+
+def _dynamic_magnitudes(decades: int, per_decade_base: int) -> list:
+    """Dynamic-tree magnitudes in (0, 1]: decade i (0 <= i < decades) holds
+    ``per_decade_base * 2**i`` values ``(0.1 + 0.9 * j / count) / 10**(decades - 1 - i)``,
+    j = 1..count (float64, each an exact-rounded quotient)."""
+    values = []
+    for i in range(decades):
+        count = per_decade_base << i
+        power = 10 ** (decades - 1 - i)
+        values += [(0.1 + 0.9 * j / count) / power for j in range(1, count + 1)]
+    return sorted(values)
+
+
+@functools.lru_cache(maxsize=None)
+def q8_map(signed: bool, kind: str = "dynamic") -> tuple:
+    """The 255 values (float32, ascending) of the codes with a value, the spec of the map.
+
+    ``signed``: -1..1, symmetric around an exact 0 (the first moments); else 0..1 (second
+    moments).  ``kind``: ``"dynamic"`` (dynamic tree: seven decades, finer at the top) or
+    ``"companded"`` (uniform steps of a companded value: ``z / (2 - |z|)`` of z = q/127
+    for signed maps, ``z**2`` of z = k/254 for unsigned ones).
+    """
+    if kind == "dynamic":
+        if signed:
+            positive = _dynamic_magnitudes(7, 1)        # 1 + 2 + ... + 64 = 127 values
+            values = [-v for v in reversed(positive)] + [0.0] + positive
+        else:
+            values = [0.0] + _dynamic_magnitudes(7, 2)  # 254 values and 0
+    elif kind == "companded":
+        if signed:
+            values = [(q / 127) / (2 - abs(q / 127)) for q in range(-127, 128)]
+        else:
+            values = [(k / 254) * (k / 254) for k in range(255)]
+    else:
+        raise ValueError(f"q8 map kind must be 'dynamic' or 'companded', got {kind!r}")
+    values = _round_f32(values)
+    assert len(values) == Q8_LEVELS and values == sorted(values) and values[-1] == 1.0
+    return tuple(values)
+
+
+@functools.lru_cache(maxsize=None)
+def q8_boundaries(signed: bool, kind: str = "dynamic") -> tuple:
+    """The 255 decision boundaries of round to nearest: ``B[k]`` (k < 254) is the float32
+    rounding of the midpoint of the map's values k and k + 1 (exact in float64); ``B[254]``
+    is +inf.  The nearest index of ``y`` is the number of boundaries below it: ``#{k: B[k] < y}``."""
+    values = q8_map(signed, kind)
+    return tuple(_round_f32([(a + b) / 2 for a, b in zip(values, values[1:])])) + (math.inf,)
+
+
+#: the maps the kernels use (see docs/numerics.md, "q8 moments", for why this one)
+Q8_MAP_KIND = "dynamic"
+
+
+def q8_index_to_code(index: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Code byte of map index ``index`` (int64 in 0..254): signed maps store ``index - 127``
+    as an int8 (so a zero byte is the value 0), unsigned ones the index itself."""
+    return (index - 127) & 0xFF if signed else index
+
+
+def q8_code_to_index(code: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Map index (int64) of code bytes (int64 in 0..255); the NaN code gives 255."""
+    if not signed:
+        return code
+    return torch.where(code == 0x80, torch.full_like(code, 255), (code + 127) & 0xFF)
+
+
+def q8_nan_code(signed: bool) -> int:
+    """The code byte of NaN: -128 as an int8 in signed maps, 255 in unsigned ones."""
+    return 0x80 if signed else 0xFF
+
+
+def _q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flattened into (blocks, 256) rows, the last padded with zeros."""
+    flat = x.reshape(-1)
+    blocks = q8_shape(flat.numel())[0]
+    padded = torch.zeros(blocks * Q8_BLOCK, dtype=flat.dtype, device=flat.device)
+    padded[:flat.numel()] = flat
+    return padded.view(blocks, Q8_BLOCK)
+
+
+def q8_scales(x: torch.Tensor) -> torch.Tensor:
+    """Each block's scale: the largest magnitude of its finite elements (0 if none)."""
+    blocks = _q8_blocks(x)
+    finite = torch.where(torch.isfinite(blocks), torch.abs(blocks), torch.zeros_like(blocks))
+    return finite.amax(dim=1)
+
+
+def q8_normalized(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``y = x / scale`` per element ((blocks, 256), float32 division); 0 where the scale is 0."""
+    blocks = _q8_blocks(x)
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
+    return torch.where(scales[:, None] > 0, torch.div(blocks, divisor), torch.zeros_like(blocks))
+
+
+def q8_nearest_index(y: torch.Tensor, signed: bool, kind: str = None) -> torch.Tensor:
+    """Round-to-nearest map index of normalized values: ``#{k: B[k] < y}`` (a tie goes down)."""
+    bounds = torch.tensor(q8_boundaries(signed, kind or Q8_MAP_KIND), dtype=torch.float32, device=y.device)
+    return torch.searchsorted(bounds, y.contiguous(), right=False)  # (the count of bounds < y)
+
+
+def q8_stochastic_index(y: torch.Tensor, random: torch.Tensor, signed: bool,
+                        kind: str = None) -> torch.Tensor:
+    """Stochastically rounded map index: ``lo`` the largest index whose value is <= y, then
+    ``lo + 1`` when ``float(u >> 16) < f * 65536`` with ``f = (y - T[lo]) / (T[lo+1] - T[lo])``
+    (float32 operations); the top index stays."""
+    table = torch.tensor(q8_map(signed, kind or Q8_MAP_KIND), dtype=torch.float32, device=y.device)
+    lo = torch.searchsorted(table, y.contiguous(), right=True) - 1  # (the count of values <= y, less 1)
+    lo = torch.clamp(lo, min=0)
+    top = lo >= Q8_LEVELS - 1
+    lo_safe = torch.where(top, lo - 1, lo)
+    below, above = table[lo_safe], table[lo_safe + 1]
+    fraction = torch.div(torch.sub(y, below), torch.sub(above, below))
+    up = (random >> 16).to(torch.float32) < torch.mul(fraction, 65536.0)
+    return torch.where(top, lo, lo + (up & ~top).to(torch.int64))
+
+
+def q8_encode(x: torch.Tensor, signed: bool, random: torch.Tensor = None,
+              kind: str = None) -> torch.Tensor:
+    """The q8 tensor (``q8_shape(x.numel())``, uint8) holding float32 ``x``.
+
+    Per block: scale = largest finite magnitude; y = x / scale (0 when the scale is 0);
+    code of the nearest map value (``random``: the buffer's words, ``buffer_bits``, for
+    stochastic rounding); a non-finite element gets the NaN code and leaves the scale and
+    the other elements of its block alone.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"q8_encode expects float32 input, got {x.dtype}")
+    n = x.numel()
+    scales = q8_scales(x)
+    y = q8_normalized(x, scales)
+    if random is None:
+        index = q8_nearest_index(y, signed, kind)
+    else:
+        index = q8_stochastic_index(y, _q8_blocks(random.reshape(-1)), signed, kind)
+    codes = q8_index_to_code(index, signed)
+    codes = torch.where(torch.isfinite(_q8_blocks(x)), codes, torch.full_like(codes, q8_nan_code(signed)))
+    codes = codes.reshape(-1)
+    codes[n:] = 0  # padding
+    out = torch.empty(q8_shape(n), dtype=torch.uint8, device=x.device)
+    out[:, :Q8_BLOCK] = codes.view(-1, Q8_BLOCK).to(torch.uint8)
+    out[:, Q8_BLOCK:] = scales.contiguous().view(torch.uint8).view(-1, Q8_SCALE_BYTES)
+    return out
+
+
+def q8_scale_values(q: torch.Tensor) -> torch.Tensor:
+    """The float32 scales of a q8 tensor."""
+    return q[:, Q8_BLOCK:].contiguous().view(torch.float32).reshape(-1)
+
+
+def q8_decode(q: torch.Tensor, shape, signed: bool, kind: str = None) -> torch.Tensor:
+    """float32 values of a q8 tensor, of ``shape``: ``T[index] * scale`` (one float32
+    multiplication), NaN for the NaN code."""
+    n = math.prod(shape)
+    if q.dtype != torch.uint8 or tuple(q.shape) != q8_shape(n):
+        raise ValueError(f"a q8 tensor of {n} elements is uint8 of shape {q8_shape(n)}, "
+                         f"got {q.dtype} of shape {tuple(q.shape)}")
+    table = torch.tensor(q8_map(signed, kind or Q8_MAP_KIND) + (math.nan,), dtype=torch.float32, device=q.device)
+    index = q8_code_to_index(q[:, :Q8_BLOCK].to(torch.int64), signed)
+    values = torch.mul(table[index], q8_scale_values(q)[:, None])
+    return values.reshape(-1)[:n].reshape(shape)

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from .distributed import is_dtensor, local, wrap_like
+from .storage import Q8
 
 __all__ = ["HOST", "layout_name", "real_view", "shards", "state_is_on", "state_moved", "wrapped"]
 
@@ -36,8 +37,10 @@ def wrapped(state: dict, param) -> dict:
     tensor, as in torch.optim); unchanged for plain params."""
     if not is_dtensor(param):
         return state
-    return {key: value if key == "step" or not isinstance(value, torch.Tensor) else wrap_like(value, param)
-            for key, value in state.items()}
+    # a q8 moment stays the rank's own tensor: its blocks are blocks of the local shard
+    # (docs/numerics.md, "Distributed: q8"), not a shard of a tensor shaped like the param
+    return {key: value if key == "step" or not isinstance(value, torch.Tensor) or value.dtype == Q8
+            else wrap_like(value, param) for key, value in state.items()}
 
 
 def state_is_on(state: dict, device: torch.device, contiguous: bool) -> bool:

@@ -71,7 +71,7 @@ def _chunk(row, scalars, keys, counts):
 
 @functools.lru_cache(maxsize=None)
 def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsgrad: bool = False,
-                   l2: bool = False, unit: bool = False):
+                   l2: bool = False, unit: bool = False, q8_rounding: str = "nearest"):
     """The compiled Adam chunk function of one configuration (memoised; on-disk cached).
 
     ``formats``: numpy element classes of the roles, in the order of
@@ -87,16 +87,19 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     chosen per call by the backend from the scalars (a run-time branch per element would cost
     what it saves; the multiplication's vector constant adds register pressure in the loop).
     The scalars are ``AdamScalars`` (``inv_grad_scale`` last) followed by ``sign`` (-1 to
-    maximize).
+    maximize).  q8 moments (np.uint8) are float32 to ``update``; ``q8_rounding`` rounds them.
     """
-    param_format, grad_format, companion_format, exp_avg_format, exp_avg_sq_format, _ = formats
+    param_format, grad_format, companion_format, stored_exp_avg, stored_exp_avg_sq, _ = formats
+    exp_avg_format, exp_avg_sq_format = rows.element_class(stored_exp_avg), rows.element_class(stored_exp_avg_sq)
+    quantized = np.uint8 in (stored_exp_avg, stored_exp_avg_sq)
+    q8_stochastic = rows.checked_q8_rounding(q8_rounding)
     weights, moments = rows.checked_policies(weights, moments)
     amsgrad, l2, track, unit = bool(amsgrad), bool(l2), bool(track), bool(unit)
     # whole blocks hand-vectorised where vector_blocks.py covers the configuration, with
     # stochastic rounding only where they prefetch (without, AdamW's blocks were slower than
     # the paired loop: docs/performance.md)
     stochastic = weights == "param-stochastic" or moments == "stochastic"
-    form = None if amsgrad or (stochastic and not vector_blocks.prefetching()) else vector_blocks.form(
+    form = None if amsgrad or quantized or (stochastic and not vector_blocks.prefetching()) else vector_blocks.form(
         weights, param_format, grad_format, companion_format, (exp_avg_format, exp_avg_sq_format), moments,
         track, unit, l2)
 
@@ -150,10 +153,10 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         vector_blocks.adam_block(form, param, grad, companion, states[0], states[1], scalars, scale, keys,
                                  element, ahead)
 
-    math = rows.Math(begin, update) if form is None else \
+    math = rows.Math(begin, update, q8_stochastic=q8_stochastic) if form is None else \
         rows.Math(begin, update, block, vector_blocks.ADAM_BLOCK)
-    states = (rows.State(exp_avg_format), rows.State(exp_avg_sq_format),
-              rows.State(exp_avg_sq_format, amsgrad, amsgrad))
-    return rows.chunk_function((formats, weights, moments, track, amsgrad, l2, unit, form),
+    states = (rows.q8_state(stored_exp_avg, True, EXP_AVG), rows.q8_state(stored_exp_avg_sq, False, EXP_AVG_SQ),
+              rows.q8_state(stored_exp_avg_sq, False, MAX_EXP_AVG_SQ, amsgrad, amsgrad))
+    return rows.chunk_function((formats, weights, moments, track, amsgrad, l2, unit, form, q8_stochastic),
                                (param_format, grad_format, companion_format), weights, states, 3, track, math,
                                _chunk)

@@ -138,8 +138,10 @@ def build_chunk_table(addresses: np.ndarray, itemsizes: np.ndarray, numels: np.n
     """int64 table (n_chunks, n_buffers + 3) for tensors described by their addresses.
 
     ``addresses[t, b]`` is the byte address of buffer ``b`` of tensor ``t`` (contiguous
-    memory), ``itemsizes[b]`` its element size in bytes (0 for an absent buffer),
-    ``numels[t]`` the tensor's element count.  Empty tensors get no rows.
+    memory), ``itemsizes[b]`` its element size in bytes (0 for an absent buffer; negative for
+    a q8 buffer: minus its bytes per block of 256 elements -- ``chunk`` is a multiple of 256,
+    so rows start on blocks), ``numels[t]`` the tensor's element count.  Empty tensors get no
+    rows.
     """
     addresses = np.asarray(addresses, dtype=np.int64)
     itemsizes = np.asarray(itemsizes, dtype=np.int64)
@@ -150,7 +152,12 @@ def build_chunk_table(addresses: np.ndarray, itemsizes: np.ndarray, numels: np.n
     first_row = np.cumsum(counts) - counts
     start = (np.arange(tensor_of_row.size, dtype=np.int64) - first_row[tensor_of_row]) * chunk
     table = np.empty((tensor_of_row.size, n_buffers + TRAILING_COLUMNS), dtype=np.int64)
-    table[:, :n_buffers] = addresses[tensor_of_row] + start[:, None] * itemsizes[None, :]
+    per_block = itemsizes < 0
+    if per_block.any() and chunk % 256:
+        raise ValueError(f"chunks of q8 buffers are whole blocks of 256 elements, got chunk={chunk}")
+    offsets = np.where(per_block[None, :], (start[:, None] // 256) * -itemsizes[None, :],
+                       start[:, None] * itemsizes[None, :])
+    table[:, :n_buffers] = addresses[tensor_of_row] + offsets
     table[:, n_buffers] = np.minimum(numels[tensor_of_row] - start, chunk)
     table[:, n_buffers + 1] = start
     table[:, n_buffers + 2] = tensor_of_row

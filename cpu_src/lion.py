@@ -22,7 +22,8 @@ def _chunk(row, scalars, keys, counts):
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit: bool = False):
+def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit: bool = False,
+                   q8_rounding: str = "nearest"):
     """The compiled Lion chunk function of one configuration (memoised; on-disk cached).
 
     ``formats``: numpy element classes of ``bf16opt.algorithms.LION.roles`` (param, grad,
@@ -30,11 +31,13 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     factor of exactly 1) as for :func:`adam.chunk_function`.  The scalars are
     ``LionScalars`` (``inv_grad_scale`` last) followed by ``sign``.
     """
-    param_format, grad_format, companion_format, exp_avg_format = formats
+    param_format, grad_format, companion_format, stored_exp_avg = formats
+    exp_avg_format = rows.element_class(stored_exp_avg)  # (q8: float32 to update, see adam.py)
+    q8_stochastic = rows.checked_q8_rounding(q8_rounding)
     weights, moments = rows.checked_policies(weights, moments)
     track, unit = bool(track), bool(unit)
-    form = vector_blocks.form(weights, param_format, grad_format, companion_format, (exp_avg_format,), moments,
-                              track, unit)
+    form = None if stored_exp_avg is np.uint8 else vector_blocks.form(
+        weights, param_format, grad_format, companion_format, (exp_avg_format,), moments, track, unit)
 
     @inline_jit
     def begin(row, scalars, keys):
@@ -77,8 +80,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
         vector_blocks.lion_block(form, param, grad, companion, states[0], scalars, scale, keys, element,
                                  ahead)
 
-    math = rows.Math(begin, update) if form is None else \
+    math = rows.Math(begin, update, q8_stochastic=q8_stochastic) if form is None else \
         rows.Math(begin, update, block, vector_blocks.LION_BLOCK)
-    return rows.chunk_function((formats, weights, moments, track, unit, form),
+    return rows.chunk_function((formats, weights, moments, track, unit, form, q8_stochastic),
                                (param_format, grad_format, companion_format), weights,
-                               (rows.State(exp_avg_format),), 2, track, math, _chunk)
+                               (rows.q8_state(stored_exp_avg, True, EXP_AVG),), 2, track, math, _chunk)

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 from numba.core.extending import overload
 
+from . import q8
 from .chunks import COUNTERS, chunk_compiler, inline_jit
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, element_index, high_half, low_half,
                       pair_word, pointer_to)
@@ -56,10 +57,13 @@ _SIXTEEN_BITS = (np.int16, np.uint16)
 
 class State(NamedTuple):
     """One state array of a configuration: its element class, whether the update reads and
-    whether it writes its elements."""
+    whether it writes its elements; a q8 state (``q8.SIGNED`` or ``q8.UNSIGNED``, format
+    np.uint8) and its stochastic-rounding buffer number."""
     format: type
     reads: bool = True
     writes: bool = True
+    q8: int = 0
+    buffer: int = 0
 
 
 _ABSENT = State(np.uint16, False, False)
@@ -73,6 +77,27 @@ class Math(NamedTuple):
     update: object
     block: object = None
     block_size: int = 0
+    q8_stochastic: bool = False  # q8 states round stochastically
+
+
+def q8_state(format, signed: bool, buffer: int, reads: bool = True, writes: bool = True) -> State:
+    """A state array of element class ``format``: a q8 one (np.uint8, ``signed`` or not: its
+    map) rounding with ``buffer``'s random bits, or an element one."""
+    kind = (q8.SIGNED if signed else q8.UNSIGNED) if format is np.uint8 else 0
+    return State(format, reads, writes, kind, buffer)
+
+
+def element_class(format):
+    """The element class an algorithm's ``update`` sees for a state of ``format``: q8 states
+    (np.uint8) as float32 (the row driver decodes and quantizes their blocks)."""
+    return np.float32 if format is np.uint8 else format
+
+
+def checked_q8_rounding(rounding: str) -> bool:
+    """Whether q8 states round stochastically (``rounding``: "nearest" or "stochastic")."""
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"unknown q8 rounding {rounding!r}")
+    return rounding == "stochastic"
 
 
 def checked_policies(weights: str, moments: str) -> tuple:
@@ -116,7 +141,7 @@ def chunk_function(configuration: tuple, formats: tuple, weights: str, states: t
     if not 0 < n_states <= STATES or not 0 < counters <= COUNTERS:
         raise ValueError(f"{n_states} state arrays and {counters} counters: at most {STATES} and {COUNTERS}")
     (format_0, reads_0, writes_0), (format_1, reads_1, writes_1), (format_2, reads_2, writes_2) = \
-        tuple(states) + (_ABSENT,) * (STATES - n_states)
+        (state[:3] for state in tuple(states) + (_ABSENT,) * (STATES - n_states))
     counts_1, counts_2 = counters > 1, counters > 2
     vector, block_size = math.block is not None, math.block_size
     present = (param_format, grad_format) + ((companion_format,) if has_companion else ()) + \
@@ -127,6 +152,11 @@ def chunk_function(configuration: tuple, formats: tuple, weights: str, states: t
         np.dtype(f).itemsize for f in formats + (format_0, format_1, format_2))
 
     begin, update, block = math.begin, math.update, math.block
+    if any(state.q8 for state in states):
+        drive = _q8_drive(formats, weights, states, counters, track, math)
+        chunk = chunk_compiler(configuration, drive=drive)(shell)
+        chunk.vectorised = False
+        return chunk
 
     @inline_jit
     def drive(row, scalars, keys, counts):
@@ -217,3 +247,130 @@ def chunk_function(configuration: tuple, formats: tuple, weights: str, states: t
     chunk = chunk_compiler(configuration, drive=drive)(shell)
     chunk.vectorised = vector  # (the tests check which loop a configuration got)
     return chunk
+
+
+# ---------------------------------------------------------------- q8 states: block by block
+@inline_jit
+def _read_array(array, scratch, i, j):
+    return array[i]
+
+
+@inline_jit
+def _read_scratch(array, scratch, i, j):
+    return scratch[j]
+
+
+@inline_jit
+def _write_array(array, scratch, i, j, value):
+    array[i] = value
+
+
+@inline_jit
+def _write_scratch(array, scratch, i, j, value):
+    scratch[j] = value
+
+
+@inline_jit
+def _write_none(array, scratch, i, j, value):
+    pass
+
+
+def _reader(state: State):
+    if state.q8:
+        return _read_scratch
+    if state.reads:
+        return _read_array
+    zero = state.format
+
+    @inline_jit
+    def read_zero(array, scratch, i, j):
+        return zero(0)
+
+    return read_zero
+
+
+def _writer(state: State):
+    if not state.writes:
+        return _write_none
+    return _write_scratch if state.q8 else _write_array
+
+
+def _q8_drive(formats: tuple, weights: str, states: tuple, counters: int, track: bool, math: Math):
+    """The loops of a configuration with q8 states (``q8.py``): per block of 256 elements, the
+    q8 states' codes decoded into float32 scratch arrays, ``update`` (which sees a q8 state as
+    a float32 one) over the block's elements, then the new values quantized.  A row starts on a
+    block (the chunk table's rows are whole blocks but for a tensor's last)."""
+    param_format, grad_format, companion_format = formats
+    reads_param, has_companion = WEIGHT_ARRAYS[weights]
+    n_states = len(states)
+    (format_0, _, writes_0, q8_0, buffer_0), (format_1, _, writes_1, q8_1, buffer_1), \
+        (format_2, _, writes_2, q8_2, buffer_2) = tuple(states) + (_ABSENT,) * (STATES - n_states)
+    read_0, read_1, read_2 = (_reader(s) for s in tuple(states) + (_ABSENT,) * (STATES - n_states))
+    write_0, write_1, write_2 = (_writer(s) for s in tuple(states) + (_ABSENT,) * (STATES - n_states))
+    # telemetry: state k's underflows go to counter k + 1 (amsgrad's maximum has none)
+    count_0, count_1 = track and counters > 1, track and counters > 2
+    counts_1, counts_2 = counters > 1, counters > 2
+    stochastic = math.q8_stochastic
+    begin, update = math.begin, math.update
+
+    @inline_jit
+    def drive(row, scalars, keys, counts):
+        param_at, grad_at, companion_at, states_at, n, start, now, scale = begin(row, scalars, keys)
+        at_0, at_1, at_2 = padded(states_at, 0)
+        param = pointer_to(param_at, param_format)
+        grad = pointer_to(grad_at, grad_format)
+        companion = pointer_to(companion_at, companion_format)
+        state_0 = pointer_to(at_0, format_0)
+        state_1 = pointer_to(at_1, format_1)
+        state_2 = pointer_to(at_2, format_2)
+        scratch_0, scratch_1, scratch_2 = q8.scratch_block(), q8.scratch_block(), q8.scratch_block()
+        hits_0, hits_1, hits_2 = 0, 0, 0
+        for first in range(0, n, q8.BLOCK):
+            count = min(q8.BLOCK, n - first)
+            row_at = (first // q8.BLOCK) * q8.ROW
+            if q8_0:
+                q8.decode_block(pointer_to(at_0 + row_at, np.uint8), count, q8_0, scratch_0)
+            if q8_1:
+                q8.decode_block(pointer_to(at_1 + row_at, np.uint8), count, q8_1, scratch_1)
+            if q8_2:
+                q8.decode_block(pointer_to(at_2 + row_at, np.uint8), count, q8_2, scratch_2)
+            for j in range(count):
+                i = first + j
+                elements = (read_0(state_0, scratch_0, i, j), read_1(state_1, scratch_1, i, j),
+                            read_2(state_2, scratch_2, i, j))
+                out = update(grad[i], param[i] if reads_param else param_format(0),
+                             companion[i] if has_companion else companion_format(0), elements[:n_states],
+                             element_index(start, i), now)
+                param[i] = out[0]
+                if has_companion:
+                    companion[i] = out[1]
+                out_states = padded(out[2], np.uint16(0))
+                write_0(state_0, scratch_0, i, j, out_states[0])
+                write_1(state_1, scratch_1, i, j, out_states[1])
+                write_2(state_2, scratch_2, i, j, out_states[2])
+                if track:
+                    out_hits = padded(out[3], False)
+                    hits_0 += out_hits[0]
+                    hits_1 += out_hits[1]
+                    hits_2 += out_hits[2]
+            if q8_0 and writes_0:
+                under = q8.quantize_block(scratch_0, count, q8_0, stochastic, keys[buffer_0 >> 1], buffer_0 & 1,
+                                          start + first, pointer_to(at_0 + row_at, np.uint8))
+                if count_0:
+                    hits_1 += under
+            if q8_1 and writes_1:
+                under = q8.quantize_block(scratch_1, count, q8_1, stochastic, keys[buffer_1 >> 1], buffer_1 & 1,
+                                          start + first, pointer_to(at_1 + row_at, np.uint8))
+                if count_1:
+                    hits_2 += under
+            if q8_2 and writes_2:
+                q8.quantize_block(scratch_2, count, q8_2, stochastic, keys[buffer_2 >> 1], buffer_2 & 1,
+                                  start + first, pointer_to(at_2 + row_at, np.uint8))
+        if track:
+            counts[0] = hits_0
+            if counts_1:
+                counts[1] = hits_1
+            if counts_2:
+                counts[2] = hits_2
+
+    return drive

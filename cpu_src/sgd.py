@@ -25,7 +25,8 @@ def _chunk(row, scalars, keys, counts):
 
 @functools.lru_cache(maxsize=None)
 def chunk_function(formats: tuple, weights: str, moments: str, track: bool, momentum: bool = False,
-                   l2: bool = False, nesterov: bool = False, first: bool = False, unit: bool = False):
+                   l2: bool = False, nesterov: bool = False, first: bool = False, unit: bool = False,
+                   q8_rounding: str = "nearest"):
     """The compiled SGD chunk function of one configuration (memoised; on-disk cached).
 
     ``formats``: numpy element classes of ``bf16opt.algorithms.SGD.roles`` (param, grad,
@@ -37,12 +38,14 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     the scalars (a run-time branch per element would cost what it saves); the other arguments as for
     :func:`adam.chunk_function`.  The scalars are ``SGDScalars`` (``inv_grad_scale`` last) followed by ``sign``.
     """
-    param_format, grad_format, companion_format, buffer_format = formats
+    param_format, grad_format, companion_format, stored_buffer = formats
+    buffer_format = rows.element_class(stored_buffer)  # (q8: float32 to update, see adam.py)
+    q8_stochastic = rows.checked_q8_rounding(q8_rounding)
     weights, moments = rows.checked_policies(weights, moments)
     track = bool(track)
     momentum, l2, nesterov, first, unit = bool(momentum), bool(l2), bool(nesterov), bool(first), bool(unit)
     reads_buffer = momentum and not first
-    form = None if not reads_buffer else vector_blocks.form(
+    form = None if not reads_buffer or stored_buffer is np.uint8 else vector_blocks.form(
         weights, param_format, grad_format, companion_format, (buffer_format,), moments, track, unit, l2)
     if form is not None and nesterov:
         form |= vector_blocks.NESTEROV
@@ -93,8 +96,10 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         vector_blocks.sgd_block(form, param, grad, companion, states[0], scalars, scale, keys, element,
                                 ahead)
 
-    math = rows.Math(begin, update) if form is None else \
+    math = rows.Math(begin, update, q8_stochastic=q8_stochastic) if form is None else \
         rows.Math(begin, update, block, vector_blocks.SGD_BLOCK)
-    return rows.chunk_function((formats, weights, moments, track, momentum, l2, nesterov, first, unit, form),
+    return rows.chunk_function((formats, weights, moments, track, momentum, l2, nesterov, first, unit, form,
+                                q8_stochastic),
                                (param_format, grad_format, companion_format), weights,
-                               (rows.State(buffer_format, reads_buffer, momentum),), 2, track, math, _chunk)
+                               (rows.q8_state(stored_buffer, True, EXP_AVG, reads_buffer, momentum),), 2, track,
+                               math, _chunk)

@@ -28,6 +28,7 @@
 // four times fewer.
 #include "storage.cuh"
 #include "multi_tensor.cuh"
+#include "q8.cuh"
 
 namespace bf16opt {
 
@@ -156,8 +157,14 @@ __global__ void adam_kernel(const i64* table, int n_tensors, i64 n_chunks, int c
                            (flags & kFloat32Grad) != 0, beta1, beta2, one_minus_beta1,
                            one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps,
                            weight_decay, decay, inv_grad_scale};
-  update_chunks<AdamUpdate<P, M, EA, EAS, AMSGRAD, TRACK>>(table, n_tensors, n_chunks, chunk_size,
-                                                           seed, step, counts, c);
+  typedef AdamUpdate<P, M, EA, EAS, AMSGRAD, TRACK> Update;
+  if constexpr (IsQ8<EA>::value || IsQ8<EAS>::value) {  // q8 moments: block by block (q8.cuh)
+    update_q8_chunks<Update, Q8Slot<kAdamExpAvg, EA, kExpAvg, 1>, Q8Slot<kAdamExpAvgSq, EAS, kExpAvgSq, 2>,
+                     Q8Slot<kAdamMaxExpAvgSq, EAS, kMaxExpAvgSq, -1, AMSGRAD>>(table, n_tensors, n_chunks,
+                                                                            chunk_size, seed, step, counts, c);
+  } else {
+    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+  }
 }
 
 }  // namespace bf16opt

@@ -19,6 +19,7 @@
 // maximize is a run-time flag (kernel argument ``flags``, as in adam.cu).
 #include "storage.cuh"
 #include "multi_tensor.cuh"
+#include "q8.cuh"
 
 namespace bf16opt {
 
@@ -107,8 +108,13 @@ __global__ void lion_kernel(const i64* table, int n_tensors, i64 n_chunks, int c
                             float inv_grad_scale) {
   const LionCoefficients c{(flags & kLionMaximize) != 0, (flags & kFloat32Grad) != 0, beta1, beta2,
                            one_minus_beta1, one_minus_beta2, lr, decay, inv_grad_scale};
-  update_chunks<LionUpdate<P, M, EA, TRACK>>(table, n_tensors, n_chunks, chunk_size, seed, step,
-                                             counts, c);
+  typedef LionUpdate<P, M, EA, TRACK> Update;
+  if constexpr (IsQ8<EA>::value) {  // a q8 moment: block by block (q8.cuh)
+    update_q8_chunks<Update, Q8Slot<kLionExpAvg, EA, kExpAvg, 1>, NoQ8Slot, NoQ8Slot>(
+        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+  } else {
+    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+  }
 }
 
 }  // namespace bf16opt

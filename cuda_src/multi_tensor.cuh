@@ -163,6 +163,7 @@ __host__ __device__ constexpr int min_bytes(int a, int b) { return a < b ? a : b
 template <bool TRACK>
 struct Tally {
   __device__ __forceinline__ void count(int, bool) {}
+  __device__ __forceinline__ void add(int, u32) {}
   __device__ __forceinline__ void flush(u64*, int) {}
 };
 
@@ -171,6 +172,7 @@ struct Tally<true> {
   static constexpr int kColumns = 3;  // the widest algorithm's (Adam's) counters
   u32 hits[kColumns] = {0u, 0u, 0u};  // a chunk has fewer than 2^31 elements
   __device__ __forceinline__ void count(int column, bool hit) { hits[column] += hit ? 1u : 0u; }
+  __device__ __forceinline__ void add(int column, u32 n) { hits[column] += n; }
   __device__ __forceinline__ void flush(u64* counts, int tensor) {
 #pragma unroll
     for (int c = 0; c < kColumns; ++c) {

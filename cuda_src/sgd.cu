@@ -27,6 +27,7 @@
 // gradient into it: the buffer is written but not read.
 #include "storage.cuh"
 #include "multi_tensor.cuh"
+#include "q8.cuh"
 
 namespace bf16opt {
 
@@ -133,8 +134,13 @@ __global__ void sgd_kernel(const i64* table, int n_tensors, i64 n_chunks, int ch
                           (flags & kSgdNesterov) != 0, (flags & kSgdFirst) != 0,
                           (flags & kFloat32Grad) != 0, momentum, one_minus_dampening, lr,
                           weight_decay, inv_grad_scale};
-  update_chunks<SgdUpdate<P, M, EA, MOMENTUM, TRACK>>(table, n_tensors, n_chunks, chunk_size, seed,
-                                                      step, counts, c);
+  typedef SgdUpdate<P, M, EA, MOMENTUM, TRACK> Update;
+  if constexpr (MOMENTUM && IsQ8<EA>::value) {  // a q8 momentum buffer: block by block (q8.cuh)
+    update_q8_chunks<Update, Q8Slot<kSgdMomentumBuffer, EA, kExpAvg, 1>, NoQ8Slot, NoQ8Slot>(
+        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+  } else {
+    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+  }
 }
 
 }  // namespace bf16opt

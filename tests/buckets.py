@@ -31,11 +31,11 @@ from bf16opt.backends import Bucket, f32, reference
 from bf16opt.lion import lion_scalars
 from bf16opt.precision import all_plans
 from bf16opt.sgd import sgd_scalars
-from bf16opt.storage import encode
+from bf16opt.storage import Q8, encode, q8_encode, q8_signed
 
 INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
             torch.float16: torch.int16, torch.int16: torch.int16}
-SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", Q8: "q8"}
 
 LAYOUTS = ("contiguous", "transposed", "channels_last")
 
@@ -163,7 +163,7 @@ def plan_id(plan) -> str:
     master = SHORT[plan.master] if plan.master is not None else "none"
     extra = {None: "", "kahan": f"-kahan{SHORT.get(plan.compensation_dtype, '')}",
              "remainder": "-remainder"}[plan.compensation]
-    rounding = "-sr" if plan.rounding == "stochastic" else ""
+    rounding = ("-sr" if plan.rounding == "stochastic" else "") + ("-q8sr" if plan.q8_rounding == "stochastic" else "")
     return (f"p{SHORT[plan.param]}-w{master}-m{SHORT[plan.exp_avg]}-v{SHORT[plan.exp_avg_sq]}"
             f"{rounding}{extra}")
 
@@ -296,6 +296,10 @@ def make_bucket(algorithm, plan, shapes, *, seed: int, flags=(), track: bool = F
                 tensor = random_tensor(shape, dtype, gen, scale=1e-3, layout=layout)
             elif role.name == "companion":  # the int16 remainder
                 tensor = random_remainder(shape, gen, layout)
+            elif dtype == Q8:  # a q8 moment: its own (blocks, 260) layout, of random values
+                scale, nonneg = MOMENT_VALUES[role.name]
+                values = random_tensor((param.numel(),), torch.float32, gen, scale=scale, nonneg=nonneg)
+                tensor = q8_encode(values, q8_signed(role.name))
             else:
                 scale, nonneg = MOMENT_VALUES[role.name]
                 tensor = random_tensor(shape, dtype, gen, scale=scale, layout=layout, nonneg=nonneg)

@@ -39,7 +39,7 @@ import pytest
 from bf16opt.algorithms import ALGORITHMS, LION, SGD, kernel_config
 from bf16opt.backends import cuda_compile
 from bf16opt.backends import cupy as cuda_backend
-from bf16opt.precision import all_plans
+from bf16opt.precision import all_plans, q8_plans
 
 sys.path.insert(0, str(Path(__file__).parent))  # (gpu_sample.py: the run's seed)
 import gpu_sample  # noqa: E402
@@ -143,17 +143,20 @@ def template_arguments(name: str) -> list:
 def test_instantiation_count():
     plans = all_plans(quality=True)
     assert len(plans) == 57
+    # q8 plans: the 12 with float32 moments, both moments q8, rounded to nearest or stochastically
+    assert len(q8_plans()) == 24
+    plans = plans + q8_plans()
     # every plan x amsgrad x telemetry for Adam
-    assert len(cuda_backend.all_kernel_names("adam")) == 57 * 4
+    assert len(cuda_backend.all_kernel_names("adam")) == (57 + 24) * 4
     # Lion ignores exp_avg_sq: one kernel per distinct (param, master policy, exp_avg)
     lion_plans = {cuda_backend.kernel_name(kernel_config(LION, p)) for p in plans}
-    assert len(cuda_backend.all_kernel_names("lion")) == len(lion_plans) * 2 == 54
+    assert len(cuda_backend.all_kernel_names("lion")) == len(lion_plans) * 2 == 54 + 48
     # SGD: with momentum one kernel per distinct (param, master policy, momentum buffer)
     # -- Lion's set --, without one per (param, master policy); x telemetry
     sgd_momentum = {cuda_backend.kernel_name(kernel_config(SGD, p, (("momentum", True),))) for p in plans}
     sgd_plain = {cuda_backend.kernel_name(kernel_config(SGD, p)) for p in plans}
     assert len(sgd_momentum) == len(lion_plans)
-    assert len(cuda_backend.all_kernel_names("sgd")) == (len(sgd_momentum) + len(sgd_plain)) * 2 == 78
+    assert len(cuda_backend.all_kernel_names("sgd")) == (len(sgd_momentum) + len(sgd_plain)) * 2 == 78 + 48
     for kind, algorithm in ALGORITHMS.items():
         names = cuda_backend.all_kernel_names(kind)
         assert len(set(names)) == len(names)

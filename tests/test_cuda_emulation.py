@@ -241,6 +241,11 @@ def make_bucket(config: KernelConfig, sizes: list, rng: np.random.Generator, spe
         for role in config.algorithm.moment_roles:
             if dtype[role.name] is None:
                 continue
+            if dtype[role.name] == storage.Q8:  # codes and scales of random values (own layout)
+                values = random_values(rng, n, torch.float32, special)
+                signed = storage.q8_signed(role.name)
+                columns[role.name].append(storage.q8_encode(values if signed else values.abs(), signed))
+                continue
             values = random_values(rng, n, dtype[role.name], special)
             if role.name == "exp_avg_sq":
                 values = values.abs()
@@ -255,7 +260,7 @@ def make_bucket(config: KernelConfig, sizes: list, rng: np.random.Generator, spe
         n = sizes[-1]
         columns["grad"][-1].view(-1)[: n // 3] = 0
         first_moment = config.algorithm.moment_roles[0].name
-        if first_moment in columns:
+        if first_moment in columns and dtype[first_moment] != storage.Q8:
             columns[first_moment][-1].view(-1)[: n // 3] = 0
     counts = None
     if config.track:

@@ -43,10 +43,21 @@ TABLE = {
     ("bf16-sr", torch.bfloat16): (0, 2, 2, 0, 0),
     ("bf16-sr", torch.float16): (0, 2, 2, 0, 0),
     ("bf16-sr", torch.float32): (0, 2, 2, 0, 0),
+    # the q8 presets on this table's small params (under q8_min_numel): their small_moments
+    ("fp32-remainder-q8", torch.bfloat16): (0, 4, 4, 0, 2),
+    ("fp32-remainder-q8", torch.float16): (4, 4, 4, 0, 0),
+    ("fp32-remainder-q8", torch.float32): (0, 4, 4, 0, 0),
+    ("bf16-sr-q8", torch.bfloat16): (0, 2, 2, 0, 0),
+    ("bf16-sr-q8", torch.float16): (0, 2, 2, 0, 0),
+    ("bf16-sr-q8", torch.float32): (0, 2, 2, 0, 0),
 }
+# q8 moments of large params: 256 code bytes and a 4-byte scale per block of 256 elements
+Q8_BYTES = 260 / 256
+Q8_PRESETS = ("fp32-remainder-q8", "bf16-sr-q8")
 # The README's "optimizer B/param (Adam)" column (bf16 params, without amsgrad).
 README_ADAM_BYTES = {"fp32": 12, "fp32-remainder": 10, "fp32-remainder-bf16-states": 6, "bf16-states": 8,
-                     "bf16-master": 8, "bf16": 4, "bf16-kahan": 6, "bf16-sr": 4}
+                     "bf16-master": 8, "bf16": 4, "bf16-kahan": 6, "bf16-sr": 4,
+                     "fp32-remainder-q8": 4.03, "bf16-sr-q8": 2.03}  # (q8: for params of 4096+ elements)
 # optimizer, amsgrad: Lion has no exp_avg_sq, amsgrad adds one exp_avg_sq-sized buffer; SGD's
 # momentum buffer is stored like exp_avg
 CONFIGS = [("AdamW", False), ("AdamW", True), ("Lion", False), ("SGD", False)]
@@ -57,14 +68,20 @@ def case_id(value):
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
 
 
-def stepped(opt_class, preset, dtype, **kwargs):
+def stepped(opt_class, preset, dtype, wide: bool = False, **kwargs):
     """One step of a small model.  On the reference backend: what a step allocates is the
     optimizer's, the same for every backend (test_lifecycle's state machines compare the
     reference's optimizer and numba's, state included), and numba would compile a kernel per
     case for nothing."""
-    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 3)).to(dtype)
+    if wide:  # params of 4096+ elements, whole blocks of 256: q8 moments
+        model = torch.nn.Sequential(torch.nn.Linear(256, 32, bias=False), torch.nn.Linear(32, 256, bias=False))
+        model = model.to(dtype)
+        x = torch.randn(5, 256, dtype=dtype)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 3)).to(dtype)
+        x = torch.randn(5, 13, dtype=dtype)
     opt = opt_class(model.parameters(), precision=preset, backend="reference", **kwargs)
-    model(torch.randn(5, 13, dtype=dtype)).float().sum().backward()
+    model(x).float().sum().backward()
     opt.step()
     return model, opt
 
@@ -88,10 +105,11 @@ def kwargs_of(opt_name, amsgrad) -> dict:
 def test_table_covers_every_preset_and_agrees_with_the_readme():
     """TABLE and README_ADAM_BYTES list every preset; the README's table says the same numbers."""
     assert set(TABLE) == {(preset, dtype) for preset in bf16opt.PRESETS for dtype in DTYPES}
-    rows = re.findall(r'^\| `"([\w-]+)"`.*\| (\d+) \|$', (ROOT / "README.md").read_text(), re.MULTILINE)
-    assert {preset: int(nbytes) for preset, nbytes in rows} == README_ADAM_BYTES
+    rows = re.findall(r'^\| `"([\w-]+)"`.*\| ([\d.]+) \|$', (ROOT / "README.md").read_text(), re.MULTILINE)
+    assert {preset: float(nbytes) for preset, nbytes in rows} == README_ADAM_BYTES
     for preset, nbytes in README_ADAM_BYTES.items():
-        assert sum(TABLE[preset, torch.bfloat16]) == nbytes, preset
+        if preset not in Q8_PRESETS:
+            assert sum(TABLE[preset, torch.bfloat16]) == nbytes, preset
 
 
 @pytest.mark.parametrize("opt_name,amsgrad", CONFIGS)
@@ -120,10 +138,13 @@ def test_bf16_optimizer_bytes_match_the_readme_table(preset, opt_name, amsgrad):
     """Optimizer bytes per bf16 param: the README's Adam column, minus exp_avg_sq for Lion and
     SGD, plus one exp_avg_sq for amsgrad (per-tensor `step` scalars aside)."""
     kwargs = kwargs_of(opt_name, amsgrad)
-    model, opt = stepped(getattr(bf16opt, opt_name), preset, torch.bfloat16, **kwargs)
+    q8 = preset in Q8_PRESETS  # (its README figure is for params of 4096+ elements: a wide model)
+    model, opt = stepped(getattr(bf16opt, opt_name), preset, torch.bfloat16, wide=q8, **kwargs)
     report = bf16opt.memory_report(opt)
-    exp_avg_sq = bf16opt.PRESETS[preset].exp_avg_sq.itemsize
-    expected = README_ADAM_BYTES[preset] - (exp_avg_sq if opt_name in ("Lion", "SGD") else 0)
+    exp_avg_sq = Q8_BYTES if q8 else bf16opt.PRESETS[preset].exp_avg_sq.itemsize
+    expected = (2 * Q8_BYTES + (2 if preset == "fp32-remainder-q8" else 0)) if q8 else README_ADAM_BYTES[preset]
+    assert round(expected, 2) == README_ADAM_BYTES[preset]
+    expected = expected - (exp_avg_sq if opt_name in ("Lion", "SGD") else 0)
     expected += exp_avg_sq if amsgrad else 0
     steps = 8 * len(list(model.parameters()))  # float64 step counters
     assert (report.optimizer_bytes - steps) / report.num_params == expected

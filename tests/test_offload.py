@@ -1182,3 +1182,29 @@ def test_memory_report_is_the_same_with_offload(opt_name, preset, dtype):
     assert off.staging == {"param_mirror": param_bytes, "grad_staging": param_bytes}
     assert ref.staging == {}
     assert "offload staging" in str(off)
+
+
+@pytest.mark.parametrize("preset", ["bf16-sr-q8", "fp32-remainder-q8"])
+@pytest.mark.parametrize("chunk,backend", [(300, "numba"), (300, "reference"), (1000, "numba")])
+def test_q8_moments_offloaded_in_chunks_that_cut_blocks(preset, chunk, backend):
+    """Params above q8's threshold, offloaded in chunks that are no multiple of a 256-element
+    block (the pipeline rounds them up to whole blocks): the bits of the step on the device."""
+    def run(offload):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(128, 96), nn.Linear(96, 80)).bfloat16()
+        opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision=preset, backend=backend, offload=offload)
+        if offload:
+            opt._offloader.chunk_elements = chunk
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 128, generator=generator).bfloat16()).float().pow(2).mean().backward()
+            opt.step()
+        return model, opt
+
+    (ref_model, ref_opt), (model, opt) = run(None), run("cpu")
+    assert any(state["exp_avg"].dtype == torch.uint8 for state in opt.state_dict()["state"].values())
+    for ours, theirs in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+    for ours, theirs in zip(opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

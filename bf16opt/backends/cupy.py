@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from ..algorithms import ALGORITHMS, KernelConfig, kernel_config
-from ..precision import all_plans
+from ..precision import all_plans, q8_plans
+from ..storage import Q8, Q8_BLOCK
 from .base import Bucket, check_scalars
 from .cuda_compile import cached_nvrtc_compile, compile_options, device_arch, kernel_source
 from .staging import Staged, check, stage
@@ -53,8 +54,11 @@ def _cxx_bool(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-def _storage(dtype, stochastic: bool) -> str:
-    """Storage type of a buffer: stochastic rounding only for 16-bit storage."""
+def _storage(dtype, stochastic: bool, field: str = None, q8_stochastic: bool = False) -> str:
+    """Storage type of a buffer: stochastic rounding only for 16-bit storage; a q8 moment
+    (``field``'s map: signed for exp_avg) as ``Q8<signed, stochastic>``."""
+    if dtype == Q8:
+        return f"bf16opt::Q8<{_cxx_bool(field == 'exp_avg')}, {_cxx_bool(q8_stochastic)}>"
     base = STORAGE_TYPES[dtype]
     return f"bf16opt::Stochastic<{base}>" if stochastic and dtype != torch.float32 else base
 
@@ -79,7 +83,8 @@ def kernel_name(config: KernelConfig) -> str:
     algorithm, plan = config.algorithm, config.plan
     used = {role.storage for _, role, _, _ in config.present()}
     arguments = [_storage(plan.param, config.weights == "param-stochastic"), _master_policy(config)]
-    arguments += [_storage(getattr(plan, field), config.stochastic) if field in used
+    arguments += [_storage(getattr(plan, field), plan.rounding == "stochastic", field,
+                           plan.q8_rounding == "stochastic") if field in used
                   else STORAGE_TYPES[torch.float32] for field in algorithm.storage_parameters]
     arguments += [_cxx_bool(flag) for flag in (*config.template_flags, config.track)]
     return f"bf16opt::{algorithm.name}_kernel<{', '.join(arguments)}>"
@@ -88,11 +93,12 @@ def kernel_name(config: KernelConfig) -> str:
 @functools.lru_cache(maxsize=None)
 def kernel_configs(kind: str) -> dict:
     """Every instantiation the adapter can request for ``kind``, name -> KernelConfig
-    (the first configuration of each name): all plans of ``all_plans(quality=True)`` x
+    (the first configuration of each name): all plans of ``all_plans(quality=True)`` and
+    ``q8_plans()`` x
     the algorithm's template flags x telemetry on/off."""
     algorithm = ALGORITHMS[kind]
     configs = {}
-    for plan in all_plans(quality=True):
+    for plan in all_plans(quality=True) + q8_plans():
         for values in itertools.product((False, True), repeat=len(algorithm.template_flags) + 1):
             flags = tuple(zip(algorithm.template_flags, values[:-1]))
             config = kernel_config(algorithm, plan, flags, track=values[-1])
@@ -272,6 +278,8 @@ def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_S
     if not 0 <= bucket.seed < 2 ** 64:
         raise ValueError(f"bucket.seed must be in [0, 2**64), got {bucket.seed}")
     staged = stage(bucket, "cupy")
+    if config.quantized:  # chunks of whole q8 blocks (q8.cuh)
+        chunk_size = -(-chunk_size // Q8_BLOCK) * Q8_BLOCK
     launch_plan = build_launch_plan(staged.pointers.tolist(), staged.numels, indices=list(indices),
                                     offsets=list(bucket.offsets),
                                     chunk_size=chunk_size, block=block, max_grid=max_grid)

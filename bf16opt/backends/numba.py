@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from ..algorithms import ELEMENT_BYTES, SGD, KernelConfig
-from ..storage import MASK32, STREAMS
+from ..storage import MASK32, Q8, Q8_ROW, STREAMS
 from .base import Bucket, check_scalars
 from .staging import check, stage
 
@@ -60,7 +60,7 @@ name = "numba"
 
 # element class each storage dtype travels as (16-bit formats as raw bits: see cpu_src/storage.py)
 _VIEW_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16,
-                torch.int16: np.int16}
+                torch.int16: np.int16, Q8: np.uint8}
 
 _KERNEL_LOCK = threading.Lock()  # one parallel kernel at a time (see the module docstring)
 _FORKED = False                  # this process is a fork() child: kernels run serially
@@ -136,6 +136,8 @@ def chunk_arguments(config: KernelConfig, unit: bool = False) -> tuple:
     flags = {name: value for name, value in config.flags if name != "maximize"}
     if unit:
         flags["unit"] = True
+    if config.plan.q8_rounding == "stochastic":
+        flags["q8_rounding"] = "stochastic"
     return config.algorithm.name, (formats, config.weights, config.plan.rounding, config.track), flags
 
 
@@ -198,7 +200,8 @@ def _sign(config: KernelConfig) -> float:
 
 
 def _itemsizes(config: KernelConfig) -> np.ndarray:
-    return np.array([0 if d is None else ELEMENT_BYTES[d] for d in config.dtypes], dtype=np.int64)
+    return np.array([0 if d is None else -Q8_ROW if d == Q8 else ELEMENT_BYTES[d] for d in config.dtypes],
+                    dtype=np.int64)
 
 
 def _call(address: int, table: np.ndarray, values: np.ndarray, keys: np.ndarray, row_counts: np.ndarray,

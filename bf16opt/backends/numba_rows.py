@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import numba as numba_backend
+from ..storage import Q8_BLOCK
 from .base import Bucket
 from .staging import stage
 
@@ -41,6 +42,8 @@ class RowPlan:
                  chunk_elements: int):
         chunks = numba_backend._chunks()
         row = max(1, min(chunks.CHUNK, chunk_elements))
+        if (itemsizes < 0).any():  # q8 buffers: rows of whole blocks
+            row = -(-row // Q8_BLOCK) * Q8_BLOCK
         table = chunks.build_chunk_table(pointers, itemsizes, np.array(numels, dtype=np.int64), chunk=row)
         lengths, starts, tensors = table[:, -3], table[:, -2].copy(), table[:, -1]
         if offsets:  # element counters continue from each piece's first element in its param

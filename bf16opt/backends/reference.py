@@ -71,7 +71,10 @@ float64 result rounded to float32.
 join_remainder(param, remainder).  The moments used in an update are the float32
 results before encoding; what is stored is their encoding: round to nearest even, or
 stochastic rounding (plan.rounding) for 16-bit moments with streams EXP_AVG,
-EXP_AVG_SQ, MAX_EXP_AVG_SQ.
+EXP_AVG_SQ, MAX_EXP_AVG_SQ.  A q8 moment is decoded with ``storage.q8_decode`` and stored
+with ``storage.q8_encode`` (per block of 256 elements; stochastic when plan.q8_rounding says
+so, on the same buffers' bits), the signed map for exp_avg and momentum_buffer, the
+unsigned one for exp_avg_sq and max_exp_avg_sq.
 
 store_weights(w0, w), by plan:
 
@@ -95,9 +98,9 @@ from __future__ import annotations
 
 import torch
 
-from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, buffer_bits, decode, encode,
-                       encode_stochastic, join_remainder, random_bits, split_remainder, stream_key,
-                       stream_of)
+from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8, WEIGHTS, buffer_bits, decode, encode,
+                       encode_stochastic, join_remainder, q8_decode, q8_encode, q8_signed, random_bits,
+                       split_remainder, stream_key, stream_of)
 from .base import Bucket, check_scalars
 from .staging import check
 
@@ -118,6 +121,20 @@ def _master_value(bucket: Bucket, i: int) -> torch.Tensor:
     return _value(bucket, bucket["companion"][i] if weights == "copy" else param)
 
 
+def _moment(bucket: Bucket, i: int, role: str) -> torch.Tensor:
+    """A moment's value: ``_value``, or the q8 decoding (float32) of a q8 moment."""
+    stored = bucket[role][i]
+    if stored.dtype == Q8:
+        value = q8_decode(stored, bucket.params[i].shape, q8_signed(role))
+        return value.double() if bucket.plan.param == torch.float64 else value
+    return _value(bucket, stored)
+
+
+def _random_word(bucket: Bucket, i: int, shape, device, buffer: int) -> torch.Tensor:
+    key = stream_key(bucket.seed, bucket.step, bucket.stream_id(i), stream_of(buffer))
+    return buffer_bits(random_bits(key, shape, device, bucket.offset(i)), buffer)
+
+
 def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer: int) -> torch.Tensor:
     """Encode with the plan's rounding; ``buffer`` names the random bits
     (``storage.buffer_bits``).  float64 results are stored as they are (NaN canonical) or
@@ -125,15 +142,23 @@ def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer:
     if dtype == torch.float64:
         return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x)
     x = x.float()  # a no-op for float32 math
-    if bucket.config.stochastic and dtype != torch.float32:
-        key = stream_key(bucket.seed, bucket.step, bucket.stream_id(i), stream_of(buffer))
-        random = random_bits(key, x.shape, x.device, bucket.offset(i))
-        return encode_stochastic(x, dtype, buffer_bits(random, buffer))
+    if bucket.plan.rounding == "stochastic" and dtype != torch.float32:
+        return encode_stochastic(x, dtype, _random_word(bucket, i, x.shape, x.device, buffer))
     return encode(x, dtype)
 
 
 def _store_moment(bucket: Bucket, i: int, role: str, value: torch.Tensor, buffer: int):
+    """Store a moment's new value; returns what telemetry compares (the stored value's
+    encoding, or for a q8 moment its decoding)."""
     target = bucket[role][i]
+    if target.dtype == Q8:
+        value = value.float()
+        random = _random_word(bucket, i, value.shape, value.device, buffer) \
+            if bucket.plan.q8_rounding == "stochastic" else None
+        signed = q8_signed(role)
+        encoded = q8_encode(value, signed, random)
+        target.copy_(encoded)
+        return q8_decode(encoded, value.shape, signed)
     encoded = _encode(bucket, i, value, target.dtype, buffer)
     target.copy_(encoded)
     return encoded
@@ -224,10 +249,10 @@ def adam(bucket: Bucket, s) -> None:
         if l2:
             g = torch.add(g, torch.mul(w, s.weight_decay))
         w = torch.mul(w, s.decay)
-        m = torch.add(torch.mul(_value(bucket, bucket["exp_avg"][i]), s.beta1), torch.mul(g, s.one_minus_beta1))
-        v = torch.add(torch.mul(_value(bucket, bucket["exp_avg_sq"][i]), s.beta2),
+        m = torch.add(torch.mul(_moment(bucket, i, "exp_avg"), s.beta1), torch.mul(g, s.one_minus_beta1))
+        v = torch.add(torch.mul(_moment(bucket, i, "exp_avg_sq"), s.beta2),
                       torch.mul(torch.mul(g, g), s.one_minus_beta2))
-        v_hat = _maximum(_value(bucket, bucket["max_exp_avg_sq"][i]), v) if amsgrad else v
+        v_hat = _maximum(_moment(bucket, i, "max_exp_avg_sq"), v) if amsgrad else v
         d = torch.add(torch.mul(_sqrt(v_hat), s.inv_sqrt_bias_correction2), s.eps)
         u = torch.mul(torch.div(m, d), s.step_size)
         w = torch.sub(w, u)
@@ -246,7 +271,7 @@ def lion(bucket: Bucket, s) -> None:
         g = _gradient(bucket, i, s)
         w0 = _master_value(bucket, i)
         w = torch.mul(w0, s.decay)
-        m_old = _value(bucket, bucket["exp_avg"][i])
+        m_old = _moment(bucket, i, "exp_avg")
         c = torch.add(torch.mul(m_old, s.beta1), torch.mul(g, s.one_minus_beta1))
         u = torch.mul(_sign(c), s.lr)
         w = torch.sub(w, u)
@@ -272,7 +297,7 @@ def sgd(bucket: Bucket, s) -> None:
             if first:
                 b = g
             else:
-                b = torch.add(torch.mul(_value(bucket, bucket["momentum_buffer"][i]), s.momentum),
+                b = torch.add(torch.mul(_moment(bucket, i, "momentum_buffer"), s.momentum),
                               torch.mul(g, s.one_minus_dampening))
             g = torch.add(g, torch.mul(b, s.momentum)) if nesterov else b
             moments.append((b, _store_moment(bucket, i, "momentum_buffer", b, EXP_AVG)))

@@ -26,11 +26,17 @@ import numpy as np
 import torch
 
 from ..distributed import check_known_tensor, is_dtensor
+from ..storage import Q8, q8_shape
 from .base import Bucket
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the common case, checked in one C call
 
 __all__ = ["Staged", "check", "same_dense_layout", "stage"]
+
+
+def state_shape(param: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """The shape of a state buffer of ``dtype`` for ``param``: the param's, or a q8 tensor's."""
+    return q8_shape(param.numel()) if dtype == Q8 else param.shape
 
 
 def same_dense_layout(buffers: list) -> bool:
@@ -84,10 +90,11 @@ def _check(role, tensor, dtype, param, i: int, backend: str, name: str = None) -
     if tensor is None:
         raise ValueError(f"{backend} backend: {name} of param {i} is missing; the "
                          f"configuration needs a {dtype} tensor")
-    if tensor.dtype != dtype or tensor.shape != param.shape or tensor.device != param.device:
+    shape = state_shape(param, dtype) if role.storage not in ("param", "companion") else param.shape
+    if tensor.dtype != dtype or tensor.shape != shape or tensor.device != param.device:
         raise ValueError(f"{backend} backend: {name} of param {i} is {tensor.dtype} of shape "
                          f"{tuple(tensor.shape)} on {tensor.device}; the configuration needs "
-                         f"{dtype} of shape {tuple(param.shape)} on {param.device}")
+                         f"{dtype} of shape {tuple(shape)} on {param.device}")
     try:
         address = tensor.data_ptr()
     except RuntimeError:  # a tensor without storage
@@ -109,7 +116,8 @@ def check(bucket: Bucket, backend: str) -> None:
     for k, role, dtype, key in config.present():
         for i, (tensor, param) in enumerate(zip(bucket.tensors[k], bucket.tensors[0])):
             # the common case in a few C calls; anything else gets the detailed check
-            if type(tensor) not in _PLAIN or tensor.dtype != dtype or tensor.shape != param.shape \
+            if type(tensor) not in _PLAIN or tensor.dtype != dtype or (
+                    tensor.shape != param.shape if dtype != Q8 else tensor.shape != q8_shape(param.numel())) \
                     or tensor.get_device() != param.get_device() or not tensor.data_ptr():
                 number = bucket.indices[i] if len(bucket.indices) == len(bucket.tensors[0]) else i
                 _check(role, tensor, dtype, param, number, backend, key)
@@ -124,7 +132,7 @@ def stage(bucket: Bucket, backend: str, checked: bool = False) -> Staged:
     present = config.present()
     roles = config.algorithm.roles
     n = len(bucket.params)
-    any_memory_order = not config.stochastic
+    any_memory_order = not config.stochastic and not config.quantized  # (q8 blocks are row-major)
     tensors = [list(column) for column in bucket.tensors]
     rows, write_back, numels = [], [], []
     for i in range(n):

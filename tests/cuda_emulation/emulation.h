@@ -16,6 +16,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __constant__
 #define __restrict__ __restrict
 
 struct dim3 {

@@ -1,0 +1,79 @@
+"""q8 moments in the Numba kernels: the same bits as the reference (bf16opt/storage.py's "q8"),
+whole blocks and partial ones, several chunk-table rows per tensor, NaN and inf in the grads,
+stochastic rounding, telemetry; the maps equal the spec's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bf16opt.precision import Precision, plan_for
+from bf16opt.storage import Q8, q8_boundaries, q8_map
+from buckets import ADAM_GROUPS, adam_flags, make_bucket, run_both, sgd_flags, sgd_group, small_chunks  # noqa: F401
+
+pytest.importorskip("numba", reason="the Numba kernels need numba")
+
+LION_GROUP = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+# shapes: partial blocks, a block exactly, several blocks, and more than one 256-element chunk row
+SHAPES = [(7,), (256,), (3, 100), (1000,), (2, 2, 129)]
+
+
+def q8_plan(param=torch.bfloat16, *, master="fp32", compensation="remainder", rounding="nearest",
+            q8_rounding="nearest", exp_avg="q8", exp_avg_sq="q8"):
+    precision = Precision(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, compensation=compensation,
+                          rounding=rounding, q8_rounding=q8_rounding, q8_min_numel=0)
+    return plan_for(precision, param, 1 << 20)
+
+
+PLANS = {
+    "remainder": q8_plan(),
+    "bf16-sr": q8_plan(master="bf16", compensation=None, rounding="stochastic"),
+    "fp32-q8sr": q8_plan(torch.float32, compensation=None, q8_rounding="stochastic"),
+    "copy-mixed": q8_plan(compensation=None, exp_avg_sq="bf16"),
+}
+
+
+def test_maps_equal_the_spec():
+    from bf16opt._cpu import q8  # noqa: PLC0415
+    for signed in (True, False):
+        values, bounds = q8.maps(signed)
+        np.testing.assert_array_equal(values[:255], np.array(q8_map(signed, "dynamic"), dtype=np.float32))
+        assert np.isnan(values[255])
+        np.testing.assert_array_equal(bounds[:255], np.array(q8_boundaries(signed, "dynamic"), dtype=np.float32))
+
+
+@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS.keys())
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_q8_matches_the_reference(plan, amsgrad, small_chunks):  # noqa: F811
+    group = ADAM_GROUPS["decoupled"]
+    bucket = make_bucket("adam", plan, SHAPES, seed=3, flags=adam_flags(group, amsgrad), track=True)
+    run_both(bucket, group, 3, f"adam q8 amsgrad={amsgrad}")
+
+
+@pytest.mark.parametrize("plan", [PLANS["remainder"], PLANS["fp32-q8sr"]], ids=["remainder", "fp32-q8sr"])
+def test_lion_and_sgd_q8_match_the_reference(plan, small_chunks):  # noqa: F811
+    run_both(make_bucket("lion", plan, SHAPES, seed=4, track=True), LION_GROUP, 3, "lion q8")
+    group = sgd_group(momentum=0.9, nesterov=True, weight_decay=0.01)
+    bucket = make_bucket("sgd", plan, SHAPES, seed=5, flags=sgd_flags(group, first=True), track=True)
+    run_both(bucket, group, 3, "sgd q8")
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.integers(1, 1500), min_size=1, max_size=4), st.integers(0, 2 ** 16),
+       st.sampled_from(list(PLANS)))
+def test_any_sizes_match_the_reference(numels, seed, plan_name):
+    group = ADAM_GROUPS["l2"]
+    bucket = make_bucket("adam", PLANS[plan_name], [(n,) for n in numels], seed=seed,
+                         flags=adam_flags(group, False))
+    run_both(bucket, group, 2, f"adam q8 {plan_name} {numels}", unit=True)
+
+
+def test_a_large_tensor_spans_many_rows():
+    """The default chunk (32768 elements): rows start on blocks, the last one partial."""
+    group = ADAM_GROUPS["decoupled"]
+    bucket = make_bucket("adam", PLANS["remainder"], [(70_001,)], seed=9, flags=adam_flags(group, False))
+    run_both(bucket, group, 2, "adam q8 70001", unit=True)
+    assert bucket["exp_avg"][0].dtype == Q8
