@@ -53,6 +53,12 @@ class Adam(MixedPrecisionOptimizer):
       (``bf16opt/offload.py``); also per param group.  ``offload_threads``: host threads of
       the offloaded update (default: the cores of the process's affinity, less one for CUDA
       params).
+    * ``update_in_backward``: update each param from its post-accumulate-grad hook as soon as
+      its grad is final in backward, and free the grad (``bf16opt/release.py``; README,
+      "Update in backward"); also per param group.  ``step()`` then completes the step.
+    * ``max_grad_norm_per_param``: scale each param's grad to at most this L2 norm, on its
+      own, as its update reads it (``bf16opt/clipping.py``): the clipping that works with
+      ``update_in_backward``; also per param group.  Default None: no clipping.
 
     The math, with :math:`\theta` the master weights, per step :math:`t`:
 
@@ -82,14 +88,17 @@ class Adam(MixedPrecisionOptimizer):
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
                  precision: str | Precision = "fp32", backend: str = "auto", seed: int | None = None,
                  track_precision: bool = False, offload: str | None = None,
-                 offload_threads: int | None = None) -> None:
+                 offload_threads: int | None = None, update_in_backward: bool = False,
+                 max_grad_norm_per_param: float | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         foreach=foreach, maximize=maximize, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay,
                         precision=precision, backend=backend,
                         seed=seed, track_precision=track_precision,
-                        offload=offload, offload_threads=offload_threads)
+                        offload=offload, offload_threads=offload_threads,
+                        update_in_backward=update_in_backward,
+                        max_grad_norm_per_param=max_grad_norm_per_param)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -122,12 +131,14 @@ class AdamW(Adam):
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
-                 offload_threads: int | None = None) -> None:
+                 offload_threads: int | None = None, update_in_backward: bool = False,
+                 max_grad_norm_per_param: float | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, precision=precision,
                          backend=backend, seed=seed, track_precision=track_precision, offload=offload,
-                         offload_threads=offload_threads)
+                         offload_threads=offload_threads, update_in_backward=update_in_backward,
+                        max_grad_norm_per_param=max_grad_norm_per_param)
 
     def _force_group_entries(self, group: dict) -> None:
         group["decoupled_weight_decay"] = True

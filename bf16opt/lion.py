@@ -52,11 +52,14 @@ class Lion(MixedPrecisionOptimizer):
                  betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.99), weight_decay: float = 0.0, *,
                  maximize: bool = False, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
-                 offload_threads: int | None = None) -> None:
+                 offload_threads: int | None = None, update_in_backward: bool = False,
+                 max_grad_norm_per_param: float | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
                         precision=precision, backend=backend,
                         seed=seed, track_precision=track_precision,
-                        offload=offload, offload_threads=offload_threads)
+                        offload=offload, offload_threads=offload_threads,
+                        update_in_backward=update_in_backward,
+                        max_grad_norm_per_param=max_grad_norm_per_param)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:

@@ -272,6 +272,12 @@ class Offloader:
             record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(shard.detach()))
             record.mirror_version, record.mirror_print = shard._version, fingerprint(shard)
 
+    def wait_grad(self, param: torch.Tensor) -> None:
+        """The param's staged grad has arrived on the host (before it is changed there)."""
+        transfer = self._records[param].grad_transfer
+        if transfer is not None:
+            transfer.wait()
+
     def set_mirror(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """The param was just written with ``value`` (a state conversion): the mirror follows."""
         record = self.record(param)

@@ -18,18 +18,20 @@ per-step float32 scalars; the math lives in ``backends/reference.py`` and the ke
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from . import state_dict as state_dicts
-from . import step_cache, step_hooks
+from . import clipping, release, step_cache, step_hooks
 from .algorithms import Algorithm, KernelConfig, kernel_config
 from .amp import amp_arguments
 from .backends import backend_name, check_backend_name, resolve_backend
 from .checks import (check_flag, check_implementation_flags, check_no_aliasing, check_number, check_ordered_params,
                      check_param, check_seed, default_seed)
 from .offload import Offloader, check_offload
+from .offload_copies import phase
 from .precision import Precision, as_precision, plan_for
 from .step_plan import float64_backend, plan_step
 from .tensors import real_view
@@ -81,6 +83,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             del self.__dict__["_constructing"]
         self._record_offloaded([p for group in self.param_groups if group.get("offload") == "cpu"
                                 for p in group["params"]])
+        self._sync_release_hooks()
 
     # ---- subclass interface
     def _check_hyperparameters(self, group: dict) -> None:
@@ -137,12 +140,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._check_group(group, tensors)
         group["params"] = params
         super().add_param_group(group)
-        if group.get("offload") == "cpu" and not self.__dict__.get("_constructing"):
-            try:
+        if self.__dict__.get("_constructing"):
+            return
+        try:
+            if group.get("offload") == "cpu":
                 self._record_offloaded(tensors)
-            except BaseException:
-                self.param_groups.pop()
-                raise
+            self._sync_release_hooks()
+        except BaseException:
+            self.param_groups.pop()
+            self._sync_release_hooks()
+            raise
 
     def _record_offloaded(self, params: list) -> None:
         """Host buffers and grad hooks of newly offloaded params (grads start leaving during the
@@ -184,6 +191,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                              "lives in host RAM and is updated by backend='numba' (or 'auto')")
         check_implementation_flags(group)
         check_flag(group.get("track_precision", False), "track_precision")
+        check_flag(group.get(release.KEY, False), release.KEY)
+        clipping.check_max_norm(group.get(clipping.KEY))
         if "seed" in group:
             group["seed"] = check_seed(group["seed"])  # numpy integers become ints
         if group.get("sr_streams", "position") != "position":
@@ -280,6 +289,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             _set_grad_mode(grad_enabled)
 
     def _step_without_grad(self, closure, grad_scale, found_inf):
+        hooks = self.__dict__.get("_release_hooks")
+        if (hooks is not None and hooks.hooked()) or release.wanted(self.param_groups):
+            return self._release_step(closure, grad_scale, found_inf)
+        return self._full_step(closure, grad_scale, found_inf)
+
+    def _full_step(self, closure, grad_scale, found_inf):
         inv_grad_scale, skip = amp_arguments(self, grad_scale, found_inf)
         loss = None
         if closure is not None:
@@ -296,8 +311,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for _, _, run in reuse.answers:
                 run()
             return loss
-        plan = plan_step(self, inv_grad_scale, reuse.answers)
-        # ---- phase two: nothing has changed so far, and nothing below raises on user input
+        self._install_and_run(plan_step(self, inv_grad_scale, reuse.answers))
+        return loss
+
+    def _install_and_run(self, plan) -> None:
+        """Phase two of a step or of an update in backward: nothing has changed so far, and
+        nothing here raises on user input."""
         for group, precision in plan.precisions:
             group["precision"] = precision
         for param, state in plan.states.items():
@@ -315,14 +334,103 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._offloader.release(plan.offloaded)
         for run in plan.reused:
             run()
-        for bucket, launch in plan.launches:
+        self._run_launches(plan.clips, plan.launches)
+        if plan.built or plan.stale_launches:
+            self._keep_launches(plan.built)
+
+    def _run_launches(self, clips: list, launches: list) -> None:
+        """The kernels of a plan, after its grads' clipping."""
+        for grad, factor, offloaded in clips:
+            if offloaded is not None:  # (its host copy may still be arriving)
+                self._offloader.wait_grad(offloaded)
+            grad.mul_(factor)
+        for bucket, launch in launches:
             launch()
             if bucket.counts is not None:
                 for param, counts in zip(bucket.params, bucket.counts.tolist()):
                     self._precision_counts[param] = (param.numel(), counts)
-        if plan.built or plan.stale_launches:
-            self._keep_launches(plan.built)
+
+    # ---- update in backward (release.py)
+    @property
+    def _release(self) -> release.ReleaseHooks:
+        """The hooks of the groups that update in backward (made at the first one)."""
+        hooks = self.__dict__.get("_release_hooks")
+        if hooks is None:
+            hooks = self.__dict__["_release_hooks"] = release.ReleaseHooks(self)
+        return hooks
+
+    def _sync_release_hooks(self) -> None:
+        hooks = self.__dict__.get("_release_hooks")
+        if (hooks is not None and hooks.hooked()) or release.wanted(self.param_groups):
+            self._release.sync(self.param_groups)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._sync_release_hooks()  # (hooks are not pickled: a copy makes its own)
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator["MixedPrecisionOptimizer"]:
+        """Grad accumulation with ``update_in_backward=True``: backwards run inside this block
+        update nothing, so their grads add up in ``.grad`` as usual; the next backward outside
+        it updates each param from the sum (or ``step()`` does, if no backward follows).
+        Without update in backward it changes nothing."""
+        hooks = self._release
+        hooks.accumulating += 1
+        try:
+            yield self
+        finally:
+            hooks.accumulating -= 1
+
+    def _release_step(self, closure, grad_scale, found_inf):
+        """step() when a group updates in backward: completes the offloaded updates under way,
+        refuses what cannot be right, then updates the params that still hold grads as a
+        normal step would, and syncs the hooks."""
+        self._finish_pending()
+        scaler = any(getattr(self, name, None) is not None for name in ("grad_scale", "found_inf"))
+        release.check_step(self.param_groups, closure, grad_scale, found_inf, scaler)
+        loss = self._full_step(closure, grad_scale, found_inf)
+        self._sync_release_hooks()
+        self._release.checked = False
         return loss
+
+    def _update_in_backward(self, number: int, first_index: int, position: int) -> None:
+        """Update the param at ``position`` of group ``number`` (the optimizer's param number
+        ``first_index + position``) from its grad, then free the grad: its hook, in backward.
+        Raises before anything changes."""
+        grad_enabled = torch.is_grad_enabled()
+        _set_grad_mode(False)
+        try:
+            hooks = self._release
+            if not hooks.checked:  # a bad setting raises before this backward updates any param
+                for other, group in enumerate(self.param_groups):
+                    if group.get(release.KEY):
+                        self._group_precision(other, group)
+                hooks.checked = True
+            group = self.param_groups[number]
+            with phase(release.PHASES["update"], group["params"][position].is_cuda):
+                release.update(self, number, group, first_index, position)
+        finally:
+            _set_grad_mode(grad_enabled)
+
+    @property
+    def _background(self) -> release.Background:
+        """The thread of the offloaded updates in backward (made at the first)."""
+        background = self.__dict__.get("_background_instance")
+        if background is None:
+            background = self.__dict__["_background_instance"] = release.Background(self)
+        return background
+
+    def _finish_pending(self) -> None:
+        """Wait for the offloaded updates started in backward (re-raising an error of one)."""
+        background = self.__dict__.get("_background_instance")
+        if background is not None:
+            background.finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; then the hooks of ``update_in_backward`` follow the groups'
+        settings (a group switched on updates from its next backward)."""
+        super().zero_grad(set_to_none)
+        self._sync_release_hooks()
 
     def _keep_launches(self, built: list) -> None:
         """Keep the launches this step built for the next steps to reuse; forget those of
@@ -410,6 +518,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
         State tensors keep their storage dtypes (bf16 moments stay bf16).
         """
+        self._finish_pending()
         return state_dicts.save(super().state_dict(), self.algorithm.name, type(self).__name__)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -422,6 +531,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         A master copy missing from the state dict is taken from the param.  Anything that
         does not fit raises before the optimizer changes.
         """
+        self._finish_pending()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -431,6 +541,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.state = plan.state
         self._state_configs.clear()
         self._group_launches.clear()  # (they would be rebuilt anyway; this releases the old state now)
+        if "_release_hooks" in self.__dict__:
+            self._release.launches.clear()
         with torch.no_grad():
             for param, new_param in plan.param_writes:
                 param.copy_(new_param)

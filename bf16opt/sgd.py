@@ -57,13 +57,15 @@ class SGD(MixedPrecisionOptimizer):
                  maximize: bool = False, foreach: bool | None = None, differentiable: bool = False,
                  fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
-                 offload_threads: int | None = None) -> None:
+                 offload_threads: int | None = None, update_in_backward: bool = False,
+                 max_grad_norm_per_param: float | None = None) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused, precision=precision,
                         backend=backend, seed=seed,
                         track_precision=track_precision, offload=offload,
-                        offload_threads=offload_threads)
+                        offload_threads=offload_threads, update_in_backward=update_in_backward,
+                        max_grad_norm_per_param=max_grad_norm_per_param)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:

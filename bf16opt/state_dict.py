@@ -52,7 +52,10 @@ STATE_DICT_FORMAT = 3
 # Group entries that describe this optimizer object, not the training run: when a
 # state dict is loaded, the live optimizer keeps its own values for these.
 IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "offload_threads", "foreach", "fused", "capturable",
-                       "differentiable", "track_precision")
+                       "differentiable", "track_precision", "update_in_backward")
+#: implementation keys left out of saved groups, so a run saves the same state dict whichever
+#: way it updates
+UNSAVED_KEYS = ("update_in_backward",)
 COMPANION_KEYS = ("master", "compensation", "remainder")
 
 
@@ -62,6 +65,8 @@ def save(state_dict: dict, family: str, optimizer_name: str) -> dict:
     for group in state_dict["param_groups"]:
         # as_precision: a precision edited by hand since the last step may still be a name
         group["precision"] = as_precision(group["precision"]).to_dict()
+        for key in UNSAVED_KEYS:
+            group.pop(key, None)
     state_dict["bf16opt"] = {"format": STATE_DICT_FORMAT, "family": family, "optimizer": optimizer_name}
     return state_dict
 

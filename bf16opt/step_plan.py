@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import state_dict as state_dicts
-from . import step_cache
+from . import clipping, step_cache
 from .algorithms import KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, f32, reference, resolve_backend
 from .checks import check_step_count
@@ -32,7 +32,7 @@ from .precision import plan_for
 from .storage import Q8, q8_shape, stream_id
 from .tensors import HOST, layout_name, real_view, shards, state_is_on, state_moved, wrapped
 
-__all__ = ["ParamEntry", "StepPlan", "float64_backend", "plan_step"]
+__all__ = ["ParamEntry", "StepPlan", "float64_backend", "plan_step", "plan_update", "single_param_group"]
 
 
 class ParamEntry(NamedTuple):
@@ -74,6 +74,7 @@ class StepPlan:
     reused: list = field(default_factory=list)         # phase two of each group whose kept launch is reused
     built: list = field(default_factory=list)          # (group number, KeptLaunchMaterial or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
+    clips: list = field(default_factory=list)          # (grad the kernels read, clip factor): scaled first
     stale_launches: bool = False                       # kept launches of groups that are gone
 
 
@@ -123,6 +124,28 @@ def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=()) -> StepPlan:
     return plan
 
 
+def single_param_group(group: dict, position: int) -> dict:
+    """``group`` narrowed to its param at ``position`` (and that param's name): the same
+    settings and hyper-parameters (update in backward, ``release.py``)."""
+    narrowed = dict(group)
+    narrowed["params"] = [group["params"][position]]
+    names = group.get("param_names")
+    if names is not None:
+        narrowed["param_names"] = [names[position]]
+    return narrowed
+
+
+def plan_update(optimizer, number: int, narrowed: dict, first_index: int, precision) -> StepPlan:
+    """Phase one of the update of one param alone (update in backward): the full step's plan
+    of ``narrowed`` (group ``number`` narrowed to the param, :func:`single_param_group`),
+    whose param is the optimizer's number ``first_index``.  The param keeps its state, step
+    counter, scalars and random stream, so its bits are the full step's.  The launch built
+    (``plan.built``) is the narrowed group's, kept by the caller for this param."""
+    plan = StepPlan()
+    _plan_group(optimizer, plan, number, narrowed, first_index, precision, 1.0)
+    return plan
+
+
 def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index: int, precision,
                 inv_grad_scale: float) -> None:
     """A group's part of the plan: its params' entries, then its buckets' launches."""
@@ -136,11 +159,16 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
     backends = {device: resolve_backend(group["backend"], HOST if offloader else device)
                 for device in {param.device for param in params}}
     entries = _entries(optimizer, plan, group, first_index, precision, params, offloader)
+    max_norm = group.get(clipping.KEY)
+    factors = None if max_norm is None else _clip_factors(entries, float(max_norm), inv_grad_scale)
     if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
         written = {id(p) for p, _ in plan.mirror_writes}
         staged = offloader.stage([e.original for e in entries],
                                  [e.config.weights != "copy" and id(e.original) not in written for e in entries])
         entries = [entry._replace(param=mirror, grad=grad) for (mirror, grad), entry in zip(staged, entries)]
+    if factors is not None:  # (an offloaded grad is scaled in its host copy, by the same factor)
+        plan.clips += [(entry.grad, factor.to(entry.grad.device), entry.original if offloader else None)
+                       for entry, factor in zip(entries, factors)]
     plan.counters.extend(entry.counter for entry in entries)
     counts = torch.stack([e.counter.double() for e in entries]).tolist()
     for value, entry in zip(counts, entries):
@@ -163,7 +191,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
         plan.launches.append((bucket, launch))
         launched.append((bucket, backend))
     fresh = any(entry.original in plan.states or entry.original in plan.buffers for entry in entries)
-    plan.built.append((number, None if offloader or fresh else
+    plan.built.append((number, None if offloader or fresh or factors is not None else
                        KeptLaunchMaterial(group, first_index, precision, entries, launched)))
 
 
@@ -235,6 +263,18 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     if changed:
         plan.states[original] = wrapped(state, original)
     return state
+
+
+def _clip_factors(entries: list, max_norm: float, inv_grad_scale: float) -> list:
+    """Each entry's per-update clip factor (``clipping.py``), from its grad on its device."""
+    if inv_grad_scale != 1.0:
+        raise ValueError(f"{clipping.KEY} clips grads as they are read; with GradScaler they are still "
+                         f"scaled then: call scaler.unscale_(optimizer) before scaler.step")
+    for entry in entries:
+        if is_dtensor(entry.original):
+            raise ValueError(f"{clipping.KEY} clips each param by its own norm; param {entry.number} is a "
+                             f"DTensor, whose shard's norm is not the param's")
+    return [clipping.coefficient(entry.grad, max_norm) for entry in entries]
 
 
 def _buckets(group: dict, entries: list, steps: list) -> list:

@@ -150,6 +150,8 @@ for row_id, opt_class, kwargs in [
     ("fp16-master-for-bf16-params", bf16opt.AdamW, dict(precision=bf16opt.Precision(master="fp16"))),
     ("backend-unknown", bf16opt.AdamW, dict(backend="tpu")),
     ("seed-negative", bf16opt.AdamW, dict(seed=-1)),
+    ("update-in-backward-string", bf16opt.AdamW, dict(update_in_backward="yes")),
+    ("max-grad-norm-per-param-zero", bf16opt.AdamW, dict(max_grad_norm_per_param=0.0)),
 ]:
     case(row_id)(construct(opt_class, **kwargs))
 
@@ -301,6 +303,26 @@ def _():
     opt, a, b = live()
     opt.grad_scale = torch.tensor(2.0)  # as torch.amp.GradScaler.step sets it
     return opt, lambda: opt.step(grad_scale=torch.tensor(2.0))
+
+
+@case("release-closure")
+def _():
+    opt, a, b = live(update_in_backward=True)
+    return opt, lambda: opt.step(lambda: 0.0)
+
+
+@case("release-grad-scaler")
+def _():
+    opt, a, b = live(update_in_backward=True)
+    opt.grad_scale, opt.found_inf = torch.tensor(65536.0), torch.tensor(0.0)  # as GradScaler.step sets them
+    return opt, opt.step
+
+
+@case("release-sparse-grad")
+def _():
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = bf16opt.SGD(emb.parameters(), lr=0.1, update_in_backward=True)
+    return opt, lambda: emb(torch.tensor([1, 2])).sum().backward()
 
 
 @case("state-master-wrong-shape")

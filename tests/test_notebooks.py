@@ -24,7 +24,8 @@ EXPECTED = {
     "02_precision_telemetry.ipynb": ["swallowed updates: first 10% of steps", "after the switch",
                                      "4.0 before, 12.0 after the switch", "Memory breakdown"],
     "03_cpu_offload.ipynb": ["params identical with and without offload: True", "host: optimizer state",
-                             "with offload: device", "optimizer state in host RAM"],
+                             "with offload: device", "optimizer state in host RAM",
+                             "params identical with update_in_backward: True"],
 }
 # matplotlib artists, bound methods, ... echoed by a cell's last expression or printed
 STRAY_REPR = re.compile(r"<[\w.]+(?: object)? at 0x[0-9a-fA-F]+>|^\[?<matplotlib\.|^Text\(|^<Axes|^\[<")
@@ -68,7 +69,9 @@ FACTS = {
         "for p, r in runs.items()}}"),
     "03_cpu_offload.ipynb": (
         "{'presets': PRESETS, 'placements': {p: {k: [r.device_bytes, r.host_bytes, sum(r.staging.values()), "
-        "r.num_params] for k, r in reports[p].items()} for p in PRESETS}}"),
+        "r.num_params] for k, r in reports[p].items()} for p in PRESETS}, "
+        "'released': [[p, o, r, sum(v.values()), v['device: grads (most alive at once)']] "
+        "for (p, o, r), v in released.items()]}"),
 }
 
 
@@ -225,10 +228,18 @@ def test_notebook_03_draws_device_and_host_memory_per_preset(executed):
             placements["on device"], placements["offloaded"]
         assert device == off_host > 0 and host == off_device == staging == 0  # the state moved, all of it
         assert off_staging == 4 * n  # bf16 param mirror + grad
-    per_param, projection = shown
+    per_param, projection, release = shown
     assert [t for t in per_param[0]["xticks"]] == presets
     assert {"host: optimizer state", "device: optimizer state"} <= set(per_param[0]["legend"])
     assert projection[0]["yticks"] == presets and "host, offload='cpu'" in projection[0]["legend"]
+    # update in backward: one Linear(128, 128) weight's grad of eight layers alive at once
+    assert release[0]["xticks"] == presets and "device: grads (most alive at once)" in release[0]["legend"]
+    peaks = {(p, o, r): (total, grads) for p, o, r, total, grads in facts["released"]}
+    assert len(peaks) == 4 * len(presets)
+    for (preset, offload, release_on), (total, grads) in peaks.items():
+        whole = 8 * (128 * 128 + 128)
+        assert grads == (2 * 128 * 128 / whole if release_on else 2.0), (preset, offload, release_on)
+        assert not release_on or total < peaks[preset, offload, False][0]
 
 
 # ---------------------------------------------------------------- MemoryReport in Jupyter

@@ -21,8 +21,8 @@ def python_blocks() -> list[str]:
 
 
 def test_readme_has_its_examples():
-    # Quickstart, per-group precision, checkpoint and resume, offload, telemetry
-    assert len(python_blocks()) == 5
+    # Quickstart, per-group precision, checkpoint and resume, offload, update in backward, telemetry
+    assert len(python_blocks()) == 6
 
 
 @pytest.mark.parametrize("index", range(len(python_blocks())))

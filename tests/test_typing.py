@@ -41,6 +41,11 @@ def public_api_in_use() -> str:
     sgd.step()
     adamw.step()
     schedule.step()
+    released = bf16opt.AdamW(torch.nn.Linear(4, 2).parameters(), update_in_backward=True,
+                             max_grad_norm_per_param=1.0, backend="reference")
+    with released.accumulating():
+        pass
+    released.step()
     swallowed: float = sgd.precision_stats()["total"]["swallowed"]
     report: bf16opt.MemoryReport = bf16opt.memory_report(sgd)
     per_param: float = report.optimizer_bytes_per_param
@@ -59,6 +64,7 @@ def misuses() -> None:
     bf16opt.Lion(params, betas=0.9)  # type: ignore[arg-type]
     bf16opt.SGD(params, precision=16)  # type: ignore[arg-type]
     bf16opt.SGD(params, seed="0")  # type: ignore[arg-type]
+    bf16opt.AdamW(params, update_in_backward="yes")  # type: ignore[arg-type]
     bf16opt.Precision(master=16)  # type: ignore[arg-type]
     bf16opt.memory_report("adam")  # type: ignore[arg-type]
     size: str = bf16opt.memory_report(bf16opt.SGD(params)).total_per_param  # type: ignore[assignment]

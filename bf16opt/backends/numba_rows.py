@@ -59,6 +59,8 @@ class RowPlan:
     def _pieces(self, lengths, starts, tensors, count: int) -> list:
         """Per chunk, the runs of rows of one param: (position, first element, element count)."""
         chunk_of_row = self.chunk_of_row
+        if not tensors.size:  # (only empty params: no rows, no chunks)
+            return []
         heads = np.ones(tensors.size, dtype=bool)
         heads[1:] = (tensors[1:] != tensors[:-1]) | (chunk_of_row[1:] != chunk_of_row[:-1])
         first = np.flatnonzero(heads)

@@ -1,0 +1,39 @@
+"""Per-update grad clipping: ``max_grad_norm_per_param`` per param group.
+
+Each param's grad is scaled to at most this L2 norm, on its own, as its update reads it:
+
+    coef = min(1, max_norm / (float32 L2 norm of the grad + 1e-6));  grad = grad * coef
+
+(one multiplication rounded to the grad's dtype, on the grad's device, as
+``torch.nn.utils.clip_grad_norm_`` scales).  It needs nothing but the param's own grad, so an
+update in backward (``release.py``) clips exactly as a normal step does: the one clipping that
+update in backward supports (``clip_grad_norm_`` over the whole model after backward finds no
+grads there).  Why per update and not a speculative global clip: docs/performance.md, "Update in
+backward".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_number
+
+__all__ = ["KEY", "check_max_norm", "coefficient"]
+
+KEY = "max_grad_norm_per_param"
+_EPS = 1e-6  # (torch.nn.utils.clip_grad_norm_'s)
+
+
+def check_max_norm(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{KEY} must be None or a float, got a tensor")
+    if check_number(value, KEY, KEY) <= 0.0:
+        raise ValueError(f"{KEY} must be None or a finite number > 0, got {value!r}")
+
+
+def coefficient(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The clip factor of ``grad`` (a float32 tensor on its device; no host sync)."""
+    norm = torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
+    return torch.clamp(max_norm / (norm + _EPS), max=1.0)

@@ -1,0 +1,554 @@
+"""Update in backward (``update_in_backward=True``, bf16opt/release.py): each param is updated
+from its post-accumulate-grad hook and its grad freed; the bits must be the normal step's for
+the same grads, for every optimizer, preset and backend, whatever the training loop does
+between steps (schedulers, mode switches, accumulation, state dicts).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import bf16opt
+from bf16opt.precision import PRESETS
+from snapshots import assert_unchanged, same_bits, snapshot
+
+OPTIMIZERS = {
+    "AdamW": (bf16opt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "Adam-amsgrad-L2": (bf16opt.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.05)),
+    "Lion": (bf16opt.Lion, dict(lr=1e-3, weight_decay=0.1)),
+    "SGD-nesterov": (bf16opt.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "SGD-momentum": (bf16opt.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1)),
+}
+
+
+class Net(nn.Module):
+    """Contiguous, transposed (non-contiguous) and empty params, a bias used twice (its grad
+    accumulates over two uses in one backward before its hook fires)."""
+
+    def __init__(self, dtype=torch.bfloat16, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w1 = nn.Parameter(torch.randn(12, 9, generator=g).div(3).to(dtype))
+        self.b1 = nn.Parameter(torch.randn(12, generator=g).to(dtype))
+        self.w2 = nn.Parameter(torch.randn(12, 4, generator=g).div(3).to(dtype).t())  # strides (1, 4)
+        self.empty = nn.Parameter(torch.zeros(0, dtype=dtype))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w1.float().t() + self.b1.float())
+        h = torch.tanh(h + self.b1.float())
+        return h @ self.w2.float().t() + self.empty.float().sum()
+
+
+def batches(n=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 9, generator=g) for _ in range(n)]
+
+
+def loss_of(model, x):
+    return model(x).pow(2).sum() * 10
+
+
+def make(opt_name="AdamW", dtype=torch.bfloat16, **overrides):
+    cls, kwargs = OPTIMIZERS[opt_name]
+    model = Net(dtype)
+    return model, cls(model.parameters(), **{**kwargs, "seed": 1234, **overrides})
+
+
+def train(model, opt, data, modes=None, scheduler=True):
+    """backward, step, zero_grad and an LR scheduler; ``modes``: update_in_backward per step."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s)) if scheduler else None
+    for k, x in enumerate(data):
+        if modes is not None:
+            for group in opt.param_groups:
+                group["update_in_backward"] = modes[k]
+        loss_of(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def assert_same_run(model_a, opt_a, model_b, opt_b):
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert same_bits(a.detach(), b.detach())
+    assert_same_state_dict(opt_a.state_dict(), opt_b.state_dict())
+
+
+def assert_same_state_dict(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a.keys() == b.keys() and a["state"].keys() == b["state"].keys()
+    for index, state in a["state"].items():
+        assert state.keys() == b["state"][index].keys()
+        for key, value in state.items():
+            assert same_bits(value, b["state"][index][key]), (index, key)
+
+
+def hooks_on(param):
+    return len(param._post_accumulate_grad_hooks or {})
+
+
+# ---------------------------------------------------------------- the bits are the normal step's
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_update_in_backward_gives_the_normal_steps_bits(opt_name, preset, backend):
+    runs = []
+    for release in (False, True):
+        model, opt = make(opt_name, precision=preset, backend=backend, update_in_backward=release)
+        train(model, opt, batches())
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_param_dtypes_give_the_normal_steps_bits(dtype):
+    runs = []
+    for release in (False, True):
+        model, opt = make("AdamW", dtype, precision="bf16-sr", backend="numba", update_in_backward=release)
+        train(model, opt, batches())
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+
+
+def test_grads_are_freed_as_soon_as_each_param_is_updated():
+    model, opt = make(update_in_backward=True, backend="reference")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    seen = []
+    # hooks registered after the optimizer's run after its update: the param is updated, its grad gone
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.append((name, p.grad is None, not same_bits(p.detach(), before[name]))))
+    loss_of(model, batches()[0]).backward()
+    assert sorted(seen) == [("b1", True, True), ("empty", True, False), ("w1", True, True),
+                            ("w2", True, True)]
+    assert all(p.grad is None for p in model.parameters())
+    assert all(int(s["step"]) == 1 for s in opt.state.values())
+    opt.step()  # nothing pending: the step changes nothing
+    opt.zero_grad()
+    assert all(int(s["step"]) == 1 for s in opt.state.values())
+
+
+def test_switching_modes_between_steps_gives_the_normal_steps_bits():
+    runs = []
+    for modes in ([False] * 6, [True, False, True, True, False, True]):
+        model, opt = make("Adam-amsgrad-L2", precision="fp32-remainder", backend="numba")
+        train(model, opt, batches(6), modes=modes)
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+
+
+def test_mixed_groups_one_in_backward_one_at_step():
+    runs = []
+    for release in (False, True):
+        model = Net()
+        opt = bf16opt.Lion([{"params": [model.w1, model.b1], "update_in_backward": release},
+                            {"params": [model.w2, model.empty], "precision": "bf16-sr"}],
+                           lr=1e-3, seed=7, backend="numba")
+        train(model, opt, batches())
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+
+
+def test_the_state_dict_is_the_same_in_both_modes_and_loads_into_either():
+    saved = []
+    for release in (False, True):
+        model, opt = make(precision="bf16-kahan", backend="numba", update_in_backward=release)
+        train(model, opt, batches(2))
+        saved.append((copy.deepcopy(model.state_dict()), opt.state_dict()))
+    assert_same_state_dict(saved[0][1], saved[1][1])
+    assert "update_in_backward" not in saved[1][1]["param_groups"][0]
+    runs = []
+    for release in (True, False):  # each resumes the other's run in its own mode
+        model, opt = make(precision="bf16-kahan", backend="numba", update_in_backward=release)
+        model.load_state_dict(saved[release][0])
+        opt.load_state_dict(saved[release][1])
+        assert opt.param_groups[0]["update_in_backward"] is release  # (the live optimizer's own)
+        train(model, opt, batches(2, seed=5), scheduler=False)
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+
+
+def test_backwards_without_a_step_update_each_time():
+    model_a, opt_a = make("SGD-momentum", backend="numba", update_in_backward=True)
+    model_b, opt_b = make("SGD-momentum", backend="numba")
+    for x in batches(3):
+        loss_of(model_a, x).backward()
+        loss_of(model_b, x).backward()
+        opt_b.step()
+        opt_b.zero_grad()
+    opt_a.step()
+    assert_same_run(model_a, opt_a, model_b, opt_b)
+
+
+# ---------------------------------------------------------------- grad accumulation
+
+
+def accumulate_and_step(model, opt, data, micro, release_route):
+    """``micro`` micro-batches per update; ``release_route``: the last backward of each update
+    runs outside ``accumulating()`` (it updates), else all inside and step() updates."""
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for start in range(0, len(data), micro):
+        for k, x in enumerate(data[start:start + micro]):
+            last = k == micro - 1
+            if last and release_route:
+                loss_of(model, x).backward()
+            else:
+                with opt.accumulating():
+                    loss_of(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+@pytest.mark.parametrize("release_route", [True, False])
+def test_accumulating_gives_the_normal_accumulated_steps_bits(release_route):
+    data = batches(6)
+    model_a, opt_a = make(precision="bf16-sr", backend="numba")
+    accumulate_and_step(model_a, opt_a, data, 3, release_route=False)
+    model_b, opt_b = make(precision="bf16-sr", backend="numba", update_in_backward=True)
+    accumulate_and_step(model_b, opt_b, data, 3, release_route)
+    assert_same_run(model_a, opt_a, model_b, opt_b)
+    assert opt_b.param_groups[0]["lr"] == opt_a.param_groups[0]["lr"] == 1e-2 / 4
+
+
+def test_inside_accumulating_the_hooks_update_nothing():
+    model, opt = make(update_in_backward=True, backend="reference")
+    before = snapshot(opt)
+    with opt.accumulating():
+        with opt.accumulating():  # (nests)
+            loss_of(model, batches()[0]).backward()
+        loss_of(model, batches()[1]).backward()
+    assert_unchanged(opt, before)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- refused by name, changing nothing
+
+
+def test_a_closure_is_refused_before_it_runs():
+    model, opt = make(update_in_backward=True, backend="reference")
+    calls = []
+    with pytest.raises(ValueError, match="closure.*update_in_backward"):
+        opt.step(lambda: calls.append(1))
+    assert calls == []
+
+
+def test_grad_scaler_is_refused_at_its_first_step():
+    model, opt = make(update_in_backward=True, backend="reference")
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(model, batches()[0])).backward()
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match="GradScaler cannot be used with update_in_backward"):
+        scaler.step(opt)
+    assert_unchanged(opt, before)
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        opt.step(grad_scale=torch.tensor(4.0), found_inf=torch.tensor(0.0))
+
+
+def test_sparse_grads_are_refused_in_backward_changing_nothing():
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = bf16opt.SGD(emb.parameters(), lr=0.1, update_in_backward=True)
+    before = snapshot(opt)
+    with pytest.raises(TypeError, match="sparse"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    assert_unchanged(opt, before)
+
+
+def test_a_bad_setting_raises_before_any_param_of_the_backward_changes():
+    model, opt = make(backend="reference")
+    opt.param_groups[0]["params"] = [model.w1]
+    opt.add_param_group({"params": [model.b1, model.w2]})
+    for group in opt.param_groups:
+        group["update_in_backward"] = True
+    opt.zero_grad()
+    opt.param_groups[1]["lr"] = -1.0  # group 0's params come first in backward... and must not move
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="learning rate"):
+        loss_of(model, batches()[0]).backward()
+    assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_non_bool_mode_is_refused(value):
+    model = Net()
+    with pytest.raises(TypeError, match="update_in_backward must be a bool"):
+        bf16opt.AdamW(model.parameters(), update_in_backward=value)
+    assert all(hooks_on(p) == 0 for p in model.parameters())
+    opt = bf16opt.AdamW([model.w1], update_in_backward=True)
+    with pytest.raises(TypeError, match="update_in_backward must be a bool"):
+        opt.add_param_group({"params": [model.b1], "update_in_backward": value})
+    assert len(opt.param_groups) == 1 and hooks_on(model.b1) == 0 and hooks_on(model.w1) == 1
+
+
+# ---------------------------------------------------------------- hooks come and go cleanly
+
+
+def test_hooks_follow_the_mode_and_leave_with_the_optimizer():
+    model, opt = make(update_in_backward=True, backend="reference")
+    assert all(hooks_on(p) == 1 for p in model.parameters())
+    opt.param_groups[0]["update_in_backward"] = False
+    opt.zero_grad()
+    assert all(hooks_on(p) == 0 for p in model.parameters())
+    opt.param_groups[0]["update_in_backward"] = True
+    opt.step()
+    assert all(hooks_on(p) == 1 for p in model.parameters())
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None  # the hooks hold no reference to the optimizer
+    assert all(hooks_on(p) == 0 for p in model.parameters())
+    loss_of(model, batches()[0]).backward()  # (and backward works on)
+
+
+def test_a_copy_hooks_its_own_params():
+    model, opt = make(update_in_backward=True, backend="reference")
+    twin = copy.deepcopy(opt)  # (new params, not the model's)
+    assert all(hooks_on(p) == 1 for p in model.parameters())
+    assert all(hooks_on(p) == 1 for p in twin.param_groups[0]["params"])
+
+
+# ---------------------------------------------------------------- the CUDA kernels, on the CPU
+
+
+def _param_alone(bucket, i):
+    """Param ``i`` of ``bucket`` in a bucket of its own, as an update in backward launches it:
+    its optimizer index, element offset and random stream kept."""
+    from bf16opt.backends import Bucket  # noqa: PLC0415
+
+    counts = None if bucket.counts is None else bucket.counts[i:i + 1].clone()
+    return Bucket(bucket.config, [[column[i]] for column in bucket.tensors], indices=[bucket.indices[i]],
+                  offsets=[bucket.offset(i)], stream_ids=[bucket.stream_id(i)], seed=bucket.seed,
+                  step=bucket.step, counts=counts)
+
+
+def _emulated_cases():
+    emulation = pytest.importorskip("test_cuda_emulation", reason="needs the CUDA emulation tests")
+    if emulation.emulator.compiler_problem() is not None:
+        pytest.skip(f"CUDA emulation needs a host C++ compiler: {emulation.emulator.compiler_problem()}")
+    cases = []
+    for kind, configs in emulation.CONFIGS.items():
+        # stochastic rounding, Kahan, the remainder and telemetry: what depends on a param's place
+        for weights in ("param-stochastic", "kahan", "remainder"):
+            picked = [case for case in configs if case[1].weights == weights]
+            tracked = [case for case in picked if case[1].track]
+            cases += (tracked or picked)[:1]
+    return emulation, cases
+
+
+def test_cuda_kernels_update_a_param_alone_as_in_its_bucket():
+    """An update in backward launches a param alone; the emulated CUDA kernels give it the
+    bits it gets in a bucket with others (and the reference's)."""
+    from bf16opt.backends import cupy as cuda_backend  # noqa: PLC0415
+    from bf16opt.backends import reference  # noqa: PLC0415
+
+    emulation, cases = _emulated_cases()
+    emulation.emulator.library()
+    assert {case[1].weights for case in cases} >= {"param-stochastic", "kahan", "remainder"}
+    for name, config in cases:
+        rng = __import__("numpy").random.default_rng(39)
+        together = emulation.make_bucket(config, [1, 22, 64, 129, 513], rng, 0.1, 0.4, True)
+        expected = emulation.clone_bucket(together)
+        alone = [_param_alone(emulation.clone_bucket(together), i) for i in range(len(together.params))]
+        scalars = emulation.scalars_for(config, emulation.group_for(config, rng), together.step)
+        reference.run(expected, scalars)
+        cuda_backend.run(together, scalars, execute=emulation.emulator.execute, **emulation.SMALL_CHUNKS)
+        emulation.assert_same_bits(expected, together, name)
+        for i, bucket in enumerate(alone):
+            cuda_backend.run(bucket, scalars, execute=emulation.emulator.execute, **emulation.SMALL_CHUNKS)
+            emulation.assert_same_bits(_param_alone(expected, i), bucket, f"{name} param {i} alone")
+
+
+# ---------------------------------------------------------------- per-update clipping
+
+
+def clip_each_by_hand(params, max_norm):
+    """clipping.py's rule, written out with torch ops."""
+    for p in params:
+        norm = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32)
+        p.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_per_update_clipping_gives_the_same_bits_in_both_modes_and_clips(offload):
+    data = batches(3)
+    model_a, opt_a = make("Adam-amsgrad-L2", precision="bf16-sr", backend="numba")
+    norms = []
+    for x in data:  # by hand, then a normal step without the option
+        loss_of(model_a, x).backward()
+        norms += [float(torch.linalg.vector_norm(p.grad, dtype=torch.float32)) for p in model_a.parameters()]
+        clip_each_by_hand(model_a.parameters(), 0.5)
+        opt_a.step()
+        opt_a.zero_grad()
+    assert max(norms) > 5  # (the clip really scaled)
+    for release in (False, True):
+        model_b, opt_b = make("Adam-amsgrad-L2", precision="bf16-sr", backend="numba", offload=offload,
+                              update_in_backward=release, max_grad_norm_per_param=0.5)
+        train(model_b, opt_b, data, scheduler=False)
+        for a, b in zip(model_a.parameters(), model_b.parameters()):
+            assert same_bits(a.detach(), b.detach())
+        state_a, state_b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+        assert all(same_bits(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i])
+
+
+@pytest.mark.parametrize("value, error", [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                                          ("1", TypeError), (torch.tensor(1.0), TypeError)])
+def test_a_bad_max_grad_norm_per_param_is_refused_changing_nothing(value, error):
+    model, opt = make(backend="reference", max_grad_norm_per_param=1.0)
+    loss_of(model, batches()[0]).backward()
+    with pytest.raises(error, match="max_grad_norm_per_param"):
+        bf16opt.AdamW(model.parameters(), max_grad_norm_per_param=value)
+    opt.param_groups[0]["max_grad_norm_per_param"] = value
+    before = snapshot(opt)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(error, match="max_grad_norm_per_param"):
+        opt.step()
+    assert_unchanged(opt, before)
+    assert all(same_bits(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_per_update_clipping_refuses_scaled_grads():
+    model, opt = make(backend="reference", max_grad_norm_per_param=1.0)
+    loss_of(model, batches()[0]).backward()
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="unscale_"):
+        opt.step(grad_scale=torch.tensor(2.0 ** 16))
+    assert_unchanged(opt, before)
+
+
+# ---------------------------------------------------------------- offloaded: host updates in backward
+
+
+def offloaded(opt, chunk=7):
+    """The stand-in link: copies on worker threads, completed late and out of order."""
+    from bf16opt.offload import use_copy_engine  # noqa: PLC0415
+    from bf16opt.offload_copies import ThreadedCopyEngine  # noqa: PLC0415
+
+    use_copy_engine(opt, ThreadedCopyEngine(latency=2e-4, jitter=1e-3, seed=3))
+    opt._offloader.chunk_elements = chunk
+    return opt
+
+
+@pytest.mark.parametrize("opt_name, preset", [("AdamW", "bf16-sr"), ("Lion", "fp32-remainder"),
+                                              ("SGD-momentum", "bf16-kahan"), ("Adam-amsgrad-L2", "fp32")])
+def test_offloaded_updates_in_backward_give_the_normal_steps_bits(opt_name, preset):
+    model_a, opt_a = make(opt_name, precision=preset, backend="numba")
+    train(model_a, opt_a, batches())
+    model_b, opt_b = make(opt_name, precision=preset, backend="numba", offload="cpu", update_in_backward=True)
+    train(model_b, offloaded(opt_b), batches())
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert same_bits(a.detach(), b.detach())
+    state_a, state_b = opt_a.state_dict(), opt_b.state_dict()
+    assert [{k: v for k, v in g.items() if k != "offload"} for g in state_a["param_groups"]] == \
+        [{k: v for k, v in g.items() if k != "offload"} for g in state_b["param_groups"]]
+    assert all(same_bits(value, state_b["state"][i][key]) for i, s in state_a["state"].items()
+               for key, value in s.items())
+
+
+def test_offloaded_accumulation_switches_and_backwards_without_a_step():
+    data = batches(6)
+    model_a, opt_a = make(precision="bf16-sr", backend="numba")
+    accumulate_and_step(model_a, opt_a, data, 2, release_route=False)
+    for x in data[:2]:
+        loss_of(model_a, x).backward()
+        opt_a.step()
+        opt_a.zero_grad()
+    model_b, opt_b = make(precision="bf16-sr", backend="numba", offload="cpu", update_in_backward=True)
+    offloaded(opt_b)
+    accumulate_and_step(model_b, opt_b, data, 2, release_route=True)
+    opt_b.param_groups[0]["lr"] = opt_a.param_groups[0]["lr"]
+    for x in data[:2]:  # two backwards in a row: the second waits for the first's host updates
+        loss_of(model_b, x).backward()
+    opt_b.step()
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert same_bits(a.detach(), b.detach())
+    assert all(p.grad is None for p in model_b.parameters())
+
+
+def test_an_error_of_an_offloaded_update_is_raised_by_backward():
+    model, opt = make(backend="numba", offload="cpu", update_in_backward=True)
+    offloaded(opt)
+
+    def failing(clips, launches):
+        raise RuntimeError("host update failed")
+    opt._run_launches = failing
+    with pytest.raises(RuntimeError, match="host update failed"):
+        loss_of(model, batches()[0]).backward()
+    del opt._run_launches
+    opt.step()  # (reported once; the optimizer goes on)
+    loss_of(model, batches()[1]).backward()
+    opt.step()
+
+
+def test_named_params_and_edits_between_updates_give_the_normal_steps_bits():
+    """Named params (random streams named by name), then a preset, an lr and a flag changed
+    between steps: each param's kept launch must notice and plan again."""
+    runs = []
+    for release in (False, True):
+        model = Net()
+        opt = bf16opt.Adam(model.named_parameters(), lr=1e-2, precision="bf16-sr", backend="numba",
+                           seed=5, update_in_backward=release)
+        for k, x in enumerate(batches(6)):
+            if k == 2:
+                opt.param_groups[0]["precision"] = "fp32-remainder"
+            if k == 3:
+                opt.param_groups[0]["lr"] = 3e-3
+            if k == 4:
+                opt.param_groups[0]["amsgrad"] = True
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+
+
+# ---------------------------------------------------------------- the timeline and the benchmark
+
+
+def test_the_updates_in_backward_are_ranges_on_the_profiler_timeline():
+    from bf16opt.release import PHASES  # noqa: PLC0415
+
+    model, opt = make(backend="numba", offload="cpu", update_in_backward=True)
+    offloaded(opt)
+    loss_of(model, batches()[0]).backward()  # (compiled outside the profile)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_of(model, batches()[1]).backward()
+        opt.step()
+    names = {event.name for event in prof.events()}
+    assert {PHASES["update"], PHASES["backward_wait"]} <= names
+
+
+def test_release_model_benchmark_prints_every_row():
+    """benchmarks/release_model.py on a tiny CPU model (its figures mean nothing here)."""
+    import pathlib  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "release_model.py"
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--layers", "2", "--dim", "64",
+                             "--batch", "8", "--presets", "bf16", "--repeats", "1", "--warmup", "1",
+                             "--threads", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for placement in ("state on device", "offload=cpu"):
+        for mode in ("normal step", "update_in_backward"):
+            assert any(line.startswith(f"bf16, {placement}, {mode}") for line in lines), result.stdout
+    assert any("per-update clip" in line and "speculative snapshot" in line for line in lines), result.stdout
+
+
+def test_an_offloaded_bucket_of_empty_params_alone_steps():
+    """An update in backward launches an empty param alone (the offloaded rows' plan of a bucket
+    without rows); so can a normal step of a group whose only param is empty."""
+    empty = nn.Parameter(torch.zeros(0, dtype=torch.bfloat16))
+    opt = bf16opt.AdamW([empty], offload="cpu", backend="numba")
+    empty.grad = torch.zeros_like(empty)
+    opt.step()
+    assert int(opt.state[empty]["step"]) == 1
