@@ -77,3 +77,32 @@ def test_a_large_tensor_spans_many_rows():
     bucket = make_bucket("adam", PLANS["remainder"], [(70_001,)], seed=9, flags=adam_flags(group, False))
     run_both(bucket, group, 2, "adam q8 70001", unit=True)
     assert bucket["exp_avg"][0].dtype == Q8
+
+
+def test_offloaded_q8_state_matches_the_reference():
+    """offload='cpu' cuts the update into pieces (here of 1000 elements, rounded up to whole
+    blocks: 1024): params and q8 state equal the reference's, bit for bit."""
+    import bf16opt  # noqa: PLC0415
+
+    def run(backend, offload):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(100, 130), torch.nn.ReLU(),
+                                    torch.nn.Linear(130, 70)).to(torch.bfloat16)
+        opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision="fp32-remainder-q8", backend=backend,
+                            offload=offload)
+        if offload:
+            opt._offloader.chunk_elements = 1000
+        for step in range(3):
+            torch.manual_seed(step)
+            model(torch.randn(8, 100, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt.state_dict()["state"]
+
+    (expected, expected_state), (got, got_state) = run("reference", None), run("numba", "cpu")
+    assert all(torch.equal(p.view(torch.int16), q.view(torch.int16))
+               for p, q in zip(expected.parameters(), got.parameters()))
+    assert expected_state[0]["exp_avg"].dtype == Q8
+    for index, state in expected_state.items():
+        for key, value in state.items():
+            assert torch.equal(value, got_state[index][key]), (index, key)
