@@ -125,8 +125,9 @@ def test_numba_chunk_function_reads_every_role(name):
     module = pytest.importorskip(f"bf16opt._cpu.{name}")
     parameters = list(inspect.signature(module.chunk_function).parameters)
     assert parameters[:4] == ["formats", "weights", "moments", "track"]
-    # (``unit``: the variant without multiplications by 1, chosen per call from the scalars)
-    assert set(parameters[4:]) - {"unit"} == set(ALGORITHMS[name].flags) - {"maximize"}
-    assert "unit" in parameters
+    # (``unit``: the variant without multiplications by 1, chosen per call from the scalars;
+    # ``q8_rounding``: how q8 moments round, a storage setting rather than a flag)
+    assert set(parameters[4:]) - {"unit", "q8_rounding"} == set(ALGORITHMS[name].flags) - {"maximize"}
+    assert "unit" in parameters and "q8_rounding" in parameters
     source = inspect.getsource(module.chunk_function)
     assert f"row[{len(ALGORITHMS[name].roles)}]" in source  # the element count follows the roles
