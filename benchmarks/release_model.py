@@ -44,8 +44,11 @@ from bf16opt.offload_copies import ThreadedCopyEngine, engine_for
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.release_model
     from machine import cpu_name
+    from offload_model import host_update_alone, iteration, make_input, make_model, median_time, synchronize
 except ImportError:  # pragma: no cover
     from benchmarks.machine import cpu_name
+    from benchmarks.offload_model import (host_update_alone, iteration, make_input, make_model, median_time,
+                                          synchronize)
 
 PRESETS = "bf16,fp32"
 MiB = 1 << 20
@@ -79,22 +82,6 @@ def parse(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- the model and its iteration
 
-def make_model(args) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.layers)]
-    return torch.nn.Sequential(*layers).to(device=args.device, dtype=torch.bfloat16)
-
-
-def make_input(args) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1)
-    return torch.randn(args.batch, args.dim, generator=generator).to(device=args.device, dtype=torch.bfloat16)
-
-
-def synchronize(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 class GradMeter:
     """The most grad bytes alive at once, seen from hooks registered before the optimizer's (so
     each sees its param's grad before an update in backward frees it)."""
@@ -107,28 +94,6 @@ class GradMeter:
     def _seen(self, _param) -> None:
         alive = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
         self.peak = max(self.peak, alive)
-
-
-def iteration(model, x, opt) -> None:
-    model(x).float().pow(2).mean().backward()
-    if opt is not None:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    else:
-        for p in model.parameters():
-            p.grad = None
-    synchronize(x.device)
-
-
-def median_time(function, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        function()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 class Variant:
@@ -226,18 +191,6 @@ def forward_alone(args) -> float:
             model(x).float().pow(2).mean()
         synchronize(args.device)
     return median_time(forward, args.warmup, args.repeats)
-
-
-def host_update_alone(args, preset: str) -> float:
-    """The host update over the model's sizes on host buffers, no copies."""
-    generator = torch.Generator().manual_seed(2)
-    params = [torch.nn.Parameter(torch.randn(args.dim, args.dim, generator=generator).to(torch.bfloat16))
-              for _ in range(args.layers)]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=generator).mul(1e-2).to(p.dtype)
-    opt = bf16opt.AdamW(params, lr=1e-4, precision=preset)
-    with host_threads(args.threads):
-        return median_time(opt.step, args.warmup, args.repeats)
 
 
 def one_upload(args) -> float:
