@@ -10,9 +10,9 @@ path for sm_90).
 The instantiations are all plans of ``all_plans(quality=True)`` x each algorithm's
 template flags (Adam's amsgrad, SGD's momentum) x telemetry on/off
 (``all_kernel_names``: 228 Adam + 54 Lion + 78 SGD; maximize, L2, nesterov, ... are
-run-time flags), half of them compiled for compute_80 on each run (every other name, the half
-chosen by the run's seed: ``tests/gpu_sample.py``'s date seed, so consecutive days' runs cover
-every name; ``$BF16OPT_NVRTC_SWEEP=all`` compiles all), and one program of each kind and telemetry
+run-time flags), half of them compiled for compute_80 on each run (the half chosen by the run's
+seed: ``tests/sweeps.py``, so consecutive days' runs cover every name; ``$BF16OPT_SWEEP=all``
+compiles all), and one program of each kind and telemetry
 setting for compute_90 (``SAMPLE`` names spread over the plans).  NVRTC takes ~0.1 s per instantiation
 and grows faster than linearly with the number of name expressions in one program
 (160 names: 16.6 s in one program, 8.8 s in programs of 16), so they are compiled in
@@ -41,8 +41,8 @@ from bf16opt.backends import cuda_compile
 from bf16opt.backends import cupy as cuda_backend
 from bf16opt.precision import all_plans, q8_plans
 
-sys.path.insert(0, str(Path(__file__).parent))  # (gpu_sample.py: the run's seed)
-import gpu_sample  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # (sweeps.py: the run's half of the sweep)
+import sweeps  # noqa: E402
 
 pytestmark = pytest.mark.nvrtc
 
@@ -67,7 +67,6 @@ if PROBLEM is not None:
 
 
 BATCH = 16
-SWEEP_VARIABLE = "BF16OPT_NVRTC_SWEEP"
 SAMPLE = 6  # names compiled for each arch after the first, per (kind, telemetry)
 
 
@@ -100,11 +99,9 @@ def ptx_facts(kind: str, arch: str, names: list) -> dict:
 
 
 def first_arch_names(names: list, environ=os.environ) -> list:
-    """The names of one (kind, telemetry) compiled for the first arch on this run: every other
-    one, starting at the seed's parity, or all with ``$BF16OPT_NVRTC_SWEEP=all``."""
-    if environ.get(SWEEP_VARIABLE, "").strip().lower() == "all":
-        return names
-    return names[gpu_sample.sample_seed(environ) % 2::2]
+    """The names of one (kind, telemetry) compiled for the first arch on this run: this run's
+    half (``tests/sweeps.py``), or all with ``$BF16OPT_SWEEP=all``."""
+    return sweeps.todays_half(names, environ=environ)
 
 
 def jobs() -> list:
@@ -209,7 +206,7 @@ def test_two_runs_of_other_parity_sweep_every_name():
     names = cuda_backend.all_kernel_names("sgd")
     days = [first_arch_names(names, {"BF16OPT_GPU_SAMPLE_SEED": str(seed)}) for seed in (20261128, 20261129)]
     assert not set(days[0]) & set(days[1]) and sorted(days[0] + days[1]) == sorted(names)
-    assert first_arch_names(names, {SWEEP_VARIABLE: "all"}) == names
+    assert first_arch_names(names, {sweeps.SWEEP_VARIABLE: "all"}) == names
 
 
 def test_cubin_sample():

@@ -36,9 +36,12 @@ from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D, 
                      SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, adam_plan_cases, bits, make_bucket,
                      one_variant, plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases, variant)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
+from sweeps import todays_plans  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANS = all_plans()
+#: the plans this run sweeps (every preset's and half of the others: ``tests/sweeps.py``)
+SWEPT_PLANS = todays_plans(PLANS, plan_id)
 
 
 # ---------------------------------------------------------------- storage helpers
@@ -135,7 +138,7 @@ def test_encode_canonical_nan_bits(codec):
 
 # ---------------------------------------------------------------- every configuration
 @pytest.mark.usefixtures("small_chunks")
-@pytest.mark.parametrize("plan, amsgrad, weight_decay, track", adam_plan_cases(PLANS))
+@pytest.mark.parametrize("plan, amsgrad, weight_decay, track", adam_plan_cases(SWEPT_PLANS))
 def test_adam_every_plan(plan, amsgrad, weight_decay, track):
     """Three steps, of one of the configuration's two kernels (``one_variant``); telemetry
     counted in the ``track`` cases."""
@@ -148,7 +151,7 @@ def test_adam_every_plan(plan, amsgrad, weight_decay, track):
 
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
-@pytest.mark.parametrize("plan", PLANS, ids=plan_id)
+@pytest.mark.parametrize("plan", SWEPT_PLANS, ids=plan_id)
 def test_lion_every_configuration(plan, weight_decay):
     bucket = make_bucket(LION, plan, SMALL_SHAPES, flags=dict(maximize=True), seed=7,
                          layouts=SMALL_CONTIGUOUS)
@@ -158,7 +161,7 @@ def test_lion_every_configuration(plan, weight_decay):
 
 
 @pytest.mark.usefixtures("small_chunks")
-@pytest.mark.parametrize("plan, group, first, track", sgd_plan_cases(PLANS))
+@pytest.mark.parametrize("plan, group, first, track", sgd_plan_cases(SWEPT_PLANS))
 def test_sgd_every_configuration(plan, group, first, track):
     """Three steps (``one_variant``); with momentum, step 1 is the buffer's first step.  A
     channels_last tensor joins the transposed and strided ones."""
@@ -512,7 +515,7 @@ shape_strategy = st.one_of(
 
 @st.composite
 def adam_cases(draw):
-    plan = draw(st.sampled_from(PLANS))
+    plan = draw(st.sampled_from(SWEPT_PLANS))
     shapes = draw(st.lists(shape_strategy, min_size=1, max_size=4))
     contiguous = draw(st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)))
     wd_mode = draw(st.sampled_from(sorted(ADAM_GROUPS)))
@@ -540,7 +543,7 @@ def test_adam_matches_reference_property(case):
 
 @st.composite
 def lion_cases(draw):
-    plan = draw(st.sampled_from(PLANS))
+    plan = draw(st.sampled_from(SWEPT_PLANS))
     shapes = draw(st.lists(shape_strategy, min_size=1, max_size=4))
     contiguous = draw(st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)))
     group = dict(lr=draw(st.sampled_from([1e-5, 1e-4, 0.1])),
@@ -568,9 +571,10 @@ unit_interval = st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.99]), st.floats(0.0,
 
 @st.composite
 def sgd_cases(draw):
-    """Every plan (quality ones included), momentum on/off, nesterov, the buffer's first
-    step, L2, maximize, telemetry, contiguous / transposed / strided / channels_last."""
-    plan = draw(st.sampled_from(all_plans(quality=True)))
+    """This run's plans (quality ones included: ``tests/sweeps.py``), momentum on/off, nesterov,
+    the buffer's first step, L2, maximize, telemetry, contiguous / transposed / strided /
+    channels_last."""
+    plan = draw(st.sampled_from(todays_plans(all_plans(quality=True), plan_id)))
     shapes = draw(st.lists(sgd_shape_strategy, min_size=1, max_size=4))
     layouts = [draw(st.sampled_from(["contiguous", "transposed"]
                                     + (["channels_last"] if len(shape) == 4 else [])))

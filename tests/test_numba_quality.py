@@ -26,10 +26,13 @@ from buckets import (ADAM_GROUPS, INT_VIEW, SMALL_CONTIGUOUS, SMALL_LAYOUTS_4D, 
                      SMALL_SHAPES, SMALL_SHAPES_4D, adam_flags, adam_plan_cases, bits, make_bucket,
                      one_variant, plan_id, run_both, sgd_flags, sgd_group, sgd_plan_cases)
 from buckets import small_chunks  # noqa: E402, F401  (a fixture)
+from sweeps import todays_plans  # noqa: E402
 from test_numba_backend import OPTIMIZER_OPTIONS, _interesting_f32_bits  # noqa: E402
 
 PLAIN_PLANS = all_plans()
 QUALITY_PLANS = all_plans(quality=True)[len(PLAIN_PLANS):]
+#: the plans this run sweeps (every preset's and half of the others: ``tests/sweeps.py``)
+SWEPT_QUALITY_PLANS, SWEPT_PLAIN_PLANS = todays_plans(QUALITY_PLANS, plan_id), todays_plans(PLAIN_PLANS, plan_id)
 
 def test_quality_plans_cover_every_feature():
     assert len(QUALITY_PLANS) == 37
@@ -153,7 +156,7 @@ def test_remainder_split_and_join_match_reference(helpers):
 
 # ---------------------------------------------------------------- every quality configuration
 @pytest.mark.usefixtures("small_chunks")
-@pytest.mark.parametrize("plan, amsgrad, weight_decay, track", adam_plan_cases(QUALITY_PLANS))
+@pytest.mark.parametrize("plan, amsgrad, weight_decay, track", adam_plan_cases(SWEPT_QUALITY_PLANS))
 def test_adam_quality_every_plan(plan, amsgrad, weight_decay, track):
     group = ADAM_GROUPS[weight_decay]
     bucket = make_bucket(ADAM, plan, SMALL_SHAPES, flags=adam_flags(group, amsgrad), seed=11,
@@ -165,7 +168,7 @@ def test_adam_quality_every_plan(plan, amsgrad, weight_decay, track):
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("track", [False, True], ids=["plain", "track"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
-@pytest.mark.parametrize("plan", QUALITY_PLANS, ids=plan_id)
+@pytest.mark.parametrize("plan", SWEPT_QUALITY_PLANS, ids=plan_id)
 def test_lion_quality_every_configuration(plan, weight_decay, track):
     bucket = make_bucket(LION, plan, SMALL_SHAPES, flags=dict(maximize=True), seed=13,
                          layouts=SMALL_CONTIGUOUS, track=track)
@@ -175,7 +178,7 @@ def test_lion_quality_every_configuration(plan, weight_decay, track):
 
 
 @pytest.mark.usefixtures("small_chunks")
-@pytest.mark.parametrize("plan, group, first, track", sgd_plan_cases(QUALITY_PLANS))
+@pytest.mark.parametrize("plan, group, first, track", sgd_plan_cases(SWEPT_QUALITY_PLANS))
 def test_sgd_quality_every_configuration(plan, group, first, track):
     """Three steps (``one_variant``), transposed, strided and channels_last
     tensors among contiguous ones; stochastic rounding draws a new stream each step."""
@@ -189,7 +192,7 @@ def test_sgd_quality_every_configuration(plan, group, first, track):
 # (Adam's: test_numba_backend.py's test_adam_every_plan)
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
-@pytest.mark.parametrize("plan", PLAIN_PLANS, ids=plan_id)
+@pytest.mark.parametrize("plan", SWEPT_PLAIN_PLANS, ids=plan_id)
 def test_lion_telemetry_plain_plans(plan, weight_decay):
     bucket = make_bucket(LION, plan, SMALL_SHAPES, seed=19, layouts=SMALL_CONTIGUOUS, track=True)
     group = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=weight_decay)

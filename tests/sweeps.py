@@ -1,0 +1,67 @@
+"""Which half of a configuration sweep one run of the suite compiles.
+
+The sweeps over every storage plan (``test_numba_backend.py``, ``test_numba_quality.py``) and
+over every CUDA instantiation (``test_cuda_compile.py``) compile each configuration cold: a
+Numba chunk function of about a second of one core, an NVRTC program of several.  All of them
+on every run would keep the suite over its ten minutes on two cores, so a run takes half:
+
+* the items whose key hashes to the run seed's parity (the seed is ``tests/gpu_sample.py``'s:
+  today's date unless ``$BF16OPT_GPU_SAMPLE_SEED`` is set), so the runs of two consecutive
+  days cover every item, and a failing run repeats with its seed;
+* plus the items every run must check (``always``): the plans of the named presets, which are
+  what users run;
+* ``$BF16OPT_SWEEP=all`` runs every item.
+
+``conftest.py`` pins the seed for the run's workers and names the half in the report header.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import gpu_sample
+from bf16opt.precision import PARAM_DTYPES, PRESETS, plan_for
+
+SWEEP_VARIABLE = "BF16OPT_SWEEP"
+
+
+def sweeps_everything(environ=os.environ) -> bool:
+    """Whether this run sweeps every item (``$BF16OPT_SWEEP=all``)."""
+    value = environ.get(SWEEP_VARIABLE, "").strip().lower()
+    if value not in ("", "all", "half"):
+        raise ValueError(f"{SWEEP_VARIABLE} must be 'all' or 'half', got {value!r}")
+    return value == "all"
+
+
+def run_half(environ=os.environ) -> int:
+    """Which half (0 or 1) this run sweeps: the run seed's parity."""
+    return gpu_sample.sample_seed(environ) % 2
+
+
+def todays_half(items, key=str, always=lambda item: False, environ=os.environ) -> list:
+    """The ``items`` this run sweeps, in their order: those ``always`` keeps, and those whose
+    ``key`` (a string, stable from run to run) hashes to :func:`run_half`."""
+    items = list(items)
+    if sweeps_everything(environ):
+        return items
+    half = run_half(environ)
+    return [item for item in items if always(item) or zlib.crc32(key(item).encode()) % 2 == half]
+
+
+def preset_plans() -> set:
+    """The plans of every named preset on every param dtype it accepts."""
+    plans = set()
+    for precision in PRESETS.values():
+        for dtype in PARAM_DTYPES:
+            try:
+                plans.add(plan_for(precision, dtype))
+            except (TypeError, ValueError):
+                continue
+    return plans
+
+
+def todays_plans(plans, plan_id) -> list:
+    """The storage plans this run sweeps: every preset's, and half of the others."""
+    presets = preset_plans()
+    return todays_half(plans, key=plan_id, always=presets.__contains__)
