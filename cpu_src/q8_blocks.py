@@ -1,0 +1,277 @@
+"""Adam, Lion and SGD over whole q8 blocks, hand-vectorised: ``rows.py``'s q8 loop (decode a
+block's codes, the element update, quantize the new values: ``q8.py``) for a block of 256
+elements in ``VECTORS`` 512-bit vectors, where ``vector_blocks.form`` covers the rest of the
+configuration (its master, grad and param formats; no amsgrad, no telemetry) and every
+moment is q8.
+
+Why: the element loop spends most of a q8 step in the scalar update and the per-element
+search of the quantization (``benchmarks/q8_step.py``; docs/performance.md); here each of
+them is a few vector instructions per 16 elements.
+
+Bits: the update is ``vector_blocks``' (the algorithm's operations in the reference's order,
+each rounded on its own); decode, the block's scale and the codes are ``q8.py``'s
+(``bf16opt/storage.py``'s "q8" spec):
+
+- decode: ``value(code) * scale``, the value gathered from the 256-entry table (NaN last);
+- scale: the largest finite magnitude, as the largest of the magnitudes' bit patterns (an
+  integer maximum, NaN and inf taken as 0); ``y = x / scale`` (0 where the scale is 0);
+- round to nearest: the index is ``#{boundaries < y}``; stochastic: ``lo = #{values <= y} - 1``
+  (at least 0), then up with the buffer's random bits as ``q8.quantize_block``;
+- the counts without a search: floats are ordered as the integers ``key(y)`` (the bits, the
+  lower 31 flipped for a negative float; -0 is taken as +0 first, the map holds +0), and
+  ``key >> KEY_SHIFT`` names a bucket of keys holding at most one table entry (checked when
+  the tables are built).  A bucket's 32-bit word holds the count of entries below it (low 8
+  bits) and, above them, the entry's low key bits (+1 for a strict count; ``1 << KEY_SHIFT``,
+  never reached, for no entry): the count is ``first + (threshold <= low bits of key(y))``,
+  one gather per 16 elements.  Keys are clamped to those of -1 (0 for an unsigned map) and 1:
+  the same counts for every non-NaN y, and no read outside the table; a NaN's code is the
+  NaN code whatever its count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import q8, vector_blocks
+from .storage import EXP_AVG, EXP_AVG_SQ
+from .vector_blocks import LANES, PREFETCH, _Block, _intrinsic
+
+__all__ = ["BLOCK", "Q8_STOCHASTIC", "adam_q8_block", "form", "lion_q8_block", "sgd_q8_block"]
+
+BLOCK = q8.BLOCK
+VECTORS = BLOCK // LANES  # vectors of a block
+Q8_STOCHASTIC = 1 << 20      # a form's bit (beside vector_blocks'): the q8 moments round stochastically
+KEY_SHIFT = 16
+
+
+def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple, moments: str,
+         track: bool, unit: bool, l2: bool = False, stochastic: bool = False):
+    """The q8 blocks' form for a chunk function's configuration, or None where they do not
+    apply: every moment q8 (np.uint8) and ``vector_blocks.form`` covering the rest (the
+    moments as float32)."""
+    if not moment_formats or any(f is not np.uint8 for f in moment_formats):
+        return None
+    flags = vector_blocks.form(weights, param_format, grad_format, companion_format,
+                               (np.float32,) * len(moment_formats), moments, track, unit, l2)
+    return None if flags is None else flags | Q8_STOCHASTIC * bool(stochastic)
+
+
+# ---------------------------------------------------------------- tables
+def _keys(values: np.ndarray) -> np.ndarray:
+    """The order-preserving integer keys (int64) of float32 values (no NaN)."""
+    bits = np.asarray(values, dtype=np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _key_range(signed: bool) -> tuple:
+    """(smallest, largest) key a normalized value is clamped to."""
+    return int(_keys(np.float32(-1.0 if signed else 0.0))), int(_keys(np.float32(1.0)))
+
+
+def _bucket_words(entries: np.ndarray, strict: bool, signed: bool) -> np.ndarray:
+    """uint32 per bucket of the clamped key range: (#entries below the bucket) | threshold << 8."""
+    keys = _keys(entries)
+    assert np.all(np.diff(keys) > 0)
+    low, high = (k >> KEY_SHIFT for k in _key_range(signed))
+    buckets = np.arange(low, high + 1, dtype=np.int64)
+    first = np.searchsorted(keys, buckets << KEY_SHIFT, side="left")
+    inside = np.searchsorted(keys, (buckets + 1) << KEY_SHIFT, side="left") - first
+    assert inside.max() <= 1, "a bucket holds more than one table entry"
+    mask = (1 << KEY_SHIFT) - 1
+    entry = keys[np.minimum(first, keys.size - 1)]
+    threshold = np.where(inside == 1, (entry & mask) + int(strict), 1 << KEY_SHIFT)
+    return (first | (threshold << 8)).astype(np.uint32)
+
+
+def _tables(signed: bool) -> dict:
+    values = q8.SIGNED_VALUES if signed else q8.UNSIGNED_VALUES
+    bounds = q8.SIGNED_BOUNDS if signed else q8.UNSIGNED_BOUNDS
+    return {"values": values.astype(np.float32),
+            "below": _bucket_words(bounds[:254], True, signed),        # #{boundaries < y}
+            "at_most": _bucket_words(values[:255], False, signed)}     # #{values <= y}
+
+
+TABLES = {True: _tables(True), False: _tables(False)}
+
+
+def _global_table(builder, name: str, array: np.ndarray):
+    """A pointer (i8*) to ``array`` as a constant of the module being built (one per module)."""
+    module = builder.module
+    element = ir.FloatType() if array.dtype == np.float32 else ir.IntType(32)
+    kind = ir.ArrayType(element, array.size)
+    try:
+        table = module.get_global(name)
+    except KeyError:
+        table = ir.GlobalVariable(module, kind, name)
+        table.linkage = "internal"
+        table.global_constant = True
+        table.initializer = ir.Constant(kind, [float(x) for x in array] if array.dtype == np.float32
+                                        else [int(x) for x in array])
+    return builder.bitcast(table, ir.IntType(8).as_pointer())
+
+
+# ---------------------------------------------------------------- a q8 moment of a block
+class _Q8:
+    """The IR of one q8 moment of a block: its row's codes decoded, and the new values
+    quantized into it."""
+
+    def __init__(self, block: _Block, row_at, signed: bool, buffer: int, stochastic: bool):
+        self.block, self.builder, self.signed, self.buffer, self.stochastic = \
+            block, block.builder, signed, buffer, stochastic
+        self.row_at = row_at
+        prefix = f"bf16opt_q8_{'signed' if signed else 'unsigned'}_"
+        self.values = _global_table(self.builder, prefix + "values", TABLES[signed]["values"])
+        self.buckets = _global_table(self.builder, prefix + ("at_most" if stochastic else "below"),
+                                     TABLES[signed]["at_most" if stochastic else "below"])
+        self.bytes = ir.VectorType(ir.IntType(8), LANES)
+
+    def address(self, offset: int, kind):
+        return self.builder.inttoptr(self.builder.add(self.row_at, ir.Constant(self.block.i64, offset)),
+                                     kind.as_pointer())
+
+    def gather(self, table, index, floats: bool):
+        """``table[index]`` per lane (vpgatherdps / vpgatherdd)."""
+        block = self.block
+        kind = block.vector if floats else block.words
+        name = "llvm.x86.avx512.mask.gather.dps.512" if floats else "llvm.x86.avx512.mask.gather.dpi.512"
+        mask = ir.VectorType(ir.IntType(1), LANES)
+        gather = _intrinsic(self.builder, name, kind,
+                            [kind, ir.IntType(8).as_pointer(), block.words, mask, block.i32])
+        return self.builder.call(gather, [ir.Constant(kind, ir.Undefined), table, index,
+                                          ir.Constant(mask, [1] * LANES), ir.Constant(block.i32, 4)])
+
+    def decode(self) -> list:
+        """The block's values: ``value(code) * scale`` per vector."""
+        builder, block = self.builder, self.block
+        scale = builder.bitcast(builder.load(self.address(q8.BLOCK, block.i32), align=1), ir.FloatType())
+        scale = block.splat(scale)
+        out = []
+        for k in range(VECTORS):
+            codes = builder.zext(builder.load(self.address(LANES * k, self.bytes), align=1), block.words)
+            index = builder.and_(builder.add(codes, block.word(127)), block.word(255)) if self.signed else codes
+            out.append(builder.fmul(self.gather(self.values, index, True), scale))
+        return out
+
+    def quantize(self, xs: list) -> None:
+        """The block's row from its new values ``xs`` (q8.quantize_block's bits)."""
+        builder, block = self.builder, self.block
+        words = [builder.bitcast(x, block.words) for x in xs]
+        largest = None
+        for bits in words:  # the largest finite magnitude's bits (NaN and inf: 0)
+            magnitude = builder.and_(bits, block.word(0x7FFFFFFF))
+            finite = builder.icmp_unsigned("<", magnitude, block.word(0x7F800000))
+            magnitude = builder.select(finite, magnitude, block.word(0))
+            largest = magnitude if largest is None else builder.select(
+                builder.icmp_unsigned(">", magnitude, largest), magnitude, largest)
+        reduce = _intrinsic(builder, f"llvm.vector.reduce.umax.v{LANES}i32", block.i32, [block.words])
+        largest = builder.call(reduce, [largest])
+        builder.store(largest, self.address(q8.BLOCK, block.i32), align=1)
+        nonzero = builder.icmp_unsigned("!=", largest, ir.Constant(block.i32, 0))
+        divisor = builder.select(nonzero, builder.bitcast(largest, ir.FloatType()), ir.Constant(ir.FloatType(), 1.0))
+        divisor, nonzero = block.splat(divisor), block.splat(nonzero, ir.VectorType(ir.IntType(1), LANES))
+        nan_code = block.word(0x80 if self.signed else 0xFF)
+        for k, (x, bits) in enumerate(zip(xs, words)):
+            y = builder.select(nonzero, builder.fdiv(x, divisor), block.constant(0.0))
+            index = self.stochastic_index(y, k) if self.stochastic else self.count(y)
+            code = builder.and_(builder.sub(index, block.word(127)), block.word(255)) if self.signed else index
+            finite = builder.icmp_unsigned("<", builder.and_(bits, block.word(0x7FFFFFFF)), block.word(0x7F800000))
+            code = builder.trunc(builder.select(finite, code, nan_code), self.bytes)
+            builder.store(code, self.address(LANES * k, self.bytes), align=1)
+
+    def count(self, y):
+        """#{entries < y} (round to nearest: the boundaries) or #{entries <= y} (stochastic: the
+        values) from the bucket words (the module docstring)."""
+        builder, block = self.builder, self.block
+        bits = builder.bitcast(y, block.words)
+        bits = builder.select(builder.icmp_unsigned("==", bits, block.word(0x80000000)), block.word(0), bits)
+        key = builder.xor(bits, builder.lshr(builder.ashr(bits, block.word(31)), block.word(1)))
+        smallest, largest = _key_range(self.signed)
+        key = builder.select(builder.icmp_signed("<", key, block.word(smallest)), block.word(smallest), key)
+        key = builder.select(builder.icmp_signed(">", key, block.word(largest)), block.word(largest), key)
+        bucket = builder.sub(builder.ashr(key, block.word(KEY_SHIFT)), block.word(smallest >> KEY_SHIFT))
+        word = self.gather(self.buckets, bucket, False)
+        below = builder.and_(word, block.word(0xFF))
+        inside = builder.icmp_unsigned("<=", builder.lshr(word, block.word(8)),
+                                       builder.and_(key, block.word((1 << KEY_SHIFT) - 1)))
+        return builder.add(below, builder.zext(inside, block.words))
+
+    def stochastic_index(self, y, k: int):
+        """q8.quantize_block's stochastic index of ``y`` (vector ``k`` of the block)."""
+        builder, block = self.builder, self.block
+        lo = builder.sub(self.count(y), block.word(1))
+        lo = builder.select(builder.icmp_signed(">", lo, block.word(0)), lo, block.word(0))
+        top = builder.icmp_signed(">=", lo, block.word(254))
+        low = builder.select(top, builder.sub(lo, block.word(1)), lo)
+        below = self.gather(self.values, low, True)
+        above = self.gather(self.values, builder.add(low, block.word(1)), True)
+        fraction = builder.fdiv(builder.fsub(y, below), builder.fsub(above, below))
+        word = block.buffer_bits(self.buffer, k)
+        up = builder.fcmp_ordered("<", builder.uitofp(builder.lshr(word, block.word(16)), block.vector),
+                                  builder.fmul(fraction, block.constant(65536.0)))
+        return builder.select(top, lo, builder.add(lo, builder.zext(up, block.words)))
+
+
+def _q8_block_codegen(flags: int, scalar_count: int, update, signs: tuple):
+    """The codegen of a q8 block intrinsic with the arguments (form, param, grad, companion, the
+    moments' row addresses..., scalars, scale, keys, element, ahead): every moment's codes
+    decoded, the masters and grads loaded, ``update`` on each vector (as
+    ``vector_blocks._block_codegen``), the masters stored, then each moment quantized.
+    ``signs``: whether each moment's map is signed (its buffer: EXP_AVG, EXP_AVG_SQ...)."""
+    def codegen(context, builder, sig, args):
+        param_at, grad_at, companion_at, *rows_at, scalars_at, scale, keys_at, element, ahead = args[1:]
+        element = builder.trunc(element, ir.IntType(32)) if element.type.width > 32 else element
+        block = _Block(builder, VECTORS, flags, scalars_at, param_at, grad_at, companion_at, keys_at, element)
+        if flags & PREFETCH:
+            block.prefetch(param_at, grad_at, companion_at, rows_at, ahead, moment_bytes=q8.ROW)
+        values = [block.scalar(k) for k in range(scalar_count)]
+        moments = [_Q8(block, at, signed, buffer, bool(flags & Q8_STOCHASTIC))
+                   for at, signed, buffer in zip(rows_at, signs, (EXP_AVG, EXP_AVG_SQ))]
+        decoded = [moment.decode() for moment in moments]
+        ws, gs = block.masters(), block.grads(scale)
+        results = [update(block, values, w, g, old) for w, g, *old in zip(ws, gs, *decoded)]
+        for k, (w, _) in enumerate(results):
+            block.store_master(k, ws[k], w)
+        for j, moment in enumerate(moments):
+            moment.quantize([new[j] for _, new in results])
+        return context.get_dummy_value()
+
+    return codegen
+
+
+# One intrinsic per algorithm, the form a literal argument (as vector_blocks': an on-disk cache key
+# free of per-process ids).  ``exp_avg``...: the addresses of the block's q8 rows.
+@intrinsic(prefer_literal=True)
+def adam_q8_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element,
+                  ahead):
+    """``vector_blocks.adam_block`` over one q8 block (256 elements) with q8 exp_avg (signed map)
+    and exp_avg_sq (unsigned); ``form``: :func:`form`'s."""
+    if not isinstance(form, types.IntegerLiteral):
+        return None
+    flags = form.literal_value
+    return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element, ahead),
+            _q8_block_codegen(flags, vector_blocks.ADAM_SCALARS, vector_blocks.adam_math(flags), (True, False)))
+
+
+@intrinsic(prefer_literal=True)
+def lion_q8_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead):
+    """``vector_blocks.lion_block`` over one q8 block with a q8 exp_avg (signed map)."""
+    if not isinstance(form, types.IntegerLiteral) or form.literal_value & vector_blocks.L2:
+        return None
+    flags = form.literal_value
+    return (types.void(form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead),
+            _q8_block_codegen(flags, vector_blocks.LION_SCALARS, vector_blocks.lion_math(flags), (True,)))
+
+
+@intrinsic(prefer_literal=True)
+def sgd_q8_block(typingctx, form, param, grad, companion, momentum_buffer, scalars, scale, keys, element,
+                 ahead):
+    """``vector_blocks.sgd_block`` over one q8 block with a q8 momentum buffer (signed map)."""
+    if not isinstance(form, types.IntegerLiteral):
+        return None
+    flags = form.literal_value
+    return (types.void(form, param, grad, companion, momentum_buffer, scalars, scale, keys, element, ahead),
+            _q8_block_codegen(flags, vector_blocks.SGD_SCALARS, vector_blocks.sgd_math(flags), (True,)))
