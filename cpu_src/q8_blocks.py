@@ -72,8 +72,9 @@ def _key_range(signed: bool) -> tuple:
     return int(_keys(np.float32(-1.0 if signed else 0.0))), int(_keys(np.float32(1.0)))
 
 
-def _bucket_words(entries: np.ndarray, strict: bool, signed: bool) -> np.ndarray:
-    """uint32 per bucket of the clamped key range: (#entries below the bucket) | threshold << 8."""
+def _bucket_words(entries: np.ndarray, strict: bool, signed: bool, code_offset: int = 0) -> np.ndarray:
+    """uint32 per bucket of the key range of -1 (0 unsigned) to 1: the count of entries below
+    the bucket (less ``code_offset``, modulo 256) | its threshold << 8."""
     keys = _keys(entries)
     assert np.all(np.diff(keys) > 0)
     low, high = (k >> KEY_SHIFT for k in _key_range(signed))
@@ -84,22 +85,26 @@ def _bucket_words(entries: np.ndarray, strict: bool, signed: bool) -> np.ndarray
     mask = (1 << KEY_SHIFT) - 1
     entry = keys[np.minimum(first, keys.size - 1)]
     threshold = np.where(inside == 1, (entry & mask) + int(strict), 1 << KEY_SHIFT)
-    return (first | (threshold << 8)).astype(np.uint32)
+    return (((first - code_offset) & 0xFF) | (threshold << 8)).astype(np.uint32)
 
 
 def _tables(signed: bool) -> dict:
     values = q8.SIGNED_VALUES if signed else q8.UNSIGNED_VALUES
     bounds = q8.SIGNED_BOUNDS if signed else q8.UNSIGNED_BOUNDS
-    return {"values": values.astype(np.float32),
-            "below": _bucket_words(bounds[:254], True, signed),        # #{boundaries < y}
-            "at_most": _bucket_words(values[:255], False, signed)}     # #{values <= y}
+    codes = np.arange(256)
+    return {"values": values.astype(np.float32),                               # by map index
+            "by_code": values[(codes + 127) & 255 if signed else codes].astype(np.float32),
+            # round to nearest: the code byte of #{boundaries < y} (a signed map's index - 127)
+            "nearest": _bucket_words(bounds[:254], True, signed, 127 if signed else 0),
+            "at_most": _bucket_words(values[:255], False, signed)}              # #{values <= y}
 
 
 TABLES = {True: _tables(True), False: _tables(False)}
 
 
-def _global_table(builder, name: str, array: np.ndarray):
-    """A pointer (i8*) to ``array`` as a constant of the module being built (one per module)."""
+def _global_table(builder, name: str, array: np.ndarray, first: int = 0):
+    """A pointer (i8*) to ``array`` as a constant of the module being built (one per module),
+    moved to where its element ``first`` would be (``array[0]`` is then at index ``-first``)."""
     module = builder.module
     element = ir.FloatType() if array.dtype == np.float32 else ir.IntType(32)
     kind = ir.ArrayType(element, array.size)
@@ -111,7 +116,8 @@ def _global_table(builder, name: str, array: np.ndarray):
         table.global_constant = True
         table.initializer = ir.Constant(kind, [float(x) for x in array] if array.dtype == np.float32
                                         else [int(x) for x in array])
-    return builder.bitcast(table, ir.IntType(8).as_pointer())
+    i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
+    return builder.gep(builder.bitcast(table, i8p), [ir.Constant(i64, -4 * first)])
 
 
 # ---------------------------------------------------------------- a q8 moment of a block
@@ -124,17 +130,22 @@ class _Q8:
             block, block.builder, signed, buffer, stochastic
         self.row_at = row_at
         prefix = f"bf16opt_q8_{'signed' if signed else 'unsigned'}_"
-        self.values = _global_table(self.builder, prefix + "values", TABLES[signed]["values"])
-        self.buckets = _global_table(self.builder, prefix + ("at_most" if stochastic else "below"),
-                                     TABLES[signed]["at_most" if stochastic else "below"])
+        tables = TABLES[signed]
+        self.values = _global_table(self.builder, prefix + "values", tables["values"])
+        self.by_code = _global_table(self.builder, prefix + "by_code", tables["by_code"])
+        name = "at_most" if stochastic else "nearest"
+        # (indexed by key >> KEY_SHIFT: the first word is the bucket of the smallest key's)
+        self.buckets = _global_table(self.builder, prefix + name, tables[name], _key_range(signed)[0] >> KEY_SHIFT)
         self.bytes = ir.VectorType(ir.IntType(8), LANES)
+        self.all_lanes = ir.Constant(ir.VectorType(ir.IntType(1), LANES), [1] * LANES)
 
     def address(self, offset: int, kind):
         return self.builder.inttoptr(self.builder.add(self.row_at, ir.Constant(self.block.i64, offset)),
                                      kind.as_pointer())
 
-    def gather(self, table, index, floats: bool):
-        """``table[index]`` per lane (vpgatherdps / vpgatherdd)."""
+    def gather(self, table, index, floats: bool, lanes=None):
+        """``table[index]`` in the ``lanes`` (an i1 vector; default all), undefined in the others
+        (vpgatherdps / vpgatherdd: the others are not read)."""
         block = self.block
         kind = block.vector if floats else block.words
         name = "llvm.x86.avx512.mask.gather.dps.512" if floats else "llvm.x86.avx512.mask.gather.dpi.512"
@@ -142,7 +153,7 @@ class _Q8:
         gather = _intrinsic(self.builder, name, kind,
                             [kind, ir.IntType(8).as_pointer(), block.words, mask, block.i32])
         return self.builder.call(gather, [ir.Constant(kind, ir.Undefined), table, index,
-                                          ir.Constant(mask, [1] * LANES), ir.Constant(block.i32, 4)])
+                                          self.all_lanes if lanes is None else lanes, ir.Constant(block.i32, 4)])
 
     def decode(self) -> list:
         """The block's values: ``value(code) * scale`` per vector."""
@@ -152,18 +163,18 @@ class _Q8:
         out = []
         for k in range(VECTORS):
             codes = builder.zext(builder.load(self.address(LANES * k, self.bytes), align=1), block.words)
-            index = builder.and_(builder.add(codes, block.word(127)), block.word(255)) if self.signed else codes
-            out.append(builder.fmul(self.gather(self.values, index, True), scale))
+            out.append(builder.fmul(self.gather(self.by_code, codes, True), scale))
         return out
 
     def quantize(self, xs: list) -> None:
-        """The block's row from its new values ``xs`` (q8.quantize_block's bits)."""
+        """The block's row from its new values ``xs`` (q8.quantize_block's bits).  Where the
+        scale is 0 every finite x is +-0 and is divided by 1: y = +-0 for the spec's +0, the
+        same codes (no boundary is 0; -0 is counted as +0)."""
         builder, block = self.builder, self.block
-        words = [builder.bitcast(x, block.words) for x in xs]
+        magnitudes = [builder.and_(builder.bitcast(x, block.words), block.word(0x7FFFFFFF)) for x in xs]
+        finites = [builder.icmp_unsigned("<", magnitude, block.word(0x7F800000)) for magnitude in magnitudes]
         largest = None
-        for bits in words:  # the largest finite magnitude's bits (NaN and inf: 0)
-            magnitude = builder.and_(bits, block.word(0x7FFFFFFF))
-            finite = builder.icmp_unsigned("<", magnitude, block.word(0x7F800000))
+        for magnitude, finite in zip(magnitudes, finites):  # the largest finite magnitude's bits
             magnitude = builder.select(finite, magnitude, block.word(0))
             largest = magnitude if largest is None else builder.select(
                 builder.icmp_unsigned(">", magnitude, largest), magnitude, largest)
@@ -172,42 +183,44 @@ class _Q8:
         builder.store(largest, self.address(q8.BLOCK, block.i32), align=1)
         nonzero = builder.icmp_unsigned("!=", largest, ir.Constant(block.i32, 0))
         divisor = builder.select(nonzero, builder.bitcast(largest, ir.FloatType()), ir.Constant(ir.FloatType(), 1.0))
-        divisor, nonzero = block.splat(divisor), block.splat(nonzero, ir.VectorType(ir.IntType(1), LANES))
+        divisor = block.splat(divisor)
         nan_code = block.word(0x80 if self.signed else 0xFF)
-        for k, (x, bits) in enumerate(zip(xs, words)):
-            y = builder.select(nonzero, builder.fdiv(x, divisor), block.constant(0.0))
-            index = self.stochastic_index(y, k) if self.stochastic else self.count(y)
-            code = builder.and_(builder.sub(index, block.word(127)), block.word(255)) if self.signed else index
-            finite = builder.icmp_unsigned("<", builder.and_(bits, block.word(0x7FFFFFFF)), block.word(0x7F800000))
+        for k, (x, finite) in enumerate(zip(xs, finites)):
+            y = builder.fdiv(x, divisor)  # (|y| <= 1 where x is finite)
+            if self.stochastic:
+                index = self.stochastic_index(y, k, finite)
+                code = builder.sub(index, block.word(127)) if self.signed else index
+            else:  # the bucket word's low byte is the code of the entries below
+                code = self.counted(builder.bitcast(y, block.words), finite, nearest=True)
             code = builder.trunc(builder.select(finite, code, nan_code), self.bytes)
             builder.store(code, self.address(LANES * k, self.bytes), align=1)
 
-    def count(self, y):
-        """#{entries < y} (round to nearest: the boundaries) or #{entries <= y} (stochastic: the
-        values) from the bucket words (the module docstring)."""
+    def counted(self, bits, finite, nearest: bool):
+        """The count of entries below (round to nearest: boundaries < y; its low byte the code) or
+        at most (stochastic: values <= y) y, from its bits (the module docstring); the lanes
+        where x is not ``finite`` (y NaN or infinite) are not looked up and hold any count."""
         builder, block = self.builder, self.block
-        bits = builder.bitcast(y, block.words)
-        bits = builder.select(builder.icmp_unsigned("==", bits, block.word(0x80000000)), block.word(0), bits)
-        key = builder.xor(bits, builder.lshr(builder.ashr(bits, block.word(31)), block.word(1)))
-        smallest, largest = _key_range(self.signed)
-        key = builder.select(builder.icmp_signed("<", key, block.word(smallest)), block.word(smallest), key)
-        key = builder.select(builder.icmp_signed(">", key, block.word(largest)), block.word(largest), key)
-        bucket = builder.sub(builder.ashr(key, block.word(KEY_SHIFT)), block.word(smallest >> KEY_SHIFT))
-        word = self.gather(self.buckets, bucket, False)
-        below = builder.and_(word, block.word(0xFF))
+        if self.signed:  # the key: the lower 31 bits flipped for a negative float
+            key = builder.xor(bits, builder.lshr(builder.ashr(bits, block.word(31)), block.word(1)))
+        else:  # no boundary or value below +0: a negative float counts as +0
+            key = builder.select(builder.icmp_signed("<", bits, block.word(0)), block.word(0), bits)
+        word = self.gather(self.buckets, builder.ashr(key, block.word(KEY_SHIFT)), False, finite)
         inside = builder.icmp_unsigned("<=", builder.lshr(word, block.word(8)),
                                        builder.and_(key, block.word((1 << KEY_SHIFT) - 1)))
-        return builder.add(below, builder.zext(inside, block.words))
+        first = word if nearest else builder.and_(word, block.word(0xFF))
+        return builder.add(first, builder.zext(inside, block.words))
 
-    def stochastic_index(self, y, k: int):
+    def stochastic_index(self, y, k: int, finite):
         """q8.quantize_block's stochastic index of ``y`` (vector ``k`` of the block)."""
         builder, block = self.builder, self.block
-        lo = builder.sub(self.count(y), block.word(1))
+        bits = builder.bitcast(y, block.words)  # -0 counted as +0 (the map holds +0)
+        bits = builder.select(builder.icmp_unsigned("==", bits, block.word(0x80000000)), block.word(0), bits)
+        lo = builder.sub(self.counted(bits, finite, nearest=False), block.word(1))
         lo = builder.select(builder.icmp_signed(">", lo, block.word(0)), lo, block.word(0))
         top = builder.icmp_signed(">=", lo, block.word(254))
         low = builder.select(top, builder.sub(lo, block.word(1)), lo)
-        below = self.gather(self.values, low, True)
-        above = self.gather(self.values, builder.add(low, block.word(1)), True)
+        below = self.gather(self.values, low, True, finite)
+        above = self.gather(self.values, builder.add(low, block.word(1)), True, finite)
         fraction = builder.fdiv(builder.fsub(y, below), builder.fsub(above, below))
         word = block.buffer_bits(self.buffer, k)
         up = builder.fcmp_ordered("<", builder.uitofp(builder.lshr(word, block.word(16)), block.vector),
