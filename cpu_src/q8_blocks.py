@@ -40,7 +40,7 @@ from . import q8, vector_blocks
 from .storage import EXP_AVG, EXP_AVG_SQ
 from .vector_blocks import LANES, PREFETCH, _Block, _intrinsic
 
-__all__ = ["BLOCK", "Q8_STOCHASTIC", "adam_q8_block", "form", "lion_q8_block", "sgd_q8_block"]
+__all__ = ["BLOCK", "Q8_STOCHASTIC", "adam_q8_block", "count_vector", "form", "lion_q8_block", "sgd_q8_block"]
 
 BLOCK = q8.BLOCK
 VECTORS = BLOCK // LANES  # vectors of a block
@@ -210,12 +210,17 @@ class _Q8:
         first = word if nearest else builder.and_(word, block.word(0xFF))
         return builder.add(first, builder.zext(inside, block.words))
 
+    def plus_zero(self, bits):
+        """``bits`` with -0 made +0 (counted at most: the map holds +0)."""
+        block = self.block
+        return self.builder.select(self.builder.icmp_unsigned("==", bits, block.word(0x80000000)), block.word(0),
+                                   bits)
+
     def stochastic_index(self, y, k: int, finite):
         """q8.quantize_block's stochastic index of ``y`` (vector ``k`` of the block)."""
         builder, block = self.builder, self.block
-        bits = builder.bitcast(y, block.words)  # -0 counted as +0 (the map holds +0)
-        bits = builder.select(builder.icmp_unsigned("==", bits, block.word(0x80000000)), block.word(0), bits)
-        lo = builder.sub(self.counted(bits, finite, nearest=False), block.word(1))
+        lo = builder.sub(self.counted(self.plus_zero(builder.bitcast(y, block.words)), finite, nearest=False),
+                         block.word(1))
         lo = builder.select(builder.icmp_signed(">", lo, block.word(0)), lo, block.word(0))
         top = builder.icmp_signed(">=", lo, block.word(254))
         low = builder.select(top, builder.sub(lo, block.word(1)), lo)
@@ -288,3 +293,29 @@ def sgd_q8_block(typingctx, form, param, grad, companion, momentum_buffer, scala
     flags = form.literal_value
     return (types.void(form, param, grad, companion, momentum_buffer, scalars, scale, keys, element, ahead),
             _q8_block_codegen(flags, vector_blocks.SGD_SCALARS, vector_blocks.sgd_math(flags), (True,)))
+
+
+@intrinsic(prefer_literal=True)
+def count_vector(typingctx, signed, stochastic, ys, out):
+    """``count_vector(signed, stochastic, ys, out)``: the counts of the 16 float32 normalized
+    values at address ``ys`` into the int32 at ``out``, as a q8 block looks them up (its
+    encoding's word: round to nearest, the code; stochastic, ``#{values <= y}`` with -0 as +0),
+    every lane taken as finite.  For the tests: the lookup against a plain search."""
+    if not isinstance(signed, types.BooleanLiteral) or not isinstance(stochastic, types.BooleanLiteral):
+        return None
+    is_signed, is_stochastic = signed.literal_value, stochastic.literal_value
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        zero = ir.Constant(i64, 0)
+        block = _Block(builder, 1, 0, builder.inttoptr(zero, ir.FloatType().as_pointer()), zero, zero, zero,
+                       zero, ir.Constant(ir.IntType(32), 0))
+        moment = _Q8(block, zero, is_signed, EXP_AVG, is_stochastic)
+        bits = builder.load(builder.inttoptr(args[2], block.words.as_pointer()), align=4)
+        if is_stochastic:
+            bits = moment.plus_zero(bits)
+        count = moment.counted(bits, moment.all_lanes, nearest=not is_stochastic)
+        builder.store(count, builder.inttoptr(args[3], block.words.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(signed, stochastic, ys, out), codegen
