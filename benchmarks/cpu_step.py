@@ -86,7 +86,7 @@ except ImportError:  # pragma: no cover
     from benchmarks.machine import cpu_name  # noqa: E402
 
 VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-        torch.int16: torch.int16}
+        torch.int16: torch.int16, torch.uint8: torch.uint8}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 # algorithm -> (optimizer, hyper-parameters, compute_limit kernel family)
 OPTIMIZERS = {
@@ -130,13 +130,42 @@ def _limit4(g, p, w, m, v):
 LIMITS = {2: _limit2, 3: _limit3, 4: _limit4}
 
 
+@njit(parallel=True, nogil=True)
+def _limit_q8(g, p, w, m, v):
+    """The memory limit of a configuration with q8 moments: per block of 256 elements, ``p += g``
+    (and ``w += g``: the remainder; empty without), and every 4-byte word of the block's q8 row
+    of ``m`` and ``v`` (``[block, 65]`` int32 views of the rows; ``v`` empty for one moment)
+    incremented."""
+    for b in prange(m.shape[0]):
+        for i in range(b * 256, min(p.size, (b + 1) * 256)):
+            x = g[i]
+            p[i] += x
+            if w.size:
+                w[i] += x
+        for j in range(m.shape[1]):
+            m[b, j] += 1
+        for j in range(v.shape[1]):
+            v[b, j] += 1
+
+
 def _raw(t: torch.Tensor) -> np.ndarray:
     """Integer view (same bytes, trivial adds) of a tensor's memory."""
     return t.view(VIEW[t.dtype]).numpy()
 
 
 def limit_step(param, grad, buffers):
-    """Read the grad, read and write the param and every state buffer, in their dtypes."""
+    """Read the grad, read and write the param and every state buffer, in their dtypes (q8
+    moments, uint8: their rows' bytes, :func:`_limit_q8`)."""
+    quantized = [b for b in buffers if b.dtype == torch.uint8]
+    if quantized:
+        elements = [_raw(b) for b in buffers if b.dtype != torch.uint8]
+        if len(elements) > 1 or len(quantized) > 2:
+            raise ValueError(f"no q8 memory limit for {len(elements)} element and {len(quantized)} q8 buffers")
+        w = elements[0] if elements else np.zeros(0, dtype=np.int16)
+        rows = [b.view(torch.int32).numpy() for b in quantized]
+        m, v = rows[0], rows[1] if len(rows) == 2 else rows[0][:, :0]
+        g, p = _raw(grad), _raw(param)
+        return lambda: _limit_q8(g, p, w, m, v)
     arrays = [_raw(grad), _raw(param)] + [_raw(b) for b in buffers]
     kernel = LIMITS[len(arrays) - 1]
     return lambda: kernel(*arrays)
@@ -395,6 +424,10 @@ CONFIGS = [  # (label, param dtype, preset, torch fused equivalent?, DeepSpeed f
     ("bf16 params, bf16-kahan", torch.bfloat16, "bf16-kahan", False, None),
     ("bf16 params, fp32-remainder", torch.bfloat16, "fp32-remainder", False, None),
     ("bf16 params, fp32-rem-bf16st", torch.bfloat16, "fp32-remainder-bf16-states", False, None),
+    # q8 moments (issue 40): the memory limit moves their rows' bytes, the compute limit decodes
+    # and quantizes them (compute_limit.q8_chunk_function)
+    ("bf16 params, fp32-remainder-q8", torch.bfloat16, "fp32-remainder-q8", False, None),
+    ("bf16 params, bf16-sr-q8", torch.bfloat16, "bf16-sr-q8", False, None),
 ]
 
 
