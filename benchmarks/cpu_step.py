@@ -131,21 +131,30 @@ LIMITS = {2: _limit2, 3: _limit3, 4: _limit4}
 
 
 @njit(parallel=True, nogil=True)
-def _limit_q8(g, p, w, m, v):
-    """The memory limit of a configuration with q8 moments: per block of 256 elements, ``p += g``
-    (and ``w += g``: the remainder; empty without), and every 4-byte word of the block's q8 row
-    of ``m`` and ``v`` (``[block, 65]`` int32 views of the rows; ``v`` empty for one moment)
-    incremented."""
-    for b in prange(m.shape[0]):
-        for i in range(b * 256, min(p.size, (b + 1) * 256)):
-            x = g[i]
-            p[i] += x
-            if w.size:
-                w[i] += x
-        for j in range(m.shape[1]):
-            m[b, j] += 1
-        for j in range(v.shape[1]):
-            v[b, j] += 1
+def _limit_q8(g, p, m, v):
+    """The memory limit of a configuration with q8 moments and no companion: ``p += g`` per
+    element, then every 4-byte word of the q8 rows of ``m`` and ``v`` (flat int32 views of the
+    rows; ``v`` empty for one moment) incremented: two flat passes (a loop per q8 block inside
+    the parallel loop was not vectorised: twice the time of the element limits' for fewer bytes)."""
+    for i in prange(p.size):
+        p[i] += g[i]
+    for j in prange(m.size):
+        m[j] += 1
+    for j in prange(v.size):
+        v[j] += 1
+
+
+@njit(parallel=True, nogil=True)
+def _limit_q8_companion(g, p, w, m, v):
+    """:func:`_limit_q8` with a 16-bit companion ``w`` (the remainder): ``w += g`` too."""
+    for i in prange(p.size):
+        x = g[i]
+        p[i] += x
+        w[i] += x
+    for j in prange(m.size):
+        m[j] += 1
+    for j in prange(v.size):
+        v[j] += 1
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -155,17 +164,18 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 
 def limit_step(param, grad, buffers):
     """Read the grad, read and write the param and every state buffer, in their dtypes (q8
-    moments, uint8: their rows' bytes, :func:`_limit_q8`)."""
+    moments, uint8: their rows' bytes, :func:`_limit_q8` / :func:`_limit_q8_companion`)."""
     quantized = [b for b in buffers if b.dtype == torch.uint8]
     if quantized:
         elements = [_raw(b) for b in buffers if b.dtype != torch.uint8]
         if len(elements) > 1 or len(quantized) > 2:
             raise ValueError(f"no q8 memory limit for {len(elements)} element and {len(quantized)} q8 buffers")
-        w = elements[0] if elements else np.zeros(0, dtype=np.int16)
-        rows = [b.view(torch.int32).numpy() for b in quantized]
-        m, v = rows[0], rows[1] if len(rows) == 2 else rows[0][:, :0]
+        rows = [b.view(torch.int32).numpy().reshape(-1) for b in quantized]
+        m, v = rows[0], rows[1] if len(rows) == 2 else rows[0][:0]
         g, p = _raw(grad), _raw(param)
-        return lambda: _limit_q8(g, p, w, m, v)
+        if elements:
+            return lambda: _limit_q8_companion(g, p, elements[0], m, v)
+        return lambda: _limit_q8(g, p, m, v)
     arrays = [_raw(grad), _raw(param)] + [_raw(b) for b in buffers]
     kernel = LIMITS[len(arrays) - 1]
     return lambda: kernel(*arrays)

@@ -34,8 +34,8 @@ FAMILY = {"AdamW": "adam", "Lion": "lion", "SGD": "sgd"}
 
 
 def contenders(n: int, algorithm: str) -> tuple:
-    """(name -> call, objects to keep alive): every preset's step and kernel in cache; each q8
-    preset's memory limit and compute limit."""
+    """(name -> call, objects to keep alive): every preset's step, kernel in cache and memory
+    limit; each q8 preset's compute limit."""
     calls, keep = {}, []
     for preset in PRESETS:
         params = [cpu_step._param(n, torch.bfloat16, 0)]
@@ -44,9 +44,9 @@ def contenders(n: int, algorithm: str) -> tuple:
         calls[f"{preset} in cache"], cache_opt = cpu_step.in_cache_step(n, torch.bfloat16, preset,
                                                                         algorithm=algorithm, static=True)
         keep += [params, opt, cache_opt]
+        buffers = cpu_step.state_buffers(opt.state[params[0]])
+        calls[f"{preset} memory"] = cpu_step.limit_step(params[0], params[0].grad, buffers)
         if preset in Q8_PRESETS:
-            buffers = cpu_step.state_buffers(opt.state[params[0]])
-            calls[f"{preset} memory"] = cpu_step.limit_step(params[0], params[0].grad, buffers)
             calls[f"{preset} compute"] = cpu_step.compute_limit_step(n, FAMILY[algorithm], torch.bfloat16, preset,
                                                                      static=True)
     return calls, keep
@@ -73,12 +73,13 @@ def main(argv=None) -> int:
     for preset in PRESETS:
         row = (f"{preset:28} {1e3 * t[preset]:8.2f} {1 / share(preset, 'bf16-states'):13.2f} "
                f"{1e3 * t[preset + ' in cache']:9.2f} "
-               f"{1 / share(preset + ' in cache', 'bf16-states in cache'):13.2f}")
+               f"{1 / share(preset + ' in cache', 'bf16-states in cache'):13.2f} "
+               f"{1e3 * t[preset + ' memory']:8.2f}")
         if preset in Q8_PRESETS:
             ceiling = statistics.median(
                 cpu_step.ceiling_of(memory, compute, cached) / step for step, memory, compute, cached in zip(
                     runs[preset], runs[f"{preset} memory"], runs[f"{preset} compute"], runs[f"{preset} in cache"]))
-            row += (f" {1e3 * t[preset + ' memory']:8.2f} {1e3 * t[preset + ' compute']:8.2f} "
+            row += (f" {1e3 * t[preset + ' compute']:8.2f} "
                     f"{100 * ceiling:9.0f}%")
         print(row)
     del keep
