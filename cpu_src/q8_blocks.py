@@ -30,6 +30,8 @@ each rounded on its own); decode, the block's scale and the codes are ``q8.py``'
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -40,7 +42,7 @@ from . import q8, vector_blocks
 from .storage import EXP_AVG, EXP_AVG_SQ
 from .vector_blocks import LANES, PREFETCH, _Block, _intrinsic
 
-__all__ = ["BLOCK", "Q8_STOCHASTIC", "adam_q8_block", "count_vector", "form", "lion_q8_block", "sgd_q8_block"]
+__all__ = ["BLOCK", "Q8_STOCHASTIC", "adam_q8_block", "count_vector", "decode_row", "form", "lion_q8_block", "sgd_q8_block"]
 
 BLOCK = q8.BLOCK
 VECTORS = BLOCK // LANES  # vectors of a block
@@ -102,6 +104,39 @@ def _tables(signed: bool) -> dict:
 TABLES = {True: _tables(True), False: _tables(False)}
 
 
+def _byte_permutes() -> bool:
+    """Whether Numba's target CPU permutes bytes across a 512-bit register (AVX512-VBMI)."""
+    return "+avx512vbmi" in vector_blocks._target_features()
+
+
+def _unpack(low: bool, width: int) -> list:
+    """``punpckl*`` / ``punpckh*`` of two vectors of 512 bits as a shuffle of ``width``-bit
+    elements: within each 128-bit lane, the lower (or upper) half of the first's interleaved
+    with the second's."""
+    per_lane = 128 // width
+    order = []
+    for lane in range(4):
+        base = lane * per_lane + (0 if low else per_lane // 2)
+        for i in range(per_lane // 2):
+            order += [base + i, 4 * per_lane + base + i]
+    return order
+
+
+_LOW_BYTES, _HIGH_BYTES = _unpack(True, 8), _unpack(False, 8)
+_LOW_WORDS, _HIGH_WORDS = _unpack(True, 16), _unpack(False, 16)
+# the interleaving puts element 16k + 4l + q of 64 (vector k, its lane l) at 16l + 4k + q: the codes
+# are reordered to match (a transpose of 4x4 groups of 4 bytes)
+_CODE_ORDER = [16 * (p % 16 // 4) + 4 * (p // 16) + p % 4 for p in range(64)]
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_planes(signed: bool) -> tuple:
+    """The decode table's bytes (by code): plane b holds byte b of each entry, in four groups
+    of 64 entries (Python ints, for IR constants)."""
+    table = TABLES[signed]["by_code"].view(np.uint8).reshape(256, 4)
+    return tuple(tuple([int(x) for x in table[64 * g:64 * (g + 1), b]] for g in range(4)) for b in range(4))
+
+
 def _global_table(builder, name: str, array: np.ndarray, first: int = 0):
     """A pointer (i8*) to ``array`` as a constant of the module being built (one per module),
     moved to where its element ``first`` would be (``array[0]`` is then at index ``-first``)."""
@@ -155,15 +190,47 @@ class _Q8:
         return self.builder.call(gather, [ir.Constant(kind, ir.Undefined), table, index,
                                           self.all_lanes if lanes is None else lanes, ir.Constant(block.i32, 4)])
 
-    def decode(self) -> list:
-        """The block's values: ``value(code) * scale`` per vector."""
+    def decode(self, by_bytes: bool) -> list:
+        """The block's values: ``value(code) * scale`` per vector; the values looked up by byte
+        permutes (:meth:`values_by_bytes`) or gathered."""
         builder, block = self.builder, self.block
         scale = builder.bitcast(builder.load(self.address(q8.BLOCK, block.i32), align=1), ir.FloatType())
         scale = block.splat(scale)
+        values = self.values_by_bytes() if by_bytes else [
+            self.gather(self.by_code, builder.zext(builder.load(self.address(LANES * k, self.bytes), align=1),
+                                                   block.words), True) for k in range(VECTORS)]
+        return [builder.fmul(value, scale) for value in values]
+
+    def values_by_bytes(self) -> list:
+        """The codes' map values, 64 codes at a time without a gather (AVX512-VBMI): each byte of
+        the values looked up by byte permutes (``vpermi2b`` over the table's 128 lower and 128
+        upper entries, picked by the code's top bit), the four bytes then interleaved into
+        floats.  The codes are first reordered (one ``vpermb``) so that the interleaving, which
+        works within 128-bit lanes, leaves the floats in element order."""
+        builder, block = self.builder, self.block
+        i8, i32 = ir.IntType(8), block.i32
+        wide = ir.VectorType(i8, 64)
+        permute = _intrinsic(builder, "llvm.x86.avx512.vpermi2var.qi.512", wide, [wide, wide, wide])
+        planes = _byte_planes(self.signed)
         out = []
-        for k in range(VECTORS):
-            codes = builder.zext(builder.load(self.address(LANES * k, self.bytes), align=1), block.words)
-            out.append(builder.fmul(self.gather(self.by_code, codes, True), scale))
+        for group in range(VECTORS // 4):
+            codes = builder.load(self.address(64 * group, wide), align=1)
+            codes = builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(i32, 64), _CODE_ORDER))
+            top = builder.icmp_signed("<", codes, ir.Constant(wide, [0] * 64))
+            bytes_ = []
+            for plane in planes:  # (the table's byte b of entries 0-63, 64-127, 128-191, 192-255)
+                low = builder.call(permute, [ir.Constant(wide, plane[0]), codes, ir.Constant(wide, plane[1])])
+                high = builder.call(permute, [ir.Constant(wide, plane[2]), codes, ir.Constant(wide, plane[3])])
+                bytes_.append(builder.select(top, high, low))
+            halves = [builder.bitcast(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 64), order)),
+                                      ir.VectorType(ir.IntType(16), 32))
+                      for a, b in (bytes_[:2], bytes_[2:]) for order in (_LOW_BYTES, _HIGH_BYTES)]
+            # halves: bytes 0-1 of the lanes' elements 0-7, then 8-15; bytes 2-3 likewise
+            for first, second in ((0, 2), (1, 3)):
+                for order in (_LOW_WORDS, _HIGH_WORDS):
+                    pairs = builder.shuffle_vector(halves[first], halves[second],
+                                                   ir.Constant(ir.VectorType(i32, 32), order))
+                    out.append(builder.bitcast(pairs, block.vector))
         return out
 
     def quantize(self, xs: list) -> None:
@@ -248,7 +315,7 @@ def _q8_block_codegen(flags: int, scalar_count: int, update, signs: tuple):
         values = [block.scalar(k) for k in range(scalar_count)]
         moments = [_Q8(block, at, signed, buffer, bool(flags & Q8_STOCHASTIC))
                    for at, signed, buffer in zip(rows_at, signs, (EXP_AVG, EXP_AVG_SQ))]
-        decoded = [moment.decode() for moment in moments]
+        decoded = [moment.decode(_byte_permutes()) for moment in moments]
         ws, gs = block.masters(), block.grads(scale)
         results = [update(block, values, w, g, old) for w, g, *old in zip(ws, gs, *decoded)]
         for k, (w, _) in enumerate(results):
@@ -319,3 +386,25 @@ def count_vector(typingctx, signed, stochastic, ys, out):
         return context.get_dummy_value()
 
     return types.void(signed, stochastic, ys, out), codegen
+
+
+@intrinsic(prefer_literal=True)
+def decode_row(typingctx, signed, by_bytes, row, out):
+    """``decode_row(signed, by_bytes, row, out)``: the 256 float32 values of the q8 row at
+    address ``row`` into ``out``, as a q8 block decodes them (``by_bytes``: by byte permutes,
+    else by gathers).  For the tests: both forms against the spec's decoding."""
+    if not isinstance(signed, types.BooleanLiteral) or not isinstance(by_bytes, types.BooleanLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        zero = ir.Constant(i64, 0)
+        block = _Block(builder, 1, 0, builder.inttoptr(zero, ir.FloatType().as_pointer()), zero, zero, zero,
+                       zero, ir.Constant(ir.IntType(32), 0))
+        moment = _Q8(block, args[2], signed.literal_value, EXP_AVG, False)
+        for k, value in enumerate(moment.decode(by_bytes.literal_value)):
+            at = builder.add(args[3], ir.Constant(i64, 4 * LANES * k))
+            builder.store(value, builder.inttoptr(at, block.vector.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(signed, by_bytes, row, out), codegen

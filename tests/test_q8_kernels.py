@@ -164,6 +164,34 @@ def test_q8_block_lookup_counts_as_a_search(signed, stochastic):
         np.testing.assert_array_equal(got & 0xFF, (index - 127) & 0xFF if signed else index)
 
 
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("by_bytes", [False, True], ids=["gathers", "byte-permutes"])
+def test_q8_block_decoding_equals_the_spec(signed, by_bytes):
+    """Both forms of the blocks' decoding (gathers; byte permutes where the CPU has AVX512-VBMI)
+    give the spec's values of every code, NaN code included, for several scales."""
+    from numba import njit  # noqa: PLC0415
+    from bf16opt.storage import q8_decode  # noqa: PLC0415
+    q8_blocks = _q8_blocks_or_skip()
+    if by_bytes and not q8_blocks._byte_permutes():
+        pytest.skip("needs a CPU with AVX512-VBMI (the byte-permute decoding)")
+
+    @njit
+    def decode(rows, out):
+        for b in range(rows.shape[0]):
+            q8_blocks.decode_row(signed, by_bytes, rows[b:].ctypes.data, out[b:].ctypes.data)
+
+    rng = np.random.default_rng(5)
+    scales = np.array([1.0, 3e-4, 7e-30, 2.5e30], dtype=np.float32)
+    rows = np.zeros((scales.size * 2, 260), dtype=np.uint8)
+    rows[0::2, :256] = np.arange(256, dtype=np.uint8)          # every code, in order
+    rows[1::2, :256] = rng.permutation(256).astype(np.uint8)   # and shuffled
+    rows[:, 256:] = np.repeat(scales, 2)[:, None].view(np.uint8)
+    got = np.empty((rows.shape[0], 256), dtype=np.float32)
+    decode(rows, got)
+    expected = q8_decode(torch.from_numpy(rows), (rows.shape[0] * 256,), signed).numpy()
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint32), expected.view(np.uint32))
+
+
 Q8_BLOCK_SHAPES = [(7,), (256,), (1000,), (3, 700)]  # a partial block alone, whole blocks, both
 
 
