@@ -195,40 +195,45 @@ def test_q8_block_decoding_equals_the_spec(signed, by_bytes):
 Q8_BLOCK_SHAPES = [(7,), (256,), (1000,), (3, 700)]  # a partial block alone, whole blocks, both
 
 
-@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS.keys())
-@pytest.mark.parametrize("decay", ["decoupled", "l2"])
-def test_adam_q8_blocks_match_the_reference(plan, decay, small_chunks):  # noqa: F811
+# (plan, decay) of the block-path tests: each a compiled configuration, kept few (cold compiles)
+BLOCK_CASES = [("remainder", "decoupled"), ("bf16-sr", "l2"), ("fp32-q8sr", "decoupled")]
+
+
+@pytest.mark.parametrize("plan_name, decay", BLOCK_CASES)
+def test_adam_q8_blocks_match_the_reference(plan_name, decay, small_chunks):  # noqa: F811
     """Without telemetry or amsgrad the whole q8 blocks take the hand-vectorised path: the same
     bits as the reference, NaN and inf grads in blocks included (make_bucket's specials), with
-    round to nearest and stochastic rounding of the q8 moments; the mixed plan (one moment
-    bf16) keeps the block-by-block loop."""
+    round to nearest (remainder) and stochastic rounding (bf16-sr's param and fp32-q8sr's q8
+    moments; bf16-sr's q8 moments round to nearest)."""
     from bf16opt.backends import numba as numba_backend  # noqa: PLC0415
     _q8_blocks_or_skip()
     group = ADAM_GROUPS[decay]
-    bucket = make_bucket("adam", plan, Q8_BLOCK_SHAPES, seed=11, flags=adam_flags(group, False))
-    assert numba_backend.chunk_function(bucket.config, False).vectorised == (plan is not PLANS["copy-mixed"])
-    run_both(bucket, group, 3, f"adam q8 blocks {decay}")
+    bucket = make_bucket("adam", PLANS[plan_name], Q8_BLOCK_SHAPES, seed=11, flags=adam_flags(group, False))
+    assert numba_backend.chunk_function(bucket.config, True).vectorised
+    run_both(bucket, group, 3, f"adam q8 blocks {plan_name} {decay}", unit=True)
 
 
-@pytest.mark.parametrize("plan", [PLANS["remainder"], PLANS["bf16-sr"]], ids=["remainder", "bf16-sr"])
-def test_lion_and_sgd_q8_blocks_match_the_reference(plan, small_chunks):  # noqa: F811
+def test_lion_and_sgd_q8_blocks_match_the_reference(small_chunks):  # noqa: F811
+    """Lion (q8 round to nearest) and SGD nesterov (q8 stochastic rounding) on the block path."""
     from bf16opt.backends import numba as numba_backend  # noqa: PLC0415
     _q8_blocks_or_skip()
-    bucket = make_bucket("lion", plan, Q8_BLOCK_SHAPES, seed=12)
+    bucket = make_bucket("lion", PLANS["remainder"], Q8_BLOCK_SHAPES, seed=12)
     assert numba_backend.chunk_function(bucket.config, True).vectorised
     run_both(bucket, LION_GROUP, 3, "lion q8 blocks", unit=True)
     group = sgd_group(momentum=0.9, nesterov=True, weight_decay=0.01)
-    bucket = make_bucket("sgd", plan, Q8_BLOCK_SHAPES, seed=13, flags=sgd_flags(group, first=True))
+    bucket = make_bucket("sgd", PLANS["fp32-q8sr"], Q8_BLOCK_SHAPES, seed=13, flags=sgd_flags(group, first=True))
     run_both(bucket, group, 3, "sgd q8 blocks", unit=True)  # (step 1 writes the buffer, 2 and 3 read it)
 
 
 @settings(max_examples=10, deadline=None)
 @given(st.lists(st.integers(1, 2000), min_size=1, max_size=3), st.integers(0, 2 ** 16),
-       st.sampled_from(["remainder", "bf16-sr", "fp32-q8sr"]), st.booleans())
-def test_q8_blocks_any_sizes_match_the_reference(numels, seed, plan_name, specials):
-    """Any sizes (whole and partial blocks), with and without non-finite grads, SR on and off."""
+       st.sampled_from(BLOCK_CASES), st.booleans())
+def test_q8_blocks_any_sizes_match_the_reference(numels, seed, case, specials):
+    """Any sizes (whole and partial blocks), with and without non-finite grads, SR on and off
+    (the configurations of test_adam_q8_blocks_match_the_reference: no new compile)."""
     _q8_blocks_or_skip()
-    group = ADAM_GROUPS["decoupled"]
+    plan_name, decay = case
+    group = ADAM_GROUPS[decay]
     bucket = make_bucket("adam", PLANS[plan_name], [(n,) for n in numels], seed=seed,
                          flags=adam_flags(group, False), specials=specials)
-    run_both(bucket, group, 2, f"adam q8 blocks {plan_name} {numels}", unit=True)
+    run_both(bucket, group, 2, f"adam q8 blocks {plan_name} {decay} {numels}", unit=True)
