@@ -12,20 +12,24 @@ Bits: the update is ``vector_blocks``' (the algorithm's operations in the refere
 each rounded on its own); decode, the block's scale and the codes are ``q8.py``'s
 (``bf16opt/storage.py``'s "q8" spec):
 
-- decode: ``value(code) * scale``, the value gathered from the 256-entry table (NaN last);
+- decode: ``value(code) * scale``, the value looked up in a 256-entry table by code (NaN for
+  the NaN code): by byte permutes where the CPU has AVX512-VBMI (:meth:`_Q8.values_by_bytes`),
+  else by gathers;
 - scale: the largest finite magnitude, as the largest of the magnitudes' bit patterns (an
-  integer maximum, NaN and inf taken as 0); ``y = x / scale`` (0 where the scale is 0);
+  integer maximum, NaN and inf taken as 0); ``y = x / scale``, one IEEE division (x / 1 where
+  the scale is 0: every finite x is then +-0, as is the spec's y, and -0 and +0 count alike);
 - round to nearest: the index is ``#{boundaries < y}``; stochastic: ``lo = #{values <= y} - 1``
   (at least 0), then up with the buffer's random bits as ``q8.quantize_block``;
 - the counts without a search: floats are ordered as the integers ``key(y)`` (the bits, the
-  lower 31 flipped for a negative float; -0 is taken as +0 first, the map holds +0), and
-  ``key >> KEY_SHIFT`` names a bucket of keys holding at most one table entry (checked when
-  the tables are built).  A bucket's 32-bit word holds the count of entries below it (low 8
-  bits) and, above them, the entry's low key bits (+1 for a strict count; ``1 << KEY_SHIFT``,
-  never reached, for no entry): the count is ``first + (threshold <= low bits of key(y))``,
-  one gather per 16 elements.  Keys are clamped to those of -1 (0 for an unsigned map) and 1:
-  the same counts for every non-NaN y, and no read outside the table; a NaN's code is the
-  NaN code whatever its count.
+  lower 31 flipped for a negative float; for an unsigned map a negative float counts as +0,
+  below every entry but 0; where values are counted -0 is taken as +0 first, the map holds
+  +0), and ``key >> KEY_SHIFT`` names a bucket of keys holding at most one table entry
+  (checked when the tables are built).  A bucket's 32-bit word holds the count of entries
+  below it (low 8 bits; for round to nearest the code byte of that count) and, above them,
+  the entry's low key bits (+1 for a strict count; ``1 << KEY_SHIFT``, never reached, for no
+  entry): the count is ``first + (threshold <= low bits of key(y))``, one gather per 16
+  elements.  A finite x has ``|y| <= 1``, inside the table; the lanes of a non-finite x are
+  not looked up (masked gathers) and get the NaN code.
 """
 
 from __future__ import annotations
@@ -35,14 +39,14 @@ import functools
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import q8, vector_blocks
 from .storage import EXP_AVG, EXP_AVG_SQ
 from .vector_blocks import LANES, PREFETCH, _Block, _intrinsic
 
-__all__ = ["BLOCK", "Q8_STOCHASTIC", "adam_q8_block", "count_vector", "decode_row", "form", "lion_q8_block", "sgd_q8_block"]
+__all__ = ["BLOCK", "Q8_STOCHASTIC", "adam_q8_block", "count_vector", "decode_row", "form", "lion_q8_block",
+           "sgd_q8_block"]
 
 BLOCK = q8.BLOCK
 VECTORS = BLOCK // LANES  # vectors of a block
@@ -249,7 +253,8 @@ class _Q8:
         largest = builder.call(reduce, [largest])
         builder.store(largest, self.address(q8.BLOCK, block.i32), align=1)
         nonzero = builder.icmp_unsigned("!=", largest, ir.Constant(block.i32, 0))
-        divisor = builder.select(nonzero, builder.bitcast(largest, ir.FloatType()), ir.Constant(ir.FloatType(), 1.0))
+        divisor = builder.select(nonzero, builder.bitcast(largest, ir.FloatType()),
+                                 ir.Constant(ir.FloatType(), 1.0))
         divisor = block.splat(divisor)
         nan_code = block.word(0x80 if self.signed else 0xFF)
         for k, (x, finite) in enumerate(zip(xs, finites)):
