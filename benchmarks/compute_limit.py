@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cfunc, get_num_threads, njit, prange
 
-from bf16opt._cpu import vector_blocks
+from bf16opt._cpu import q8, vector_blocks
 from bf16opt._cpu.chunks import (CHUNK_SIGNATURE, COUNTERS, KEYS, _run_row, cached_njit, chunk_compiler, run_chunks,
                                  run_chunks_serial)
 from bf16opt._cpu.storage import (EXP_AVG, EXP_AVG_SQ, WEIGHTS, bits_to_f32, buffer_bits, element_index,
@@ -50,8 +50,9 @@ class Storage:
     param16: bool          # params are 16-bit (bfloat16) rather than float32
     master: str            # "param" (the param is the master), "copy" (float32 copy), "remainder"
     moments16: bool        # moments stored in bfloat16
-    stochastic: bool       # 16-bit master and 16-bit moments stochastically rounded
+    stochastic: bool       # 16-bit master and 16-bit (or q8) moments stochastically rounded
     kahan: bool            # bfloat16 Kahan compensation of a 16-bit master
+    q8: bool = False       # moments in q8 blocks (q8_chunk_function)
 
 
 # preset -> storage for bf16 params (fp32 params: every buffer float32, "param" master)
@@ -64,6 +65,8 @@ PRESET_STORAGE = {
     "bf16-kahan": Storage(True, "param", True, False, True),
     "fp32-remainder": Storage(True, "remainder", False, False, False),
     "fp32-remainder-bf16-states": Storage(True, "remainder", True, False, False),
+    "fp32-remainder-q8": Storage(True, "remainder", False, False, False, q8=True),
+    "bf16-sr-q8": Storage(True, "param", False, True, False, q8=True),
 }
 FP32_PARAMS = Storage(False, "param", False, False, False)
 
@@ -309,10 +312,112 @@ def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int
         w = np.zeros((threads, block), dtype=np.int16)
     else:
         w = np.zeros((threads, 0), dtype=np.float32)
+    if storage.q8:  # rows of random codes (none NaN) and a scale
+        if block % q8.BLOCK:
+            raise ValueError(f"q8 blocks need a multiple of {q8.BLOCK} elements, got {block}")
+        m, v = (_q8_rows(rng, threads, block, signed, scale) for signed, scale in ((True, 1e-3), (False, 1e-6)))
+        v = v if MOMENTS[algorithm] == 2 else m[:, :0]
+        return Operands(g, p, w, m, v, np.array(SCALARS[algorithm], dtype=np.float32),
+                        np.arange(1, threads * KEYS + 1, dtype=np.uint32).reshape(threads, KEYS))
     m = stored(values(1e-3), storage.moments16)
     v = stored(values(1e-7, positive=True), storage.moments16) if MOMENTS[algorithm] == 2 else m[:, :0]
     keys = np.arange(1, threads * KEYS + 1, dtype=np.uint32).reshape(threads, KEYS)  # run-time values
     return Operands(g, p, w, m, v, np.array(SCALARS[algorithm], dtype=np.float32), keys)
+
+
+def _q8_rows(rng, threads: int, block: int, signed: bool, scale: float) -> np.ndarray:
+    """[thread, q8 rows' bytes]: each block's 256 codes (random, none the NaN code) and its scale."""
+    rows = np.empty((threads, block // q8.BLOCK, q8.ROW), dtype=np.uint8)
+    codes = rng.integers(0, 255, size=rows[..., :q8.BLOCK].shape)
+    rows[..., :q8.BLOCK] = (codes - 127) & 0xFF if signed else codes
+    rows[..., q8.BLOCK:] = np.full(rows.shape[:2], scale, dtype=np.float32)[..., None].view(np.uint8)
+    return rows.reshape(threads, -1)
+
+
+@functools.lru_cache(maxsize=None)
+def q8_chunk_function(algorithm: str, storage: Storage, prefetch: bool = False):
+    """The compute-limit work of a configuration with q8 moments (``storage.q8``; a bf16 param as
+    its own master or with an int16 remainder), as a chunk function (rows as
+    :func:`chunk_function`'s, ``m`` and ``v`` the addresses of q8 rows).  Per block of 256
+    elements, written plainly: each q8 moment's codes decoded (a table lookup and a
+    multiplication per element, ``q8.decode_block``), the algorithm's float32 operations and the
+    master's encoding (as :func:`chunk_function`), then each moment quantized
+    (``q8.quantize_block``: the integer maximum of the magnitudes, one division per element and
+    the two comparisons of its bucketed table; stochastic rounding with ``storage.stochastic``).
+    ``prefetch``: each block first asks for its arrays' lines, as bf16opt's blocks do."""
+    if not storage.param16 or storage.master not in ("param", "remainder") or storage.kahan:
+        raise ValueError(f"no q8 compute limit for {storage}")
+    adam, lion = algorithm == "adam", algorithm == "lion"
+    two = MOMENTS[algorithm] == 2
+    remainder, stochastic = storage.master == "remainder", storage.stochastic
+    sixteen = np.int16
+    p_bytes, row_bytes = 2 * q8.BLOCK, q8.ROW
+
+    @chunk_compiler((algorithm, storage, "q8") + (("prefetch", q8.BLOCK),) * prefetch)
+    def chunk(row, scalars, keys, counts):
+        p, g, w = pointer_to(row[0], sixteen), pointer_to(row[1], sixteen), pointer_to(row[2], sixteen)
+        n, start = row[5], row[6]
+        key_0, key_1 = keys[0], keys[1]
+        ms, vs = q8.scratch_block(), q8.scratch_block()
+        for first in range(0, n, q8.BLOCK):
+            count = min(q8.BLOCK, n - first)
+            m_row = pointer_to(row[3] + (first // q8.BLOCK) * row_bytes, np.uint8)
+            v_row = pointer_to(row[4] + (first // q8.BLOCK) * row_bytes, np.uint8)
+            if prefetch:
+                ahead = vector_blocks.prefetch_ahead(first, n, q8.BLOCK)
+                vector_blocks.prefetch_span(row[0] + 2 * first, p_bytes, ahead)
+                vector_blocks.prefetch_span(row[1] + 2 * first, p_bytes, ahead)
+                if remainder:
+                    vector_blocks.prefetch_span(row[2] + 2 * first, p_bytes, ahead)
+                vector_blocks.prefetch_span(row[3] + (first // q8.BLOCK) * row_bytes, row_bytes, ahead)
+                if two:
+                    vector_blocks.prefetch_span(row[4] + (first // q8.BLOCK) * row_bytes, row_bytes, ahead)
+            q8.decode_block(m_row, count, q8.SIGNED, ms)
+            if two:
+                q8.decode_block(v_row, count, q8.UNSIGNED, vs)
+            for j in range(count):
+                i = first + j
+                element = element_index(start, i)
+                grad = _bf16(g[i])
+                if remainder:  # one 32-bit subtraction (see storage.join_remainder)
+                    low = np.uint32(np.uint16(w[i]))
+                    joined = (np.uint32(np.uint16(p[i])) << np.uint32(16)) | low
+                    w0 = bits_to_f32(np.uint32(joined - ((low & np.uint32(0x8000)) << np.uint32(1))))
+                else:
+                    w0 = _bf16(p[i])
+                first_moment = ms[j]
+                if adam:
+                    beta1, beta2, one_minus_beta1, one_minus_beta2 = scalars[0], scalars[1], scalars[2], scalars[3]
+                    new = w0 * scalars[7]
+                    first_moment = first_moment * beta1 + grad * one_minus_beta1
+                    second = vs[j] * beta2 + (grad * grad) * one_minus_beta2
+                    d = np.sqrt(second) * scalars[5] + scalars[6]
+                    new = new - (first_moment / d) * scalars[4]
+                    vs[j] = second
+                elif lion:
+                    new = w0 * scalars[5]
+                    c = first_moment * scalars[0] + grad * scalars[2]
+                    sign = c + np.float32(0.0)
+                    sign = np.float32(1.0) if c > np.float32(0.0) else sign
+                    sign = np.float32(-1.0) if c < np.float32(0.0) else sign
+                    new = new - sign * scalars[4]
+                    first_moment = first_moment * scalars[1] + grad * scalars[3]
+                else:
+                    grad = grad + w0 * scalars[2]
+                    first_moment = first_moment * scalars[0] + grad
+                    new = w0 - first_moment * scalars[1]
+                ms[j] = first_moment
+                if remainder:
+                    bits = f32_to_bits(_f32(new))
+                    p[i] = np.int16(np.uint16(np.uint32(bits + np.uint32(0x8000)) >> np.uint32(16)))
+                    w[i] = np.int16(np.uint16(bits & np.uint32(0xFFFF)))
+                else:
+                    p[i] = _sr(new, buffer_bits(random_bits(key_0, element), WEIGHTS)) if stochastic else _rne(new)
+            q8.quantize_block(ms, count, q8.SIGNED, stochastic, key_0, EXP_AVG & 1, start + first, m_row)
+            if two:
+                q8.quantize_block(vs, count, q8.UNSIGNED, stochastic, key_1, EXP_AVG_SQ & 1, start + first, v_row)
+
+    return chunk
 
 
 @cached_njit(parallel=True, nogil=True)
@@ -333,7 +438,10 @@ def runner(algorithm: str, storage: Storage, operands: Operands, passes: int, se
     step's chunk table, stealing included; ``serial``: ``run_chunks_serial``; ``static``:
     :func:`run_chunks_static`; ``contract``, ``prefetch``: see :func:`chunk_function`).  In cache:
     one block per thread; over a step's tensors (``cpu_step.streamed_limit_step``): its chunks."""
-    chunk = chunk_function(algorithm, storage, contract, prefetch)
+    if storage.q8 and contract:
+        raise ValueError("the q8 compute limit has no contracted form")
+    chunk = q8_chunk_function(algorithm, storage, prefetch) if storage.q8 else \
+        chunk_function(algorithm, storage, contract, prefetch)
     blocks, block = operands.p.shape
     addresses = np.array([[a[t].ctypes.data if a.shape[1] else 0 for a in
                            (operands.p, operands.g, operands.w, operands.m, operands.v)]

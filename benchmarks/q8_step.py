@@ -1,13 +1,15 @@
-"""Numba step time of the q8 presets against bf16-states on the same params, and against a
-memory-limit kernel moving the q8 configuration's bytes.
+"""Numba step time of the q8 presets against bf16-states on the same params, and against their
+limits (``cpu_step.py``'s: the memory limit moving the preset's own bytes, q8 rows included;
+the compute ceiling, the faster of the q8 compute-limit kernel and bf16opt's own kernel in
+cache).
 
-    python benchmarks/q8_step.py [--log2-params 22] [--repeats 9]
+    python benchmarks/q8_step.py [--log2-params 22] [--repeats 11] [--algorithm AdamW]
 
-One flat bf16 param of 2^N elements, AdamW, ``backend="numba"``; repetitions interleaved
-across the contenders (these machines are noisy), medians.  The memory limit reads and writes
-the arrays of fp32-remainder-q8 (param, grad, remainder, two q8 moments: 2 + 2 + 2 + 2 x 1.016
-bytes read and the same written but the grad) with a trivial parallel kernel.  Issue 40's
-target: fp32-remainder-q8 no slower than bf16-states (fewer bytes per param).
+One flat bf16 param of 2^N elements (``cpu_step._param``), ``backend="numba"``; repetitions
+interleaved across the contenders in a shuffled order (these machines are noisy), medians;
+shares as medians of each repetition's own ratio.  Issue 40's target: fp32-remainder-q8 no
+slower than bf16-states (it moves fewer bytes per param).  ``in cache`` is each preset's kernel
+over one cache-resident block per thread: its compute time with memory taken out.
 """
 
 from __future__ import annotations
@@ -15,62 +17,72 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
-import numpy as np
 import torch
-from numba import njit, prange
+from numba import get_num_threads
 
-import bf16opt
+try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.q8_step
+    import cpu_step
+    from machine import cpu_name
+except ImportError:  # pragma: no cover
+    from benchmarks import cpu_step
+    from benchmarks.machine import cpu_name
 
 PRESETS = ("bf16-states", "fp32-remainder-bf16-states", "fp32-remainder-q8", "bf16-sr", "bf16-sr-q8")
+Q8_PRESETS = ("fp32-remainder-q8", "bf16-sr-q8")
+FAMILY = {"AdamW": "adam", "Lion": "lion", "SGD": "sgd"}
 
 
-@njit(parallel=True)
-def _q8_memory_limit(p, g, r, m, v):
-    """p += g, r += g (int16 views), and every q8 byte of m and v incremented: the bytes of a
-    fp32-remainder-q8 step, no arithmetic."""
-    for i in prange(p.size):
-        p[i] += g[i]
-        r[i] += g[i]
-    for b in prange(m.shape[0]):
-        for j in range(m.shape[1]):
-            m[b, j] += np.uint8(1)
-            v[b, j] += np.uint8(1)
-
-
-def optimizer(preset: str, n: int):
-    torch.manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(n).to(torch.bfloat16))
-    param.grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
-    opt = bf16opt.AdamW([param], lr=1e-3, precision=preset, backend="numba")
-    opt.step()  # state made, kernel compiled
-    return opt.step
+def contenders(n: int, algorithm: str) -> tuple:
+    """(name -> call, objects to keep alive): every preset's step, kernel in cache and memory
+    limit; each q8 preset's compute limit."""
+    calls, keep = {}, []
+    for preset in PRESETS:
+        params = [cpu_step._param(n, torch.bfloat16, 0)]
+        step, opt = cpu_step.bf16opt_step(params, preset, algorithm)
+        calls[preset] = step
+        calls[f"{preset} in cache"], cache_opt = cpu_step.in_cache_step(n, torch.bfloat16, preset,
+                                                                        algorithm=algorithm, static=True)
+        keep += [params, opt, cache_opt]
+        buffers = cpu_step.state_buffers(opt.state[params[0]])
+        calls[f"{preset} memory"] = cpu_step.limit_step(params[0], params[0].grad, buffers)
+        if preset in Q8_PRESETS:
+            calls[f"{preset} compute"] = cpu_step.compute_limit_step(n, FAMILY[algorithm], torch.bfloat16, preset,
+                                                                     static=True)
+    return calls, keep
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log2-params", type=int, default=22)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--algorithm", default="AdamW", choices=sorted(FAMILY))
     args = parser.parse_args(argv)
     n = 1 << args.log2_params
-    contenders = {preset: optimizer(preset, n) for preset in PRESETS}
-    p, g, r = (np.zeros(n, dtype=np.int16) for _ in range(3))
-    m, v = (np.zeros((n // 256, 260), dtype=np.uint8) for _ in range(2))
-    _q8_memory_limit(p, g, r, m, v)
-    contenders["memory limit (q8)"] = lambda: _q8_memory_limit(p, g, r, m, v)
-    times = {name: [] for name in contenders}
-    for _ in range(args.repeats):
-        for name, call in contenders.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    base, limit = medians["bf16-states"], medians["memory limit (q8)"]
-    print(f"AdamW step, 2^{args.log2_params} bf16 params, numba backend; medians of {args.repeats}")
-    for name, value in medians.items():
-        print(f"  {name:28s} {1000 * value:8.2f} ms   x{value / base:5.2f} bf16-states   "
-              f"x{value / limit:5.2f} the q8 memory limit")
+    calls, keep = contenders(n, args.algorithm)
+    runs = cpu_step.timings(calls, args.repeats)
+    t = {name: statistics.median(times) for name, times in runs.items()}
+
+    def share(name: str, other: str) -> float:  # median of the repetitions' ratios other / name
+        return statistics.median(b / a for a, b in zip(runs[name], runs[other]))
+
+    print(f"{args.algorithm} step, 2^{args.log2_params} bf16 params, numba backend, {get_num_threads()} threads, "
+          f"{cpu_name()}; medians of {args.repeats} interleaved repetitions; ms")
+    print(f"{'preset':28} {'step':>8} {'x bf16-states':>13} {'in cache':>9} {'x bf16-states':>13} "
+          f"{'memory':>8} {'compute':>8} {'of ceiling':>10}")
+    for preset in PRESETS:
+        row = (f"{preset:28} {1e3 * t[preset]:8.2f} {1 / share(preset, 'bf16-states'):13.2f} "
+               f"{1e3 * t[preset + ' in cache']:9.2f} "
+               f"{1 / share(preset + ' in cache', 'bf16-states in cache'):13.2f} "
+               f"{1e3 * t[preset + ' memory']:8.2f}")
+        if preset in Q8_PRESETS:
+            ceiling = statistics.median(
+                cpu_step.ceiling_of(memory, compute, cached) / step for step, memory, compute, cached in zip(
+                    runs[preset], runs[f"{preset} memory"], runs[f"{preset} compute"], runs[f"{preset} in cache"]))
+            row += (f" {1e3 * t[preset + ' compute']:8.2f} "
+                    f"{100 * ceiling:9.0f}%")
+        print(row)
+    del keep
     return 0
 
 

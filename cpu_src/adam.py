@@ -32,7 +32,7 @@ import functools
 import numpy as np
 from numba import njit
 
-from . import rows, vector_blocks
+from . import q8_blocks, rows, vector_blocks
 from .chunks import inline_jit, update_jit
 from .storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, buffer_bits, decode, encode_master,
                       encode_moment, master_value, random_bits)
@@ -99,9 +99,14 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     # stochastic rounding only where they prefetch (without, AdamW's blocks were slower than
     # the paired loop: docs/performance.md)
     stochastic = weights == "param-stochastic" or moments == "stochastic"
-    form = None if amsgrad or quantized or (stochastic and not vector_blocks.prefetching()) else vector_blocks.form(
-        weights, param_format, grad_format, companion_format, (exp_avg_format, exp_avg_sq_format), moments,
-        track, unit, l2)
+    if amsgrad or (stochastic and not vector_blocks.prefetching()):
+        form = None
+    elif quantized:  # whole q8 blocks where both moments are q8 (q8_blocks.py)
+        form = q8_blocks.form(weights, param_format, grad_format, companion_format,
+                              (stored_exp_avg, stored_exp_avg_sq), moments, track, unit, l2, q8_stochastic)
+    else:
+        form = vector_blocks.form(weights, param_format, grad_format, companion_format,
+                                  (exp_avg_format, exp_avg_sq_format), moments, track, unit, l2)
 
     @inline_jit
     def begin(row, scalars, keys):
@@ -153,8 +158,17 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         vector_blocks.adam_block(form, param, grad, companion, states[0], states[1], scalars, scale, keys,
                                  element, ahead)
 
-    math = rows.Math(begin, update, q8_stochastic=q8_stochastic) if form is None else \
-        rows.Math(begin, update, block, vector_blocks.ADAM_BLOCK)
+    @inline_jit
+    def q8_block(param, grad, companion, states, scalars, scale, keys, element, ahead):
+        q8_blocks.adam_q8_block(form, param, grad, companion, states[0], states[1], scalars, scale, keys,
+                                element, ahead)
+
+    if form is None:
+        math = rows.Math(begin, update, q8_stochastic=q8_stochastic)
+    elif quantized:
+        math = rows.Math(begin, update, q8_block, q8_blocks.BLOCK, q8_stochastic)
+    else:
+        math = rows.Math(begin, update, block, vector_blocks.ADAM_BLOCK)
     states = (rows.q8_state(stored_exp_avg, True, EXP_AVG), rows.q8_state(stored_exp_avg_sq, False, EXP_AVG_SQ),
               rows.q8_state(stored_exp_avg_sq, False, MAX_EXP_AVG_SQ, amsgrad, amsgrad))
     return rows.chunk_function((formats, weights, moments, track, amsgrad, l2, unit, form, q8_stochastic),

@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from . import rows, vector_blocks
+from . import q8_blocks, rows, vector_blocks
 from .chunks import inline_jit, update_jit
 from .storage import (EXP_AVG, WEIGHTS, buffer_bits, decode, encode_master, encode_moment, master_value,
                       random_bits)
@@ -36,7 +36,9 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     q8_stochastic = rows.checked_q8_rounding(q8_rounding)
     weights, moments = rows.checked_policies(weights, moments)
     track, unit = bool(track), bool(unit)
-    form = None if stored_exp_avg is np.uint8 else vector_blocks.form(
+    quantized = stored_exp_avg is np.uint8
+    form = q8_blocks.form(weights, param_format, grad_format, companion_format, (stored_exp_avg,), moments, track,
+                          unit, stochastic=q8_stochastic) if quantized else vector_blocks.form(
         weights, param_format, grad_format, companion_format, (exp_avg_format,), moments, track, unit)
 
     @inline_jit
@@ -80,8 +82,16 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
         vector_blocks.lion_block(form, param, grad, companion, states[0], scalars, scale, keys, element,
                                  ahead)
 
-    math = rows.Math(begin, update, q8_stochastic=q8_stochastic) if form is None else \
-        rows.Math(begin, update, block, vector_blocks.LION_BLOCK)
+    @inline_jit
+    def q8_block(param, grad, companion, states, scalars, scale, keys, element, ahead):
+        q8_blocks.lion_q8_block(form, param, grad, companion, states[0], scalars, scale, keys, element, ahead)
+
+    if form is None:
+        math = rows.Math(begin, update, q8_stochastic=q8_stochastic)
+    elif quantized:
+        math = rows.Math(begin, update, q8_block, q8_blocks.BLOCK, q8_stochastic)
+    else:
+        math = rows.Math(begin, update, block, vector_blocks.LION_BLOCK)
     return rows.chunk_function((formats, weights, moments, track, unit, form, q8_stochastic),
                                (param_format, grad_format, companion_format), weights,
                                (rows.q8_state(stored_exp_avg, True, EXP_AVG),), 2, track, math, _chunk)

@@ -71,7 +71,8 @@ _ABSENT = State(np.uint16, False, False)
 
 class Math(NamedTuple):
     """An algorithm's functions for one configuration (the module docstring): ``block`` None
-    where the blocks do not cover the configuration, else ``block_size`` elements per block.
+    where the blocks do not cover the configuration, else ``block_size`` elements per block
+    (with q8 states: a q8 block of ``q8_blocks.py``, its states' row addresses for theirs).
     The loops call them as closure cells: only the shell is cached, under its own key."""
     begin: object
     update: object
@@ -155,7 +156,7 @@ def chunk_function(configuration: tuple, formats: tuple, weights: str, states: t
     if any(state.q8 for state in states):
         drive = _q8_drive(formats, weights, states, counters, track, math)
         chunk = chunk_compiler(configuration, drive=drive)(shell)
-        chunk.vectorised = False
+        chunk.vectorised = vector
         return chunk
 
     @inline_jit
@@ -296,10 +297,12 @@ def _writer(state: State):
 
 
 def _q8_drive(formats: tuple, weights: str, states: tuple, counters: int, track: bool, math: Math):
-    """The loops of a configuration with q8 states (``q8.py``): per block of 256 elements, the
-    q8 states' codes decoded into float32 scratch arrays, ``update`` (which sees a q8 state as
-    a float32 one) over the block's elements, then the new values quantized.  A row starts on a
-    block (the chunk table's rows are whole blocks but for a tensor's last)."""
+    """The loops of a configuration with q8 states (``q8.py``): the row's whole blocks through
+    ``block`` (``q8_blocks.py``: every state q8, hand-vectorised) where the configuration has
+    one; the other blocks one by one, the q8 states' codes decoded into float32 scratch arrays,
+    ``update`` (which sees a q8 state as a float32 one) over the block's elements, then the new
+    values quantized.  A row starts on a block (the chunk table's rows are whole blocks but for
+    a tensor's last)."""
     param_format, grad_format, companion_format = formats
     reads_param, has_companion = WEIGHT_ARRAYS[weights]
     n_states = len(states)
@@ -311,7 +314,10 @@ def _q8_drive(formats: tuple, weights: str, states: tuple, counters: int, track:
     count_0, count_1 = track and counters > 1, track and counters > 2
     counts_1, counts_2 = counters > 1, counters > 2
     stochastic = math.q8_stochastic
-    begin, update = math.begin, math.update
+    begin, update, block = math.begin, math.update, math.block
+    # whole blocks through the algorithm's q8 block (q8_blocks.py) where it covers the configuration
+    vector = block is not None
+    param_size, grad_size, companion_size = (np.dtype(f).itemsize for f in formats)
 
     @inline_jit
     def drive(row, scalars, keys, counts):
@@ -325,7 +331,16 @@ def _q8_drive(formats: tuple, weights: str, states: tuple, counters: int, track:
         state_2 = pointer_to(at_2, format_2)
         scratch_0, scratch_1, scratch_2 = q8.scratch_block(), q8.scratch_block(), q8.scratch_block()
         hits_0, hits_1, hits_2 = 0, 0, 0
-        for first in range(0, n, q8.BLOCK):
+        whole = 0
+        if vector:
+            whole = n - n % q8.BLOCK
+            for first in range(0, whole, q8.BLOCK):
+                row_at = (first // q8.BLOCK) * q8.ROW
+                rows_at = (at_0 + row_at, at_1 + row_at, at_2 + row_at)
+                block(param_at + param_size * first, grad_at + grad_size * first,
+                      companion_at + companion_size * first, rows_at[:n_states], scalars, scale, keys,
+                      element_index(start, first), prefetch_ahead(first, n, q8.BLOCK))
+        for first in range(whole, n, q8.BLOCK):
             count = min(q8.BLOCK, n - first)
             row_at = (first // q8.BLOCK) * q8.ROW
             if q8_0:

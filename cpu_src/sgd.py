@@ -9,7 +9,7 @@ import functools
 
 import numpy as np
 
-from . import rows, vector_blocks
+from . import q8_blocks, rows, vector_blocks
 from .chunks import inline_jit, update_jit
 from .storage import (EXP_AVG, WEIGHTS, buffer_bits, decode, encode_master, encode_moment, master_value,
                       random_bits)
@@ -45,8 +45,15 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     track = bool(track)
     momentum, l2, nesterov, first, unit = bool(momentum), bool(l2), bool(nesterov), bool(first), bool(unit)
     reads_buffer = momentum and not first
-    form = None if not reads_buffer or stored_buffer is np.uint8 else vector_blocks.form(
-        weights, param_format, grad_format, companion_format, (buffer_format,), moments, track, unit, l2)
+    quantized = stored_buffer is np.uint8
+    if not reads_buffer:
+        form = None
+    elif quantized:
+        form = q8_blocks.form(weights, param_format, grad_format, companion_format, (stored_buffer,), moments,
+                              track, unit, l2, q8_stochastic)
+    else:
+        form = vector_blocks.form(weights, param_format, grad_format, companion_format, (buffer_format,), moments,
+                                  track, unit, l2)
     if form is not None and nesterov:
         form |= vector_blocks.NESTEROV
 
@@ -96,8 +103,16 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
         vector_blocks.sgd_block(form, param, grad, companion, states[0], scalars, scale, keys, element,
                                 ahead)
 
-    math = rows.Math(begin, update, q8_stochastic=q8_stochastic) if form is None else \
-        rows.Math(begin, update, block, vector_blocks.SGD_BLOCK)
+    @inline_jit
+    def q8_block(param, grad, companion, states, scalars, scale, keys, element, ahead):
+        q8_blocks.sgd_q8_block(form, param, grad, companion, states[0], scalars, scale, keys, element, ahead)
+
+    if form is None:
+        math = rows.Math(begin, update, q8_stochastic=q8_stochastic)
+    elif quantized:
+        math = rows.Math(begin, update, q8_block, q8_blocks.BLOCK, q8_stochastic)
+    else:
+        math = rows.Math(begin, update, block, vector_blocks.SGD_BLOCK)
     return rows.chunk_function((formats, weights, moments, track, momentum, l2, nesterov, first, unit, form,
                                 q8_stochastic),
                                (param_format, grad_format, companion_format), weights,

@@ -174,7 +174,8 @@ class _Block:
         self.compensation_pointers = self.pointers(companion_at, self.companion16) if self.kahan else []
         self.compensations = []  # the Kahan compensations' vectors, loaded with the masters
 
-    def prefetch(self, param_at, grad_at, companion_at, moments_at: list, ahead) -> None:
+    def prefetch(self, param_at, grad_at, companion_at, moments_at: list, ahead,
+                 moment_bytes: int = 0) -> None:
         """Ask for each array's lines ``ahead`` bytes on (:func:`prefetch_ahead`), as many as the
         block spans (``prefetcht0``, a cache line each), before the block's first load.  Why:
         LLVM schedules each load next to its arithmetic, behind the divisions of the vectors
@@ -182,14 +183,15 @@ class _Block:
         loop GCC schedules with its loads first ran 3-7% ahead of the blocks).  A compiler-only
         fence keeps the prefetches first: without it LLVM sank them among the arithmetic, where
         they gained nothing.  A prefetch past an array's end is dropped by the CPU, never a
-        fault."""
+        fault.  ``moment_bytes``: a moment's bytes in the block where they are not its elements'
+        (q8 rows)."""
         companion = 4 if self.copy or (self.kahan and not self.companion16) else \
             2 if self.remainder or self.kahan else 0  # (bytes per element; 0: none)
         arrays = [(param_at, 2 if self.param16 else 4), (grad_at, 2 if self.grad16 else 4)] \
-            + ([(companion_at, companion)] if companion else []) \
-            + [(at, 2 if self.moment16 else 4) for at in moments_at]
-        _prefetch_lines(self.builder, [(address, size * LANES * self.span) for address, size in arrays],
-                        ahead)
+            + ([(companion_at, companion)] if companion else [])
+        moment_bytes = moment_bytes or (2 if self.moment16 else 4) * LANES * self.span
+        _prefetch_lines(self.builder, [(address, size * LANES * self.span) for address, size in arrays]
+                        + [(at, moment_bytes) for at in moments_at], ahead)
 
     def splat(self, x, kind=None):
         undefined = ir.Constant(kind or self.vector, ir.Undefined)
@@ -454,6 +456,64 @@ def _block_codegen(flags: int, span: int, scalar_count: int, update):
     return codegen
 
 
+# The algorithms' updates of one vector (``update(block, values, w, g, moments) -> (w, moments)``,
+# ``values`` the first ``*_SCALARS`` scalars, splatted), shared by these blocks and q8_blocks.py's.
+ADAM_SCALARS, LION_SCALARS, SGD_SCALARS = 9, 6, 4
+
+
+def adam_math(flags: int):
+    """adam.py's update, operation by operation (``L2`` of ``flags``)."""
+    def update(block, values, w, g, moments):
+        builder, (m, v) = block.builder, moments
+        beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, \
+            weight_decay, decay = values
+        if flags & L2:
+            g = builder.fadd(g, builder.fmul(w, weight_decay))
+        w = builder.fmul(w, decay)
+        m = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
+        v = builder.fadd(builder.fmul(v, beta2), builder.fmul(builder.fmul(g, g), one_minus_beta2))
+        d = builder.call(_sqrt(builder, block.vector), [v])
+        d = builder.fadd(builder.fmul(d, inv_sqrt_bias_correction2), eps)
+        w = builder.fsub(w, builder.fmul(builder.fdiv(m, d), step_size))
+        return w, (m, v)
+
+    return update
+
+
+def lion_math(flags: int):
+    """lion.py's update, operation by operation."""
+    def update(block, values, w, g, moments):
+        builder, (m,) = block.builder, moments
+        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay = values
+        zero, one, minus_one = block.constant(0.0), block.constant(1.0), block.constant(-1.0)
+        w = builder.fmul(w, decay)
+        c = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
+        s = builder.fadd(c, zero)  # sign(c): +0 for +-0, NaN for NaN
+        s = builder.select(builder.fcmp_ordered(">", c, zero), one, s)
+        s = builder.select(builder.fcmp_ordered("<", c, zero), minus_one, s)
+        w = builder.fsub(w, builder.fmul(s, lr))
+        m = builder.fadd(builder.fmul(m, beta2), builder.fmul(g, one_minus_beta2))
+        return w, (m,)
+
+    return update
+
+
+def sgd_math(flags: int):
+    """sgd.py's update, operation by operation (``L2``, ``UNIT``, ``NESTEROV`` of ``flags``)."""
+    def update(block, values, w, g, moments):
+        builder, (b,) = block.builder, moments
+        momentum, one_minus_dampening, lr, weight_decay = values
+        if flags & L2:
+            g = builder.fadd(g, builder.fmul(w, weight_decay))
+        b = builder.fmul(b, momentum)
+        b = builder.fadd(b, g if flags & UNIT else builder.fmul(g, one_minus_dampening))
+        g = builder.fadd(g, builder.fmul(b, momentum)) if flags & NESTEROV else b
+        w = builder.fsub(w, builder.fmul(g, lr))
+        return w, (b,)
+
+    return update
+
+
 # One intrinsic per algorithm, the form a literal argument: an intrinsic made per form and held
 # in a chunk function's closure would put its per-process id into Numba's on-disk cache key.
 @intrinsic(prefer_literal=True)
@@ -473,23 +533,9 @@ def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, sca
         return None
     flags = form.literal_value
 
-    def update(block, values, w, g, moments):  # adam.py's update, operation by operation
-        builder, (m, v) = block.builder, moments
-        beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, \
-            weight_decay, decay = values
-        if flags & L2:
-            g = builder.fadd(g, builder.fmul(w, weight_decay))
-        w = builder.fmul(w, decay)
-        m = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
-        v = builder.fadd(builder.fmul(v, beta2), builder.fmul(builder.fmul(g, g), one_minus_beta2))
-        d = builder.call(_sqrt(builder, block.vector), [v])
-        d = builder.fadd(builder.fmul(d, inv_sqrt_bias_correction2), eps)
-        w = builder.fsub(w, builder.fmul(builder.fdiv(m, d), step_size))
-        return w, (m, v)
-
     return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element,
                        ahead),
-            _block_codegen(flags, ADAM_SPAN, 9, update))
+            _block_codegen(flags, ADAM_SPAN, ADAM_SCALARS, adam_math(flags)))
 
 
 @intrinsic(prefer_literal=True)
@@ -502,21 +548,8 @@ def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale,
     if not isinstance(form, types.IntegerLiteral) or form.literal_value & L2:
         return None
 
-    def update(block, values, w, g, moments):  # lion.py's update, operation by operation
-        builder, (m,) = block.builder, moments
-        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay = values
-        zero, one, minus_one = block.constant(0.0), block.constant(1.0), block.constant(-1.0)
-        w = builder.fmul(w, decay)
-        c = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
-        s = builder.fadd(c, zero)  # sign(c): +0 for +-0, NaN for NaN
-        s = builder.select(builder.fcmp_ordered(">", c, zero), one, s)
-        s = builder.select(builder.fcmp_ordered("<", c, zero), minus_one, s)
-        w = builder.fsub(w, builder.fmul(s, lr))
-        m = builder.fadd(builder.fmul(m, beta2), builder.fmul(g, one_minus_beta2))
-        return w, (m,)
-
     return (types.void(form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead),
-            _block_codegen(form.literal_value, LION_SPAN, 6, update))
+            _block_codegen(form.literal_value, LION_SPAN, LION_SCALARS, lion_math(form.literal_value)))
 
 
 @intrinsic(prefer_literal=True)
@@ -531,16 +564,5 @@ def sgd_block(typingctx, form, param, grad, companion, momentum_buffer, scalars,
         return None
     flags = form.literal_value
 
-    def update(block, values, w, g, moments):  # sgd.py's update, operation by operation
-        builder, (b,) = block.builder, moments
-        momentum, one_minus_dampening, lr, weight_decay = values
-        if flags & L2:
-            g = builder.fadd(g, builder.fmul(w, weight_decay))
-        b = builder.fmul(b, momentum)
-        b = builder.fadd(b, g if flags & UNIT else builder.fmul(g, one_minus_dampening))
-        g = builder.fadd(g, builder.fmul(b, momentum)) if flags & NESTEROV else b
-        w = builder.fsub(w, builder.fmul(g, lr))
-        return w, (b,)
-
     return (types.void(form, param, grad, companion, momentum_buffer, scalars, scale, keys, element, ahead),
-            _block_codegen(flags, SGD_SPAN, 4, update))
+            _block_codegen(flags, SGD_SPAN, SGD_SCALARS, sgd_math(flags)))

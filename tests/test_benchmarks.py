@@ -342,3 +342,42 @@ def test_replacing_the_kernel_driver_leaves_the_step_helpers_the_real_one():
     result = subprocess.run([sys.executable, "-c", code, str(BENCHMARKS)], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("algorithm, preset", [("adam", "fp32-remainder-q8"), ("lion", "bf16-sr-q8")])
+def test_q8_compute_limit_does_the_work_and_prefetches_the_same_bits(algorithm, preset):
+    """The q8 compute-limit kernel rewrites every operand (params, the remainder, each q8 row's
+    codes and scale), and its prefetching form gives the plain form's bits."""
+    compute_limit, = benchmark_modules("compute_limit")
+    storage = compute_limit.PRESET_STORAGE[preset]
+    results = []
+    for prefetch in (False, True):
+        operands = compute_limit.arrays(2, 512, algorithm, storage, seed=3)
+        before = [a.copy() for a in (operands.p, operands.w, operands.m, operands.v)]
+        compute_limit.runner(algorithm, storage, operands, 1, prefetch=prefetch)()
+        after = [operands.p, operands.w, operands.m, operands.v]
+        for name, old, new in zip("pwmv", before, after):
+            if new.size:
+                assert not np.array_equal(old, new), name
+        m_rows = operands.m.reshape(2, 2, 260)
+        assert not np.array_equal(before[2].reshape(2, 2, 260)[..., 256:], m_rows[..., 256:])  # new scales
+        results.append([a.copy() for a in after])
+    for plain, prefetched in zip(*results):
+        np.testing.assert_array_equal(prefetched.view(np.uint8), plain.view(np.uint8))
+
+
+def test_q8_memory_limit_moves_every_q8_byte():
+    """cpu_step's memory limit of a q8 preset adds the grad to the param and the remainder and
+    increments every 4-byte word of both moments' q8 rows (scales included)."""
+    import torch
+
+    cpu_step, = benchmark_modules("cpu_step")
+    param = torch.zeros(1024, dtype=torch.bfloat16)
+    grad = torch.full((1024,), 3, dtype=torch.int16).view(torch.bfloat16)  # (the limit adds bit patterns)
+    remainder = torch.zeros(1024, dtype=torch.int16)
+    m, v = (torch.zeros((4, 260), dtype=torch.uint8) for _ in range(2))
+    cpu_step.limit_step(param, grad, [remainder, m, v])()
+    assert torch.equal(param.view(torch.int16), grad.view(torch.int16))
+    assert torch.equal(remainder, grad.view(torch.int16))
+    for rows in (m, v):
+        assert torch.equal(rows.view(torch.int32), torch.ones((4, 65), dtype=torch.int32))

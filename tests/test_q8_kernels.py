@@ -106,3 +106,134 @@ def test_offloaded_q8_state_matches_the_reference():
     for index, state in expected_state.items():
         for key, value in state.items():
             assert torch.equal(value, got_state[index][key]), (index, key)
+
+
+# ---------------------------------------------------------------- the hand-vectorised q8 blocks
+def _q8_blocks_or_skip():
+    from bf16opt._cpu import vector_blocks  # noqa: PLC0415
+    if not vector_blocks.available():
+        pytest.skip("needs a CPU with AVX-512 (the hand-vectorised q8 blocks)")
+    from bf16opt._cpu import q8_blocks  # noqa: PLC0415
+    return q8_blocks
+
+
+def _interesting_normalized(signed: bool) -> np.ndarray:
+    """Every map value and boundary with its neighbours 1 and 2 ulps away, the zeros, the ends,
+    tiny and subnormal values and random values of [-1, 1] (or [0, 1])."""
+    from bf16opt._cpu import q8  # noqa: PLC0415
+    values, bounds = q8.maps(signed)
+    entries = np.concatenate((values[:255], bounds[:254])).astype(np.float32)
+    around = [entries]
+    for direction in (np.inf, -np.inf):
+        step = entries
+        for _ in range(2):
+            step = np.nextafter(step, np.float32(direction)).astype(np.float32)
+            around.append(step)
+    rng = np.random.default_rng(7)
+    special = np.array([0.0, -0.0, 1.0, 1e-45, 1e-38, 1e-30, 1e-9], dtype=np.float32)
+    ys = np.concatenate(around + [special, -special, rng.uniform(-1, 1, 4096).astype(np.float32)])
+    ys = ys[(ys >= (-1 if signed else 0)) & (ys <= 1)]
+    return np.concatenate((ys, np.zeros(-ys.size % 16, dtype=np.float32)))
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_q8_block_lookup_counts_as_a_search(signed, stochastic):
+    """The blocks' bucket lookup (one gather per 16 values, no search) gives the spec's counts:
+    round to nearest the code of #{boundaries < y}, stochastic #{values <= y}, at every map
+    value and boundary and their neighbours."""
+    from numba import njit  # noqa: PLC0415
+    q8_blocks = _q8_blocks_or_skip()
+
+    @njit
+    def counts(ys, out):
+        for i in range(0, ys.size, 16):
+            q8_blocks.count_vector(signed, stochastic, ys[i:].ctypes.data, out[i:].ctypes.data)
+
+    ys = _interesting_normalized(signed)
+    got = np.empty(ys.size, dtype=np.int32)
+    counts(ys, got)
+    spec = torch.from_numpy(ys)
+    if stochastic:
+        table = torch.tensor(q8_map(signed, "dynamic"), dtype=torch.float32)
+        expected = torch.searchsorted(table, spec, right=True).numpy()
+        np.testing.assert_array_equal(got & 0xFF, expected)
+    else:
+        bounds = torch.tensor(q8_boundaries(signed, "dynamic"), dtype=torch.float32)
+        index = torch.searchsorted(bounds, spec, right=False).numpy()
+        np.testing.assert_array_equal(got & 0xFF, (index - 127) & 0xFF if signed else index)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("by_bytes", [False, True], ids=["gathers", "byte-permutes"])
+def test_q8_block_decoding_equals_the_spec(signed, by_bytes):
+    """Both forms of the blocks' decoding (gathers; byte permutes where the CPU has AVX512-VBMI)
+    give the spec's values of every code, NaN code included, for several scales."""
+    from numba import njit  # noqa: PLC0415
+    from bf16opt.storage import q8_decode  # noqa: PLC0415
+    q8_blocks = _q8_blocks_or_skip()
+    if by_bytes and not q8_blocks._byte_permutes():
+        pytest.skip("needs a CPU with AVX512-VBMI (the byte-permute decoding)")
+
+    @njit
+    def decode(rows, out):
+        for b in range(rows.shape[0]):
+            q8_blocks.decode_row(signed, by_bytes, rows[b:].ctypes.data, out[b:].ctypes.data)
+
+    rng = np.random.default_rng(5)
+    scales = np.array([1.0, 3e-4, 7e-30, 2.5e30], dtype=np.float32)
+    rows = np.zeros((scales.size * 2, 260), dtype=np.uint8)
+    rows[0::2, :256] = np.arange(256, dtype=np.uint8)          # every code, in order
+    rows[1::2, :256] = rng.permutation(256).astype(np.uint8)   # and shuffled
+    rows[:, 256:] = np.repeat(scales, 2)[:, None].view(np.uint8)
+    got = np.empty((rows.shape[0], 256), dtype=np.float32)
+    decode(rows, got)
+    expected = q8_decode(torch.from_numpy(rows), (rows.shape[0] * 256,), signed).numpy()
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint32), expected.view(np.uint32))
+
+
+Q8_BLOCK_SHAPES = [(7,), (256,), (1000,), (3, 700)]  # a partial block alone, whole blocks, both
+
+
+# (plan, decay) of the block-path tests: each a compiled configuration, kept few (cold compiles)
+BLOCK_CASES = [("remainder", "decoupled"), ("bf16-sr", "l2"), ("fp32-q8sr", "decoupled")]
+
+
+@pytest.mark.parametrize("plan_name, decay", BLOCK_CASES)
+def test_adam_q8_blocks_match_the_reference(plan_name, decay, small_chunks):  # noqa: F811
+    """Without telemetry or amsgrad the whole q8 blocks take the hand-vectorised path: the same
+    bits as the reference, NaN and inf grads in blocks included (make_bucket's specials), with
+    round to nearest (remainder) and stochastic rounding (bf16-sr's param and fp32-q8sr's q8
+    moments; bf16-sr's q8 moments round to nearest)."""
+    from bf16opt.backends import numba as numba_backend  # noqa: PLC0415
+    _q8_blocks_or_skip()
+    group = ADAM_GROUPS[decay]
+    bucket = make_bucket("adam", PLANS[plan_name], Q8_BLOCK_SHAPES, seed=11, flags=adam_flags(group, False))
+    assert numba_backend.chunk_function(bucket.config, True).vectorised
+    run_both(bucket, group, 3, f"adam q8 blocks {plan_name} {decay}", unit=True)
+
+
+def test_lion_and_sgd_q8_blocks_match_the_reference(small_chunks):  # noqa: F811
+    """Lion (q8 round to nearest) and SGD nesterov (q8 stochastic rounding) on the block path."""
+    from bf16opt.backends import numba as numba_backend  # noqa: PLC0415
+    _q8_blocks_or_skip()
+    bucket = make_bucket("lion", PLANS["remainder"], Q8_BLOCK_SHAPES, seed=12)
+    assert numba_backend.chunk_function(bucket.config, True).vectorised
+    run_both(bucket, LION_GROUP, 3, "lion q8 blocks", unit=True)
+    group = sgd_group(momentum=0.9, nesterov=True, weight_decay=0.01)
+    bucket = make_bucket("sgd", PLANS["fp32-q8sr"], Q8_BLOCK_SHAPES, seed=13, flags=sgd_flags(group, first=True))
+    run_both(bucket, group, 3, "sgd q8 blocks", unit=True)  # (step 1 writes the buffer, 2 and 3 read it)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.integers(1, 2000), min_size=1, max_size=3), st.integers(0, 2 ** 16),
+       st.sampled_from(BLOCK_CASES), st.booleans())
+def test_q8_blocks_any_sizes_match_the_reference(numels, seed, case, specials):
+    """Any sizes (whole and partial blocks), with and without non-finite grads, SR on and off
+    (the configurations of test_adam_q8_blocks_match_the_reference: no new compile)."""
+    _q8_blocks_or_skip()
+    plan_name, decay = case
+    group = ADAM_GROUPS[decay]
+    bucket = make_bucket("adam", PLANS[plan_name], [(n,) for n in numels], seed=seed,
+                         flags=adam_flags(group, False), specials=specials)
+    run_both(bucket, group, 2, f"adam q8 blocks {plan_name} {decay} {numels}", unit=True)
