@@ -17,7 +17,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 def pytest_configure(config):
     """Pin the run seed (``tests/gpu_sample.py``) before xdist starts its workers, which inherit
-    the environment: every worker then collects the same half of the sweeps
+    the environment: every worker then collects the same part of the sweeps
     (``tests/sweeps.py``), even across midnight."""
     import gpu_sample
 
@@ -31,5 +31,5 @@ def pytest_report_header(config):
     if sweeps.sweeps_everything():
         return f"configuration sweeps: every item (${sweeps.SWEEP_VARIABLE}=all)"
     seed = gpu_sample.sample_seed()
-    return (f"configuration sweeps: half {sweeps.run_half()} of 2 (seed {seed}; repeat with "
+    return (f"configuration sweeps: part {sweeps.run_part()} of {sweeps.PARTS} (seed {seed}; repeat with "
             f"{gpu_sample.SEED_VARIABLE}={seed}, every item with {sweeps.SWEEP_VARIABLE}=all)")

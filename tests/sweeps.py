@@ -1,18 +1,20 @@
-"""Which half of a configuration sweep one run of the suite compiles.
+"""Which part of a configuration sweep one run of the suite compiles.
 
 The sweeps over every storage plan (``test_numba_backend.py``, ``test_numba_quality.py``) and
 over every CUDA instantiation (``test_cuda_compile.py``) compile each configuration cold: a
 Numba chunk function of about a second of one core, an NVRTC program of several.  All of them
-on every run would keep the suite over its ten minutes on two cores, so a run takes half:
+on every run would keep the suite over its ten minutes on two cores, so a run takes one of
+:data:`PARTS` parts:
 
-* the items whose key hashes to the run seed's parity (the seed is ``tests/gpu_sample.py``'s:
-  today's date unless ``$BF16OPT_GPU_SAMPLE_SEED`` is set), so the runs of two consecutive
-  days cover every item, and a failing run repeats with its seed;
+* the items whose key hashes to the run seed modulo :data:`PARTS` (the seed is
+  ``tests/gpu_sample.py``'s: today's date as YYYYMMDD unless ``$BF16OPT_GPU_SAMPLE_SEED`` is
+  set), so the runs of consecutive days take the parts in turn, and a failing run repeats with
+  its seed;
 * plus the items every run must check (``always``): the plans of the named presets, which are
   what users run;
-* ``$BF16OPT_SWEEP=all`` runs every item.
+* ``$BF16OPT_SWEEP=all`` runs every item (do so after changing a kernel or ``storage.py``).
 
-``conftest.py`` pins the seed for the run's workers and names the half in the report header.
+``conftest.py`` pins the seed for the run's workers and names the part in the report header.
 """
 
 from __future__ import annotations
@@ -24,29 +26,31 @@ import gpu_sample
 from bf16opt.precision import PARAM_DTYPES, PRESETS, plan_for
 
 SWEEP_VARIABLE = "BF16OPT_SWEEP"
+#: how many parts a sweep is cut into: one per run
+PARTS = 4
 
 
 def sweeps_everything(environ=os.environ) -> bool:
     """Whether this run sweeps every item (``$BF16OPT_SWEEP=all``)."""
     value = environ.get(SWEEP_VARIABLE, "").strip().lower()
-    if value not in ("", "all", "half"):
-        raise ValueError(f"{SWEEP_VARIABLE} must be 'all' or 'half', got {value!r}")
+    if value not in ("", "all"):
+        raise ValueError(f"{SWEEP_VARIABLE} must be 'all' or unset, got {value!r}")
     return value == "all"
 
 
-def run_half(environ=os.environ) -> int:
-    """Which half (0 or 1) this run sweeps: the run seed's parity."""
-    return gpu_sample.sample_seed(environ) % 2
+def run_part(environ=os.environ) -> int:
+    """Which part (0 to PARTS - 1) this run sweeps: the run seed modulo :data:`PARTS`."""
+    return gpu_sample.sample_seed(environ) % PARTS
 
 
-def todays_half(items, key=str, always=lambda item: False, environ=os.environ) -> list:
+def todays_part(items, key=str, always=lambda item: False, environ=os.environ) -> list:
     """The ``items`` this run sweeps, in their order: those ``always`` keeps, and those whose
-    ``key`` (a string, stable from run to run) hashes to :func:`run_half`."""
+    ``key`` (a string, stable from run to run) hashes to :func:`run_part`."""
     items = list(items)
     if sweeps_everything(environ):
         return items
-    half = run_half(environ)
-    return [item for item in items if always(item) or zlib.crc32(key(item).encode()) % 2 == half]
+    part = run_part(environ)
+    return [item for item in items if always(item) or zlib.crc32(key(item).encode()) % PARTS == part]
 
 
 def preset_plans() -> set:
@@ -62,6 +66,6 @@ def preset_plans() -> set:
 
 
 def todays_plans(plans, plan_id) -> list:
-    """The storage plans this run sweeps: every preset's, and half of the others."""
+    """The storage plans this run sweeps: every preset's, and one part of the others."""
     presets = preset_plans()
-    return todays_half(plans, key=plan_id, always=presets.__contains__)
+    return todays_part(plans, key=plan_id, always=presets.__contains__)

@@ -10,9 +10,9 @@ path for sm_90).
 The instantiations are all plans of ``all_plans(quality=True)`` x each algorithm's
 template flags (Adam's amsgrad, SGD's momentum) x telemetry on/off
 (``all_kernel_names``: 228 Adam + 54 Lion + 78 SGD; maximize, L2, nesterov, ... are
-run-time flags), half of them compiled for compute_80 on each run (the half chosen by the run's
-seed: ``tests/sweeps.py``, so consecutive days' runs cover every name; ``$BF16OPT_SWEEP=all``
-compiles all), and one program of each kind and telemetry
+run-time flags), a part of them compiled for compute_80 on each run (the part chosen by the run's
+seed: ``tests/sweeps.py``, so consecutive days' runs take every name in turn;
+``$BF16OPT_SWEEP=all`` compiles all), and one program of each kind and telemetry
 setting for compute_90 (``SAMPLE`` names spread over the plans).  NVRTC takes ~0.1 s per instantiation
 and grows faster than linearly with the number of name expressions in one program
 (160 names: 16.6 s in one program, 8.8 s in programs of 16), so they are compiled in
@@ -41,7 +41,7 @@ from bf16opt.backends import cuda_compile
 from bf16opt.backends import cupy as cuda_backend
 from bf16opt.precision import all_plans, q8_plans
 
-sys.path.insert(0, str(Path(__file__).parent))  # (sweeps.py: the run's half of the sweep)
+sys.path.insert(0, str(Path(__file__).parent))  # (sweeps.py: the run's part of the sweep)
 import sweeps  # noqa: E402
 
 pytestmark = pytest.mark.nvrtc
@@ -100,8 +100,8 @@ def ptx_facts(kind: str, arch: str, names: list) -> dict:
 
 def first_arch_names(names: list, environ=os.environ) -> list:
     """The names of one (kind, telemetry) compiled for the first arch on this run: this run's
-    half (``tests/sweeps.py``), or all with ``$BF16OPT_SWEEP=all``."""
-    return sweeps.todays_half(names, environ=environ)
+    part (``tests/sweeps.py``), or all with ``$BF16OPT_SWEEP=all``."""
+    return sweeps.todays_part(names, environ=environ)
 
 
 def jobs() -> list:
@@ -201,11 +201,11 @@ def test_every_instantiation_compiles(compiled_ptx):
                for arch in ARCHS[1:])
 
 
-def test_two_runs_of_other_parity_sweep_every_name():
-    """The first arch's half-sweeps of two consecutive days are disjoint and cover every name."""
+def test_consecutive_runs_sweep_every_name():
+    """The first arch's part-sweeps of consecutive days are disjoint and cover every name."""
     names = cuda_backend.all_kernel_names("sgd")
-    days = [first_arch_names(names, {"BF16OPT_GPU_SAMPLE_SEED": str(seed)}) for seed in (20261128, 20261129)]
-    assert not set(days[0]) & set(days[1]) and sorted(days[0] + days[1]) == sorted(names)
+    days = [first_arch_names(names, {"BF16OPT_GPU_SAMPLE_SEED": str(20261128 + k)}) for k in range(sweeps.PARTS)]
+    assert sorted(name for day in days for name in day) == sorted(names)
     assert first_arch_names(names, {sweeps.SWEEP_VARIABLE: "all"}) == names
 
 

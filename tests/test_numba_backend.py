@@ -40,7 +40,7 @@ from sweeps import todays_plans  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANS = all_plans()
-#: the plans this run sweeps (every preset's and half of the others: ``tests/sweeps.py``)
+#: the plans this run sweeps (every preset's and a part of the others: ``tests/sweeps.py``)
 SWEPT_PLANS = todays_plans(PLANS, plan_id)
 
 

@@ -31,7 +31,7 @@ from test_numba_backend import OPTIMIZER_OPTIONS, _interesting_f32_bits  # noqa:
 
 PLAIN_PLANS = all_plans()
 QUALITY_PLANS = all_plans(quality=True)[len(PLAIN_PLANS):]
-#: the plans this run sweeps (every preset's and half of the others: ``tests/sweeps.py``)
+#: the plans this run sweeps (every preset's and a part of the others: ``tests/sweeps.py``)
 SWEPT_QUALITY_PLANS, SWEPT_PLAIN_PLANS = todays_plans(QUALITY_PLANS, plan_id), todays_plans(PLAIN_PLANS, plan_id)
 
 def test_quality_plans_cover_every_feature():

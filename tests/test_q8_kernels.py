@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from bf16opt.precision import Precision, plan_for
 from bf16opt.storage import Q8, q8_boundaries, q8_map
 from buckets import ADAM_GROUPS, adam_flags, make_bucket, run_both, sgd_flags, sgd_group, small_chunks  # noqa: F401
+from sweeps import todays_part
 
 pytest.importorskip("numba", reason="the Numba kernels need numba")
 
@@ -45,9 +46,16 @@ def test_maps_equal_the_spec():
         np.testing.assert_array_equal(bounds[:255], np.array(q8_boundaries(signed, "dynamic"), dtype=np.float32))
 
 
-@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS.keys())
-@pytest.mark.parametrize("amsgrad", [False, True])
-def test_adam_q8_matches_the_reference(plan, amsgrad, small_chunks):  # noqa: F811
+# (plan, amsgrad): the preset's plan (fp32-remainder-q8's) on every run, the others a part per
+# run (tests/sweeps.py; q8 configurations are the slowest of all to compile)
+ADAM_CASES = todays_part([(name, amsgrad) for name in PLANS for amsgrad in (False, True)],
+                         key=lambda case: f"{case[0]}-{case[1]}", always=lambda case: case[0] == "remainder")
+
+
+@pytest.mark.parametrize("name, amsgrad", ADAM_CASES,
+                         ids=[f"{name}-{'amsgrad' if amsgrad else 'adam'}" for name, amsgrad in ADAM_CASES])
+def test_adam_q8_matches_the_reference(name, amsgrad, small_chunks):  # noqa: F811
+    plan = PLANS[name]
     group = ADAM_GROUPS["decoupled"]
     bucket = make_bucket("adam", plan, SHAPES, seed=3, flags=adam_flags(group, amsgrad), track=True)
     run_both(bucket, group, 3, f"adam q8 amsgrad={amsgrad}")
