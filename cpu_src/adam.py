@@ -163,12 +163,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
         q8_blocks.adam_q8_block(form, param, grad, companion, states[0], states[1], scalars, scale, keys,
                                 element, ahead)
 
-    if form is None:
-        math = rows.Math(begin, update, q8_stochastic=q8_stochastic)
-    elif quantized:
-        math = rows.Math(begin, update, q8_block, q8_blocks.BLOCK, q8_stochastic)
-    else:
-        math = rows.Math(begin, update, block, vector_blocks.ADAM_BLOCK)
+    math = rows.block_math(begin, update, form, quantized, q8_stochastic, block, vector_blocks.ADAM_BLOCK,
+                           q8_block)
     states = (rows.q8_state(stored_exp_avg, True, EXP_AVG), rows.q8_state(stored_exp_avg_sq, False, EXP_AVG_SQ),
               rows.q8_state(stored_exp_avg_sq, False, MAX_EXP_AVG_SQ, amsgrad, amsgrad))
     return rows.chunk_function((formats, weights, moments, track, amsgrad, l2, unit, form, q8_stochastic),

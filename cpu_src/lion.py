@@ -86,12 +86,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     def q8_block(param, grad, companion, states, scalars, scale, keys, element, ahead):
         q8_blocks.lion_q8_block(form, param, grad, companion, states[0], scalars, scale, keys, element, ahead)
 
-    if form is None:
-        math = rows.Math(begin, update, q8_stochastic=q8_stochastic)
-    elif quantized:
-        math = rows.Math(begin, update, q8_block, q8_blocks.BLOCK, q8_stochastic)
-    else:
-        math = rows.Math(begin, update, block, vector_blocks.LION_BLOCK)
+    math = rows.block_math(begin, update, form, quantized, q8_stochastic, block, vector_blocks.LION_BLOCK,
+                           q8_block)
     return rows.chunk_function((formats, weights, moments, track, unit, form, q8_stochastic),
                                (param_format, grad_format, companion_format), weights,
                                (rows.q8_state(stored_exp_avg, True, EXP_AVG),), 2, track, math, _chunk)

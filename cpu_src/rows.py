@@ -48,7 +48,7 @@ from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, element_
                       pair_word, pointer_to)
 from .vector_blocks import prefetch_ahead
 
-__all__ = ["STATES", "Math", "State", "checked_policies", "chunk_function"]
+__all__ = ["STATES", "Math", "State", "block_math", "checked_policies", "chunk_function"]
 
 #: the most state arrays of one algorithm (Adam's exp_avg, exp_avg_sq, max_exp_avg_sq)
 STATES = 3
@@ -79,6 +79,18 @@ class Math(NamedTuple):
     block: object = None
     block_size: int = 0
     q8_stochastic: bool = False  # q8 states round stochastically
+
+
+def block_math(begin, update, form, quantized: bool, q8_stochastic: bool, block, block_size: int,
+               q8_block) -> Math:
+    """An algorithm's :class:`Math`: no blocks where ``form`` is None (``vector_blocks.form``
+    does not cover the configuration), else ``q8_block`` over whole q8 blocks where the states
+    are ``quantized``, else ``block`` of ``block_size`` elements."""
+    if form is None:
+        return Math(begin, update, q8_stochastic=q8_stochastic)
+    if quantized:
+        return Math(begin, update, q8_block, q8.BLOCK, q8_stochastic)
+    return Math(begin, update, block, block_size)
 
 
 def q8_state(format, signed: bool, buffer: int, reads: bool = True, writes: bool = True) -> State:
