@@ -382,3 +382,16 @@ def test_q8_memory_limit_moves_every_q8_byte():
     assert torch.equal(remainder, grad.view(torch.int16))
     for rows in (m, v):
         assert torch.equal(rows.view(torch.int32), torch.ones((4, 65), dtype=torch.int32))
+
+
+def test_q8_quality_benchmark_prints_its_table():
+    """Two steps keep q8_quality.py's table code running (the figures come from 300); peers that
+    are not installed are named, never raised."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "q8_quality.py"), "--steps", "2", "--skip-maps"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.split("final loss, gap to fp32")[1].splitlines()
+    rows = {line[:41].strip(): line[41:].split() for line in table if line.startswith("  ") and "%" in line}
+    assert {"fp32", "fp32-remainder-q8", "bf16-sr-q8"} <= set(rows), result.stdout
+    assert rows["fp32"][1] == "+0.000%" and all(float(row[0]) > 0 for row in rows.values())
+    assert "torchao" in result.stdout and "bitsandbytes" in result.stdout
