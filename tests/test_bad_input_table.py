@@ -156,6 +156,23 @@ for row_id, opt_class, kwargs in [
     case(row_id)(construct(opt_class, **kwargs))
 
 
+def construct_with_precision(**fields):
+    """Constructor row whose Precision is refused as it is made (inside the call, not at import)."""
+    def make():
+        opt, a, b = live()
+        return opt, lambda: bf16opt.AdamW([a, b], precision=bf16opt.Precision(**fields))
+    return make
+
+
+for row_id, fields in [
+    ("moment-format-unknown", dict(exp_avg="q4")),
+    ("q8-rounding-unknown", dict(exp_avg="q8", exp_avg_sq="q8", q8_rounding="up")),
+    ("q8-min-numel-negative", dict(exp_avg="q8", exp_avg_sq="q8", q8_min_numel=-1)),
+    ("small-moments-fp16", dict(exp_avg="q8", exp_avg_sq="q8", small_moments="fp16")),
+]:
+    case(row_id)(construct_with_precision(**fields))
+
+
 class Overriding(torch.Tensor):
     """A subclass that overrides torch's ops (as quantised or logging tensors do)."""
 
