@@ -204,7 +204,8 @@ def test_every_instantiation_compiles(compiled_ptx):
 def test_consecutive_runs_sweep_every_name():
     """The first arch's part-sweeps of consecutive days are disjoint and cover every name."""
     names = cuda_backend.all_kernel_names("sgd")
-    days = [first_arch_names(names, {"BF16OPT_GPU_SAMPLE_SEED": str(20261128 + k)}) for k in range(sweeps.PARTS)]
+    days = [first_arch_names(names, {"BF16OPT_GPU_SAMPLE_SEED": str(20261128 + k)})
+            for k in range(sweeps.PARTS)]
     assert sorted(name for day in days for name in day) == sorted(names)
     assert first_arch_names(names, {sweeps.SWEEP_VARIABLE: "all"}) == names
 

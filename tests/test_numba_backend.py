@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANS = all_plans()
 #: the plans this run sweeps (every preset's and a part of the others: ``tests/sweeps.py``)
 SWEPT_PLANS = todays_plans(PLANS, plan_id)
+SWEPT_QUALITY_PLANS = todays_plans(all_plans(quality=True), plan_id)  # (quality ones included)
 
 
 # ---------------------------------------------------------------- storage helpers
@@ -574,7 +575,7 @@ def sgd_cases(draw):
     """This run's plans (quality ones included: ``tests/sweeps.py``), momentum on/off, nesterov,
     the buffer's first step, L2, maximize, telemetry, contiguous / transposed / strided /
     channels_last."""
-    plan = draw(st.sampled_from(todays_plans(all_plans(quality=True), plan_id)))
+    plan = draw(st.sampled_from(SWEPT_QUALITY_PLANS))
     shapes = draw(st.lists(sgd_shape_strategy, min_size=1, max_size=4))
     layouts = [draw(st.sampled_from(["contiguous", "transposed"]
                                     + (["channels_last"] if len(shape) == 4 else [])))
