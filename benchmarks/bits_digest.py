@@ -5,7 +5,7 @@ A refactor that must not change a single bit runs this before and after and comp
 lines (``diff``).  Grads are made by a seeded generator, so the lines depend on the code
 alone.
 
-    python benchmarks/bits_digest.py [--steps 200] [--backends reference,numba] > digest.txt
+    python benchmarks/bits_digest.py [--steps 200] [--backends reference,numba] [--optimizers SGD] > digest.txt
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ OPTIMIZERS = {
     "SGD": lambda params, **kw: bf16opt.SGD(params, lr=1e-2, **kw),
     "SGD-nesterov": lambda params, **kw: bf16opt.SGD(params, lr=1e-2, momentum=0.9, nesterov=True,
                                                      weight_decay=1e-3, **kw),
+    "SGD-dampening": lambda params, **kw: bf16opt.SGD(params, lr=1e-2, momentum=0.9, dampening=0.1, **kw),
 }
 
 
@@ -59,9 +60,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--backends", default="reference,numba")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="of: " + ", ".join(OPTIMIZERS))
     args = parser.parse_args(argv)
     for backend in args.backends.split(","):
-        for optimizer_name in OPTIMIZERS:
+        for optimizer_name in args.optimizers.split(","):
             for preset in bf16opt.PRESETS:
                 for dtype in (torch.float32, torch.bfloat16):
                     try:

@@ -28,7 +28,7 @@ from bf16opt.backends import numba as numba_backend
 from bf16opt.backends import staging
 from bf16opt._cpu import vector_blocks
 from bf16opt.precision import PRESETS, StoragePlan, all_plans, plan_for
-from bf16opt.storage import encode, split_remainder
+from bf16opt.storage import Q8, encode, split_remainder
 
 pytest.importorskip("numba")
 
@@ -680,6 +680,21 @@ def test_every_configuration_has_a_chunk_function(monkeypatch):
             assert set(formats) <= {np.float32, np.int16, np.uint16}
             assert weights in WEIGHT_POLICIES and rounding in MOMENT_ROUNDINGS
             assert isinstance(track, bool)
+
+
+def test_a_buffers_first_step_runs_the_later_steps_chunk_function():
+    """A momentum buffer's first SGD step compiles nothing more than its later steps: it
+    runs their chunk function (on a buffer of -0.0; its bits are the reference's in
+    test_sgd_every_configuration), except with a q8 buffer."""
+    plans = all_plans(quality=True) + [plan_for(PRESETS["bf16-sr-q8"], torch.bfloat16)]
+    for plan in plans:
+        for nesterov in (False, True):
+            flags = {"momentum": True, "l2": False, "maximize": False, "nesterov": nesterov}
+            first, later = (kernel_config(SGD, plan, tuple({**flags, "first": f}.items())) for f in (True, False))
+            quantized = plan.exp_avg == Q8
+            assert (numba_backend.chunk_arguments(first) == numba_backend.chunk_arguments(later)) != quantized
+            assert numba_backend.first_as_later(first) != quantized
+            assert not numba_backend.first_as_later(later)
 
 
 def test_step_bumps_the_autograd_version_counter():
