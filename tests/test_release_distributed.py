@@ -1,8 +1,8 @@
 """Update in backward under FSDP2 (two CPU ranks, gloo).
 
 FSDP2's sharded params take no part in autograd: their grads are written by its reduce-scatter,
-which then runs the params' post-accumulate-grad hooks itself (torch >= 2.5) with the reduced
-``Shard(0)`` grad.  So ``update_in_backward=True`` updates each shard in backward and frees its
+which then runs the params' post-accumulate-grad hooks itself (pytorch PR 129450; tested with
+torch 2.13) with the reduced ``Shard(0)`` grad.  So ``update_in_backward=True`` updates each shard in backward and frees its
 grad, with the normal step's bits.  Each rank trains on its own batches here, so a hook that saw
 a rank's partial (unreduced) grad would give other bits than the normal step.
 """
@@ -18,14 +18,43 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import bf16opt
-from test_distributed import _fsdp2_model, bits, needs_gloo
+from test_distributed import _fsdp2_model, bits, make_model, needs_gloo
 
-CASES = [  # (optimizer, backend, preset, offload, extra keywords)
-    (bf16opt.AdamW, "numba", "bf16-sr", None, {}),
-    (bf16opt.AdamW, "numba", "fp32-remainder", None, {}),
-    (bf16opt.AdamW, "reference", "bf16-states", None, {}),
-    (bf16opt.SGD, "numba", "bf16-kahan", None, {"momentum": 0.9}),
-    (bf16opt.AdamW, "numba", "bf16-sr", "cpu", {}),
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _root_only_model():
+    """make_model's layers in one fully_shard unit, the root: its reduce-scatter runs at the
+    end of backward, from FSDP2's own end-of-backward callback."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    return fully_shard(make_model(), mesh=_mesh())
+
+
+def _mixed_precision_model():
+    """make_model in float32, computed in bfloat16 and reduced in float32 (FSDP2's usual
+    MixedPrecisionPolicy): the hooks see the float32 sharded grad."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = make_model().float()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=_mesh(), mp_policy=policy)
+    return fully_shard(model, mesh=_mesh(), mp_policy=policy)
+
+
+CASES = [  # (model, optimizer, backend, preset, offload, extra keywords)
+    (_fsdp2_model, bf16opt.AdamW, "numba", "bf16-sr", None, {}),
+    (_fsdp2_model, bf16opt.AdamW, "numba", "fp32-remainder", None, {}),
+    (_fsdp2_model, bf16opt.AdamW, "reference", "bf16-states", None, {}),
+    (_fsdp2_model, bf16opt.SGD, "numba", "bf16-kahan", None, {"momentum": 0.9}),
+    (_fsdp2_model, bf16opt.AdamW, "numba", "bf16-sr", "cpu", {}),
+    (_root_only_model, bf16opt.AdamW, "numba", "bf16-sr", "cpu", {}),
+    (_mixed_precision_model, bf16opt.AdamW, "numba", "fp32", None, {}),
 ]
 
 
@@ -42,10 +71,9 @@ class Twice(nn.Module):
 
 
 def _twice_model():
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = _mesh()
     model = Twice().to(torch.bfloat16)
     fully_shard(model.inner, mesh=mesh)
     fully_shard(model.head, mesh=mesh)
@@ -98,10 +126,10 @@ def check_steps_match_the_normal_step(rank: int) -> list:
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     failures = []
-    for opt_class, backend, preset, offload, extra in CASES:
-        what = f"{opt_class.__name__} {backend} {preset} offload={offload}"
+    for make, opt_class, backend, preset, offload, extra in CASES:
+        what = f"{make.__name__} {opt_class.__name__} {backend} {preset} offload={offload}"
         kwargs = dict(lr=1e-2, precision=preset, backend=backend, seed=7, offload=offload, **extra)
-        normal, release = _fsdp2_model(), _fsdp2_model()
+        normal, release = make(), make()
         seen = {}  # param -> the grad its hook saw (registered before the optimizer's, so it runs first)
         for q in release.parameters():
             q.register_post_accumulate_grad_hook(lambda t: seen.__setitem__(t, t.grad))
@@ -218,8 +246,9 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 def test_fsdp2_updates_in_backward_with_the_normal_steps_bits(monkeypatch):
     """FSDP2 runs the hooks after its reduce-scatter: each shard is updated in backward from the
     reduced grad and its grad freed, with the normal step's bits (AdamW with stochastic rounding,
-    remainder, bf16 states on the reference, SGD momentum with Kahan, offload='cpu'), with either
-    way of accumulating grads and with a unit used twice; per-update clipping is refused."""
+    remainder, bf16 states on the reference, SGD momentum with Kahan, offload='cpu' also with the
+    root as the only unit, float32 params under a mixed-precision policy), with either way of
+    accumulating grads and with a unit used twice; per-update clipping is refused."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     results = mp.Manager().dict()
     with socket.socket() as s:
