@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from .checks import check_number
+from .distributed import is_dtensor
 
-__all__ = ["KEY", "check_max_norm", "coefficient"]
+__all__ = ["KEY", "check_max_norm", "check_whole_params", "coefficient", "refuse_dtensor"]
 
 KEY = "max_grad_norm_per_param"
 _EPS = 1e-6  # (torch.nn.utils.clip_grad_norm_'s)
@@ -31,6 +32,19 @@ def check_max_norm(value) -> None:
         raise TypeError(f"{KEY} must be None or a float, got a tensor")
     if check_number(value, KEY, KEY) <= 0.0:
         raise ValueError(f"{KEY} must be None or a finite number > 0, got {value!r}")
+
+
+def refuse_dtensor(param_name: str) -> ValueError:
+    return ValueError(f"{KEY} clips each param by its own norm; {param_name} is a DTensor, whose shard's "
+                      f"norm is not the param's (clip with torch.nn.utils.clip_grad_norm_ before step())")
+
+
+def check_whole_params(value, params: list) -> None:
+    """Refuse ``max_grad_norm_per_param`` for a group with a DTensor param when the group is
+    made: in backward (``update_in_backward``) other params may already be updated when its
+    hook would find out."""
+    if value is not None and any(map(is_dtensor, params)):
+        raise refuse_dtensor("a param of this group")
 
 
 def coefficient(grad: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -170,6 +170,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict, params: list) -> None:
         """Validate and normalise a group in place (precision, backend, hyper-parameters)."""
         group["precision"] = self._checked_precision(group)
+        clipping.check_whole_params(group.get(clipping.KEY), params)
         for param in params:
             plan_for(group["precision"], real_view(param).dtype)  # rejects invalid dtype combinations
             if real_view(param).dtype == torch.float64:

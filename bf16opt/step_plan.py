@@ -272,8 +272,7 @@ def _clip_factors(entries: list, max_norm: float, inv_grad_scale: float) -> list
                          f"scaled then: call scaler.unscale_(optimizer) before scaler.step")
     for entry in entries:
         if is_dtensor(entry.original):
-            raise ValueError(f"{clipping.KEY} clips each param by its own norm; param {entry.number} is a "
-                             f"DTensor, whose shard's norm is not the param's")
+            raise clipping.refuse_dtensor(f"param {entry.number}")
     return [clipping.coefficient(entry.grad, max_norm) for entry in entries]
 
 

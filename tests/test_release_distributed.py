@@ -210,21 +210,38 @@ def check_a_unit_used_twice(rank: int) -> list:
     return failures + _differences(normal, normal_opt, release, release_opt)
 
 
+def _hook_counts(model) -> list:
+    return [len(getattr(q, "_post_accumulate_grad_hooks", None) or ()) for q in model.parameters()]
+
+
 def check_per_update_clipping_is_refused(rank: int) -> list:
-    """``max_grad_norm_per_param`` would clip by a shard's norm: the first hook raises, and no
-    param has changed."""
+    """``max_grad_norm_per_param`` would clip by a shard's norm: refused when the group is made
+    (in backward another group's params could already be updated), leaving no hooks; a backward
+    then changes nothing."""
     model = _fsdp2_model()
-    opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, update_in_backward=True,
-                        max_grad_norm_per_param=1.0)
-    before = [bits(q.to_local()).clone() for q in model.parameters()]
+    params = list(model.named_parameters())
+    hooks = _hook_counts(model)
+    failures = []
+    attempts = [lambda: bf16opt.AdamW(params, lr=1e-2, update_in_backward=True, max_grad_norm_per_param=1.0),
+                lambda: bf16opt.AdamW([{"params": params[:1]},
+                                       {"params": params[1:], "max_grad_norm_per_param": 1.0}],
+                                      lr=1e-2, update_in_backward=True)]
+    for attempt in attempts:
+        try:
+            attempt()
+            failures.append("no ValueError at construction")
+        except ValueError as error:
+            if "shard's norm is not the param's" not in str(error):
+                failures.append(f"ValueError: {error}")
+    opt = bf16opt.AdamW(params[:1], lr=1e-2, update_in_backward=True)
+    added = _hook_counts(model)
     try:
-        _loss(model, _batches(rank, 1)[0]).backward()
-        failures = ["no ValueError"]
-    except ValueError as error:
-        failures = [] if "shard's norm is not the param's" in str(error) else [f"ValueError: {error}"]
-    unchanged = all(torch.equal(old, bits(q.to_local())) for old, q in zip(before, model.parameters()))
-    if not unchanged or opt.state:
-        failures.append("a param or the state changed")
+        opt.add_param_group({"params": [q for _, q in params[1:]], "max_grad_norm_per_param": 1.0})
+        failures.append("no ValueError from add_param_group")
+    except ValueError:
+        pass
+    if len(opt.param_groups) != 1 or _hook_counts(model) != added or added == hooks:
+        failures.append(f"hooks {hooks} -> {added} -> {_hook_counts(model)}, {len(opt.param_groups)} groups")
     return failures
 
 
