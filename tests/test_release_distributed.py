@@ -242,6 +242,23 @@ def check_per_update_clipping_is_refused(rank: int) -> list:
         pass
     if len(opt.param_groups) != 1 or _hook_counts(model) != added or added == hooks:
         failures.append(f"hooks {hooks} -> {added} -> {_hook_counts(model)}, {len(opt.param_groups)} groups")
+    return failures + _clipping_set_later_is_refused(rank)
+
+
+def _clipping_set_later_is_refused(rank: int) -> list:
+    """Set on a normal step's group after construction: step() refuses, changing nothing."""
+    model = _fsdp2_model()
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-2)
+    opt.param_groups[0]["max_grad_norm_per_param"] = 1.0
+    _loss(model, _batches(rank, 1)[0]).backward()
+    before = [bits(q.to_local()).clone() for q in model.parameters()]
+    try:
+        opt.step()
+        failures = ["no ValueError from step()"]
+    except ValueError as error:
+        failures = [] if "shard's norm is not the param's" in str(error) else [f"ValueError: {error}"]
+    if opt.state or not all(torch.equal(old, bits(q.to_local())) for old, q in zip(before, model.parameters())):
+        failures.append("step() changed a param or the state")
     return failures
 
 
