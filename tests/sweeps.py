@@ -10,8 +10,10 @@ on every run would keep the suite over its ten minutes on two cores, so a run ta
   ``tests/gpu_sample.py``'s: today's date as YYYYMMDD unless ``$BF16OPT_GPU_SAMPLE_SEED`` is
   set), so the runs of consecutive days take the parts in turn, and a failing run repeats with
   its seed;
-* plus the items every run must check (``always``): the plans of the named presets, which are
-  what users run;
+* plus the items every run must check (``always``): the plans of the named presets on
+  bfloat16 and float32 params, which are what most users run (their float16-param plans take
+  their turn with the rest; every run still checks each preset on float16 params end to end,
+  in ``test_numba_backend.py`` and ``test_numba_quality.py``);
 * ``$BF16OPT_SWEEP=all`` runs every item (do so after changing a kernel or ``storage.py``).
 
 ``conftest.py`` pins the seed for the run's workers and names the part in the report header.
@@ -23,7 +25,9 @@ import os
 import zlib
 
 import gpu_sample
-from bf16opt.precision import PARAM_DTYPES, PRESETS, plan_for
+import torch
+
+from bf16opt.precision import PRESETS, plan_for
 
 SWEEP_VARIABLE = "BF16OPT_SWEEP"
 #: how many parts a sweep is cut into: one per run
@@ -53,11 +57,16 @@ def todays_part(items, key=str, always=lambda item: False, environ=os.environ) -
     return [item for item in items if always(item) or zlib.crc32(key(item).encode()) % PARTS == part]
 
 
+#: the param dtypes whose preset plans every run sweeps
+ALWAYS_PARAM_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def preset_plans() -> set:
-    """The plans of every named preset on every param dtype it accepts."""
+    """The plans of every named preset on each param dtype of :data:`ALWAYS_PARAM_DTYPES` it
+    accepts."""
     plans = set()
     for precision in PRESETS.values():
-        for dtype in PARAM_DTYPES:
+        for dtype in ALWAYS_PARAM_DTYPES:
             try:
                 plans.add(plan_for(precision, dtype))
             except (TypeError, ValueError):
@@ -66,6 +75,7 @@ def preset_plans() -> set:
 
 
 def todays_plans(plans, plan_id) -> list:
-    """The storage plans this run sweeps: every preset's, and one part of the others."""
+    """The storage plans this run sweeps: the presets' (:func:`preset_plans`), and one part of
+    the others."""
     presets = preset_plans()
     return todays_part(plans, key=plan_id, always=presets.__contains__)

@@ -627,7 +627,7 @@ OPTIMIZER_OPTIONS = {
 @pytest.mark.parametrize("optimizer", list(OPTIMIZER_OPTIONS))
 @pytest.mark.parametrize("precision", PLAIN_PRESETS)
 def test_optimizer_numba_equals_reference(optimizer, precision):
-    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float16, torch.float32]  # float16: 30 elements
     options, second_group = OPTIMIZER_OPTIONS[optimizer]
     results = {}
     for backend in ("reference", "numba"):
