@@ -135,7 +135,6 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
 
 
 @needs_gloo
-@pytest.mark.xfail(strict=True, reason="DCP saves one rank's plain q8 tensor and loads it on every rank")
 def test_fsdp2_q8_dcp_round_trip_continues_bit_for_bit(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     results = mp.Manager().dict()
