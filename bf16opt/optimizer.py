@@ -520,7 +520,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         State tensors keep their storage dtypes (bf16 moments stay bf16).
         """
         self._finish_pending()
-        return state_dicts.save(super().state_dict(), self.algorithm.name, type(self).__name__, self.param_groups)
+        return state_dicts.save(super().state_dict(), self.algorithm.name, type(self).__name__,
+                                self.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a bf16opt or torch.optim state dict, converting into this optimizer's dtypes.

@@ -13,14 +13,14 @@ loads that copy. So ``state_dict()`` shows each such moment as a uint8 DTensor, 
 * each rank's row: a header (row 0), the shard's ``b`` q8 blocks (rows ``1 .. b``), then
   zero rows up to ``B``.
 
-The header is :data:`HEADER_WORDS` little-endian int64 words (256 of the row's 260 bytes): :data:`TABLE_MAGIC`, the
-param's ndim ``d``, ``b``, the param's shape (``d`` words), the shard's shape (``d``) and
-the shard's offsets in the param (``d``), zeros after. Loading takes this rank's row (the
-local tensor of a DTensor table, or its entry of a gathered one) and checks its header
-against the live shard, so the same sharding gets the same codes back (a bit-identical
-resume) and another one raises a ValueError, never wrong bits. A gathered table (a full
-state dict) holds every shard, so it also decodes into the whole moment, which loads into
-any layout (quantized anew).
+The header is :data:`HEADER_WORDS` little-endian int64 words (the row's first 256 bytes):
+:data:`TABLE_MAGIC`, the param's ndim ``d``, ``b``, the param's shape (``d`` words), the
+shard's shape (``d``) and the shard's offsets in the param (``d``), zeros after. Loading
+takes this rank's row (the local tensor of a DTensor table, or its entry of a gathered one)
+and checks its header against the live shard, so the same sharding gets the same codes back
+(a bit-identical resume) and another one raises a ValueError, never wrong bits. A gathered
+table (a full state dict) holds every shard, so it also decodes into the whole moment, which
+loads into a plain param (quantized anew in the param's blocks).
 
 A leaf module: it imports ``storage`` and ``distributed`` only.
 """
@@ -104,13 +104,13 @@ def is_rank_table(value) -> bool:
     rows = local(value)
     if rows.numel() == 0:
         return False
-    first = rows.reshape(-1, rows.shape[-2], Q8_ROW)[0, 0, :8].cpu().contiguous()
+    first = rows.reshape(-1, rows.shape[-2], Q8_ROW)[0, 0, :8].cpu().clone()
     return int(first.view(torch.int64)) == TABLE_MAGIC
 
 
 def _rows_header(rows: torch.Tensor, what: str) -> tuple:
     """(ndim, blocks, shape, shard shape, shard offset) of one row of a table, checked."""
-    words = rows[0, :8 * HEADER_WORDS].cpu().contiguous().view(torch.int64).tolist()
+    words = rows[0, :8 * HEADER_WORDS].cpu().clone().view(torch.int64).tolist()
     ndim, blocks = words[1], words[2]
     if words[0] != TABLE_MAGIC or not 0 <= ndim <= _MAX_NDIM or not 0 <= blocks <= rows.shape[0] - 1:
         raise ValueError(f"{what} is a q8 rank table whose row has no valid header")
@@ -169,9 +169,8 @@ def shard_blocks(table: torch.Tensor, param, what: str) -> torch.Tensor:
         raise ValueError(f"{what} was saved for the shard of shape {shard} at offset {offset} of a "
                          f"param of shape {shape}; this rank holds the shard {box[0]} at {box[1]} of "
                          f"{tuple(param.shape)}. q8 state of a DTensor param loads only into the "
-                         f"sharding it was saved with; to reshard, load a full state dict "
-                         f"(StateDictOptions(full_state_dict=True)) or go through a preset without q8 "
-                         f"moments (docs/numerics.md, 'Distributed: q8')")
+                         f"sharding it was saved with; to reshard, step once with a preset without q8 "
+                         f"moments and checkpoint that (docs/numerics.md, 'Distributed: q8')")
     return rows[1:1 + blocks]
 
 
@@ -181,7 +180,7 @@ def whole_moment(table: torch.Tensor, role: str, shape: tuple, what: str) -> tor
     if is_dtensor(table):
         raise ValueError(f"{what} is a q8 rank table sharded across ranks, which loads only into the "
                          f"sharding it was saved with; gather it (StateDictOptions(full_state_dict=True)) "
-                         f"to load it into another layout")
+                         f"to load it into a plain param")
     moment = torch.empty(shape, dtype=torch.float32, device=table.device)
     filled = torch.zeros(shape, dtype=torch.bool)
     for rows in table.reshape(-1, *table.shape[-2:]):

@@ -83,8 +83,8 @@ def _q8_shards_as_tables(state_dict: dict, live_groups: list) -> None:
         param = param_of.get(index)
         if is_dtensor(param) and any(is_local_q8(value, param) for value in state.values()):
             state_dict["state"][index] = {
-                key: rank_table(value, param, f"{key} of param {index}") if is_local_q8(value, param) else value
-                for key, value in state.items()}
+                key: rank_table(value, param, f"{key} of param {index}") if is_local_q8(value, param)
+                else value for key, value in state.items()}
 
 
 def state_fits(state: dict, config: KernelConfig) -> bool:
@@ -204,7 +204,8 @@ def _loaded_state(target: LoadTarget, param, group: dict, saved_state, index) ->
                        for key, value in saved_state.items()}
     elif isinstance(saved_state, Mapping):  # a gathered table of a sharded run: its whole moment
         saved_state = {key: whole_moment(value, key, tuple(real.shape), f"{key} of param {index}")
-                       if key != "step" and is_rank_table(value) else value for key, value in saved_state.items()}
+                       if key != "step" and _is_gathered_table(value, real) else value
+                       for key, value in saved_state.items()}
     state, new_param = convert_state(config, saved_state, like, index, target.name)
     if offloaded:
         state = state_moved(state, target.to_host)
@@ -214,9 +215,14 @@ def _loaded_state(target: LoadTarget, param, group: dict, saved_state, index) ->
 def _saved_shard(value, param, key: str, index):
     """A saved buffer of DTensor ``param`` as this rank's shard (q8 rank tables included)."""
     what = f"{key} of param {index}"
-    if is_rank_table(value):
+    if is_rank_table(value) and not is_local_q8(value, param):  # (a local q8: saved before tables)
         return loaded_shard(value, param, key, what)
     return shard_of(value, param, what)
+
+
+def _is_gathered_table(value, param: torch.Tensor) -> bool:
+    # a q8 tensor of the param itself is never a table, even if its first codes spell the magic
+    return is_rank_table(value) and not _is_q8(value, param)
 
 
 def _check_saved_group(target: LoadTarget, saved, number: int) -> None:

@@ -12,19 +12,24 @@ import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 import bf16opt
-from bf16opt.storage import Q8
+from bf16opt.q8_sharded import is_rank_table, whole_moment
+from bf16opt.storage import Q8, q8_decode, q8_encode
 
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with the gloo backend is not available in this torch build")
+needs_gloo = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with the gloo backend is not available in this torch build")
 
 # dim 0 cut in two: 12 rows of 256 (boundary 3072 = 12 blocks: aligned), 41 rows of 100
-# (boundary 4100: inside block 16); both >= q8_min_numel, so both moments are q8
-SHAPES = {"aligned": (24, 256), "cut": (82, 100)}
+# (boundary 4100: inside block 16), one row (rank 1's shard is empty); all >= q8_min_numel,
+# so every moment is q8
+SHAPES = {"aligned": (24, 256), "cut": (82, 100), "empty": (1, 4096)}
 PRESETS = ("fp32-remainder-q8", "bf16-sr-q8")
 
 
@@ -35,8 +40,8 @@ def _bits(t):
 
 def _model(seed: int):
     torch.manual_seed(seed)
-    return nn.ParameterDict({name: nn.Parameter(torch.randn(shape) * 0.1) for name, shape in SHAPES.items()}) \
-        .to(torch.bfloat16)
+    params = {name: nn.Parameter(torch.randn(shape) * 0.1) for name, shape in SHAPES.items()}
+    return nn.ParameterDict(params).to(torch.bfloat16)
 
 
 def _grads(step: int) -> dict:
@@ -53,8 +58,8 @@ def _train(model, opt, first: int, steps: int) -> None:
         for name, grad in _grads(step).items():
             param = model[name]
             if isinstance(param, DTensor):
-                rows = param.to_local().shape[0]
-                start = dist.get_rank() * ((grad.shape[0] + dist.get_world_size() - 1) // dist.get_world_size())
+                rows, world = param.to_local().shape[0], dist.get_world_size()
+                start = dist.get_rank() * ((grad.shape[0] + world - 1) // world)
                 param.grad = DTensor.from_local(grad[start:start + rows], param.device_mesh, param.placements,
                                                 run_check=False, shape=param.shape, stride=param.stride())
             else:
@@ -98,7 +103,8 @@ def _round_trip(preset: str, path: str, build) -> list:
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     _train(model, opt, 2, 2)
     restored = build(1)
-    restored_opt = bf16opt.AdamW(restored.named_parameters(), lr=1e-2, precision=preset, backend="numba", seed=5)
+    restored_opt = bf16opt.AdamW(restored.named_parameters(), lr=1e-2, precision=preset, backend="numba",
+                                 seed=5)
     model_sd, optim_sd = get_state_dict(restored, restored_opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -116,26 +122,135 @@ def _fsdp2_model(seed: int):
 
 
 def _check_fsdp2(rank: int, path: str) -> list:
+    """Sharded DCP checkpoints resume bit for bit, and every q8 moment is saved as a DTensor
+    (a rank table: one row per shard), so DCP writes each rank's blocks."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
     failures = []
     for preset in PRESETS:
         try:
-            failures += [f"{preset}: {what}" for what in _round_trip(preset, os.path.join(path, preset), _fsdp2_model)]
+            differences = _round_trip(preset, os.path.join(path, preset), _fsdp2_model)
+            failures += [f"{preset}: {what}" for what in differences]
         except Exception as error:  # noqa: BLE001  (reported per preset)
             failures.append(f"{preset}: {type(error).__name__}: {error}")
+    model = _fsdp2_model(0)
+    opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision=PRESETS[0], backend="numba")
+    _train(model, opt, 0, 1)
+    for name, state in get_optimizer_state_dict(model, opt)["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            table = state[key]
+            if not isinstance(table, DTensor) or table.dtype != Q8 or table.shape[0] != 2 \
+                    or not torch.equal(table.to_local()[0, 1:1 + opt.state[model[name]][key].shape[0]],
+                                       opt.state[model[name]][key]):
+                failures.append(f"{name}: {key} is not saved as a rank table of this rank's blocks")
     return failures
+
+
+def _check_other_sharding(rank: int, path: str) -> list:
+    """A checkpoint loaded into the same params sharded on dim 1 (their tables have the same
+    shape, so DCP reads them): a ValueError naming both shards, the optimizer unchanged."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,  # noqa: PLC0415
+                                                         set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+
+    model = _fsdp2_model(0)
+    opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision="fp32-remainder-q8", backend="numba")
+    _train(model, opt, 0, 1)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # (the one-row param stays on dim 0: on dim 1 its table has another shape, which DCP refuses)
+    other = fully_shard(_model(0), mesh=mesh, shard_placement_fn=lambda param: Shard(int(param.shape[0] > 1)))
+    other_opt = bf16opt.AdamW(other.named_parameters(), lr=1e-2, precision="fp32-remainder-q8",
+                              backend="numba")
+    state = {"optim": get_optimizer_state_dict(other, other_opt)}  # (makes the state: a zero-lr step)
+    if tuple(state["optim"]["state"]["aligned"]["exp_avg"].shape) != (2, 13, 260):
+        return ["Shard(1): the aligned param's table was meant to have the saved shape"]
+    dcp.load(state, checkpoint_id=path)  # (writes the DTensor buffers in place, as for torch.optim)
+    before = {name: {key: _local(value).clone() for key, value in other_opt.state[other[name]].items()}
+              for name in SHAPES}
+    try:
+        set_optimizer_state_dict(other, other_opt, state["optim"])
+        return ["Shard(1): no error"]
+    except ValueError as error:
+        if not all(words in str(error) for words in ("was saved for the shard", "this rank holds the shard")):
+            return [f"Shard(1): {error}"]
+    changed = [f"{name} {key}" for name in SHAPES for key, value in before[name].items()
+               if not torch.equal(_bits(_local(other_opt.state[other[name]][key])), _bits(value))]
+    return [f"Shard(1): the failed load changed {changed}"] if changed else []
+
+
+def _check_full_state_dict(rank: int) -> list:
+    """StateDictOptions(full_state_dict=True) gathers every rank's row; loaded back on the same
+    sharding it resumes bit for bit; loaded into one process's plain params (rank 0) each
+    moment is decoded from the shards and quantized anew to nearest in the param's blocks: the
+    same codes where the shards cut no block."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # noqa: PLC0415
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+
+    failures = []
+    preset = "bf16-sr-q8"  # (gloo has no int16 all-gather for fp32-remainder-q8's remainder)
+    model = _fsdp2_model(0)
+    opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision=preset, backend="numba", seed=3)
+    _train(model, opt, 0, 2)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(model, opt, options=options)
+    blocks = {name: [None, None] for name in SHAPES}
+    for name in SHAPES:
+        dist.all_gather_object(blocks[name], opt.state[model[name]]["exp_avg"])
+    restored = _fsdp2_model(1)
+    restored.load_state_dict(model.state_dict())
+    restored_opt = bf16opt.AdamW(restored.named_parameters(), lr=1e-2, precision=preset, backend="numba",
+                                 seed=5)
+    set_optimizer_state_dict(restored, restored_opt, full if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _train(model, opt, 2, 2)
+    _train(restored, restored_opt, 2, 2)
+    failures += [f"full state dict: {what}" for what in _differences(model, opt, restored, restored_opt)]
+    if rank == 0:
+        plain = _model(1)
+        plain_opt = bf16opt.AdamW(plain.named_parameters(), lr=1e-2, precision=preset, backend="numba")
+        set_optimizer_state_dict(plain, plain_opt, full)
+        for name, shape in SHAPES.items():
+            loaded = plain_opt.state[plain[name]]["exp_avg"]
+            shards = [q8_decode(q, (q.shape[0] * 256,), True)[:n]
+                      for q, n in zip(blocks[name], _shard_numels(shape))]
+            if not torch.equal(loaded, q8_encode(torch.cat(shards), True)):
+                failures.append(f"full state dict into one process: {name}: exp_avg is not the shards' "
+                                f"moment quantized anew")
+            if name == "aligned" and not torch.equal(loaded, torch.cat(blocks[name])):
+                failures.append("full state dict into one process: aligned: exp_avg codes differ")
+    return failures
+
+
+def _shard_numels(shape: tuple) -> list:
+    rows = -(-shape[0] // 2)
+    return [min(rows, shape[0]) * shape[1], max(shape[0] - rows, 0) * shape[1]]
 
 
 def _worker(rank: int, world: int, port: int, path: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results[rank] = _check_fsdp2(rank, path)
+        results[rank] = {"round trip": _check_fsdp2(rank, path),
+                         "other sharding": _check_other_sharding(rank, os.path.join(path, "dim0")),
+                         "full state dict": _check_full_state_dict(rank)}
     finally:
         dist.destroy_process_group()
 
 
 @needs_gloo
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (the one-process load at the end)
 def test_fsdp2_q8_dcp_round_trip_continues_bit_for_bit(monkeypatch):
+    """Two ranks: sharded DCP and full state dicts resume bit for bit, another sharding raises;
+    then one process (another world size) cannot load the two ranks' checkpoint: DCP refuses
+    the tables' shape."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: PLC0415
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     results = mp.Manager().dict()
     with socket.socket() as s:
@@ -143,11 +258,90 @@ def test_fsdp2_q8_dcp_round_trip_continues_bit_for_bit(monkeypatch):
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as path:
         mp.spawn(_worker, args=(2, port, path, results), nprocs=2, join=True)
-    assert dict(results) == {0: [], 1: []}
+        expected = {"round trip": [], "other sharding": [], "full state dict": []}
+        assert dict(results) == {0: expected, 1: expected}
+        model = _model(1)
+        opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision="fp32-remainder-q8", backend="numba")
+        state = {"optim": get_optimizer_state_dict(model, opt)}
+        with pytest.raises(dcp.CheckpointException, match=r"Size mismatch between saved torch.Size\(\[2, "):
+            dcp.load(state, checkpoint_id=os.path.join(path, "dim0"))
 
 
 # ------------------------------------------------------------------- one process
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("preset", PRESETS)
 def test_q8_dcp_round_trip_without_a_process_group(preset, tmp_path):
     assert not (dist.is_available() and dist.is_initialized())
     assert _round_trip(preset, str(tmp_path / "ckpt"), _model) == []
+
+
+# ------------------------------------------------------------------- the table's layout
+def _documented_row(moment: torch.Tensor, whole: tuple, offset: tuple, padded_blocks: int) -> torch.Tensor:
+    """One rank's row of a rank table, written from docs/numerics.md's description: a header
+    of little-endian int64 words, the shard's q8 blocks, zero rows up to ``padded_blocks``."""
+    codes = q8_encode(moment.reshape(-1).contiguous(), True)
+    words = [int.from_bytes(b"bf16q8t1", "little"), len(whole), codes.shape[0],
+             *whole, *moment.shape, *offset]
+    row = torch.zeros((padded_blocks + 1, 260), dtype=torch.uint8)
+    row[0, :8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    row[1:1 + codes.shape[0]] = codes
+    return row
+
+
+def _gathered(moment: torch.Tensor, cuts: list) -> torch.Tensor:
+    """A gathered table of ``moment`` cut on dim 0 at ``cuts``."""
+    edges = [0, *cuts, moment.shape[0]]
+    pieces = [(moment[a:b], (a, 0)) for a, b in zip(edges, edges[1:])]
+    padded = max(-(-piece.numel() // 256) for piece, _ in pieces)
+    whole = tuple(moment.shape)
+    return torch.stack([_documented_row(piece, whole, offset, padded) for piece, offset in pieces])
+
+
+@settings(max_examples=20)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 300), data=st.data())
+def test_a_gathered_rank_table_decodes_into_each_shards_moment(rows, cols, data):
+    """whole_moment(table) is every shard's q8 moment decoded and placed at its offset."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, rows), max_size=3)))
+    moment = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * 1000 + cols))
+    table = _gathered(moment, cuts)
+    assert is_rank_table(table)
+    edges = [0, *cuts, rows]
+    expected = torch.cat([q8_decode(q8_encode(moment[a:b].reshape(-1), True), (b - a, cols), True)
+                          for a, b in zip(edges, edges[1:])])
+    assert torch.equal(whole_moment(table, "exp_avg", (rows, cols), "exp_avg"), expected)
+
+
+def test_a_gathered_rank_table_must_tile_the_param():
+    moment = torch.randn(20, 100)
+    table = _gathered(moment, [10])
+    with pytest.raises(ValueError, match="not every shard was gathered"):
+        whole_moment(table[:1], "exp_avg", (20, 100), "exp_avg")
+    with pytest.raises(ValueError, match="overlap"):
+        whole_moment(torch.stack([table[0], table[0]]), "exp_avg", (20, 100), "exp_avg")
+    with pytest.raises(ValueError, match="param of shape"):
+        whole_moment(table, "exp_avg", (20, 101), "exp_avg")
+    broken = table.clone()
+    broken[1, 0, 16:24] = torch.tensor([99], dtype=torch.int64).view(torch.uint8)  # 99 blocks
+    with pytest.raises(ValueError, match="no valid header"):
+        whole_moment(broken, "exp_avg", (20, 100), "exp_avg")
+    assert not is_rank_table(q8_encode(moment.reshape(-1), True))  # a q8 moment is no table
+
+
+def test_a_gathered_rank_table_loads_into_a_plain_param_quantized_anew():
+    """A full state dict of a sharded run loads into one process: each moment decoded from its
+    shards and quantized to nearest in the param's own blocks; a failed load changes nothing."""
+    param = nn.Parameter(torch.randn(30, 200).to(torch.bfloat16))
+    opt = bf16opt.AdamW([param], lr=1e-2, precision="fp32-remainder-q8", backend="reference")
+    param.grad = torch.randn(30, 200).to(torch.bfloat16)
+    opt.step()
+    saved = opt.state_dict()
+    other = q8_decode(saved["state"][0]["exp_avg"], (30, 200), True) * 3  # (not the live moment)
+    saved["state"][0]["exp_avg"] = _gathered(other, [15])
+    before = opt.state[param]["exp_avg"].clone()
+    bad = {**saved, "state": {0: {**saved["state"][0], "exp_avg": saved["state"][0]["exp_avg"][:1]}}}
+    with pytest.raises(ValueError, match="not every shard was gathered"):
+        opt.load_state_dict(bad)
+    assert torch.equal(opt.state[param]["exp_avg"], before)
+    opt.load_state_dict(saved)
+    shards = whole_moment(saved["state"][0]["exp_avg"], "exp_avg", (30, 200), "exp_avg")
+    assert torch.equal(opt.state[param]["exp_avg"], q8_encode(shards.reshape(-1), True))
