@@ -15,7 +15,9 @@ and state aside (a :class:`LoadPlan`), which the optimizer installs only when al
 DTensor params (FSDP2): state buffers are DTensors sharded like the param (as torch.optim's,
 so ``torch.distributed.checkpoint`` saves and reshards them); a saved buffer is loaded as
 this rank's shard -- a DTensor placed like the param gives its local tensor, a plain tensor
-of the param's whole shape (a full state dict) the slice this rank holds.
+of the param's whole shape (a full state dict) the slice this rank holds.  A q8 moment of a
+DTensor param is saved as its rank's row of a "rank table" DTensor and loaded back only into
+the sharding it was saved with (``q8_sharded.py``; a gathered table also into plain params).
 
 Format (``STATE_DICT_FORMAT``): 3 since stochastic rounding draws two buffers' bits from one
 hash; 2 since it names a named param's random streams by its name; a format-1 state dict

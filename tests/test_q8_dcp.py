@@ -231,6 +231,23 @@ def _shard_numels(shape: tuple) -> list:
     return [min(rows, shape[0]) * shape[1], max(shape[0] - rows, 0) * shape[1]]
 
 
+def _check_element_route(rank: int, path: str) -> None:
+    """The documented way to another number of ranks, first half: the q8 run switched to
+    fp32-remainder for a step, then a DCP checkpoint (and each rank's exp_avg, to compare)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
+
+    model = _fsdp2_model(0)
+    opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision="fp32-remainder-q8", backend="numba")
+    _train(model, opt, 0, 2)
+    opt.param_groups[0]["precision"] = "fp32-remainder"
+    _train(model, opt, 2, 1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "element"))
+    torch.save({name: _local(opt.state[model[name]]["exp_avg"]) for name in SHAPES},
+               os.path.join(path, f"exp_avg{rank}.pt"))
+
+
 def _worker(rank: int, world: int, port: int, path: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -238,6 +255,7 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
         results[rank] = {"round trip": _check_fsdp2(rank, path),
                          "other sharding": _check_other_sharding(rank, os.path.join(path, "dim0")),
                          "full state dict": _check_full_state_dict(rank)}
+        _check_element_route(rank, path)
     finally:
         dist.destroy_process_group()
 
@@ -246,10 +264,12 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (the one-process load at the end)
 def test_fsdp2_q8_dcp_round_trip_continues_bit_for_bit(monkeypatch):
     """Two ranks: sharded DCP and full state dicts resume bit for bit, another sharding raises;
-    then one process (another world size) cannot load the two ranks' checkpoint: DCP refuses
-    the tables' shape."""
+    then one process (another world size) cannot load the two ranks' q8 checkpoint (DCP
+    refuses the tables' shape), but loads their checkpoint taken after a step with an element
+    preset, and goes back to q8."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,  # noqa: PLC0415
+                                                         get_state_dict, set_state_dict)
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     results = mp.Manager().dict()
@@ -265,6 +285,19 @@ def test_fsdp2_q8_dcp_round_trip_continues_bit_for_bit(monkeypatch):
         state = {"optim": get_optimizer_state_dict(model, opt)}
         with pytest.raises(dcp.CheckpointException, match=r"Size mismatch between saved torch.Size\(\[2, "):
             dcp.load(state, checkpoint_id=os.path.join(path, "dim0"))
+        # ...second half: one process loads the element checkpoint and goes back to q8
+        opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision="fp32-remainder", backend="numba")
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "element"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        shards = [torch.load(os.path.join(path, f"exp_avg{rank}.pt")) for rank in range(2)]
+        for name in SHAPES:
+            whole = torch.cat([shard[name] for shard in shards])
+            assert torch.equal(opt.state[model[name]]["exp_avg"], whole)
+        opt.param_groups[0]["precision"] = "fp32-remainder-q8"
+        _train(model, opt, 3, 1)
+        assert all(opt.state[model[name]]["exp_avg"].dtype == Q8 for name in SHAPES)
 
 
 # ------------------------------------------------------------------- one process
