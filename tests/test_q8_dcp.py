@@ -308,6 +308,26 @@ def test_q8_dcp_round_trip_without_a_process_group(preset, tmp_path):
     assert _round_trip(preset, str(tmp_path / "ckpt"), _model) == []
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_q8_dcp_checkpoint_loads_only_into_q8_moments(tmp_path):
+    """DCP loads into the live optimizer's own tensors: a q8 checkpoint and an optimizer with
+    element moments (either way round) differ in shape, and DCP refuses; the documented way is
+    to load with the saved preset and change the precision after."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: PLC0415
+
+    for saved, live in (("fp32-remainder-q8", "fp32-remainder"), ("fp32-remainder", "fp32-remainder-q8")):
+        model = _model(0)
+        opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision=saved, backend="numba")
+        _train(model, opt, 0, 1)
+        path = str(tmp_path / saved)
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+        fresh = _model(1)  # (no grads: get_optimizer_state_dict makes its state)
+        other = bf16opt.AdamW(fresh.named_parameters(), lr=1e-2, precision=live, backend="numba")
+        with pytest.raises(dcp.CheckpointException, match="Size mismatch"):
+            dcp.load({"optim": get_optimizer_state_dict(fresh, other)}, checkpoint_id=path)
+
+
 # ------------------------------------------------------------------- the table's layout
 def _documented_row(moment: torch.Tensor, whole: tuple, offset: tuple, padded_blocks: int) -> torch.Tensor:
     """One rank's row of a rank table, written from docs/numerics.md's description: a header
