@@ -140,21 +140,21 @@ def loaded_shard(table: torch.Tensor, param, role: str, what: str) -> torch.Tens
     """This rank's moment ``role`` of DTensor ``param`` from a rank table: its q8 blocks as
     saved where the table was saved on this sharding; from a gathered table saved on another,
     the slice of the whole moment this rank holds (float32, quantized anew by the caller)."""
-    if is_dtensor(table) or _saved_on_this_sharding(table, param):
+    if is_dtensor(table) or _saved_on_this_sharding(table, param, what):
         return shard_blocks(table, param, what)
     return shard_of(whole_moment(table, role, tuple(param.shape), what), param, what)
 
 
-def _saved_on_this_sharding(table: torch.Tensor, param) -> bool:
+def _saved_on_this_sharding(table: torch.Tensor, param, what: str) -> bool:
     """Whether a gathered table has a row for this rank's shard, as this rank holds it."""
     counts = tuple(param.device_mesh.size(i) for i in _sharding_dims(param))
     if tuple(table.shape[:-2]) != counts:
         return False
-    return _row_matches(_own_row(table, param, "the table"), param)
+    return _is_this_shard(_rows_header(_own_row(table, param, what), what), param)
 
 
-def _row_matches(rows: torch.Tensor, param) -> bool:
-    _, blocks, shape, shard, offset = _rows_header(rows, "the table")
+def _is_this_shard(header: tuple, param) -> bool:
+    _, blocks, shape, shard, offset = header
     box = _local_box(param)
     return (shape, shard, offset) == (tuple(param.shape), *box) and blocks == q8_shape(math.prod(box[0]))[0]
 
@@ -163,9 +163,10 @@ def shard_blocks(table: torch.Tensor, param, what: str) -> torch.Tensor:
     """This rank's q8 moment of DTensor ``param`` from a rank table saved on the same sharding
     (its codes as saved); ValueError naming both shards when the table's row is of another."""
     rows = _own_row(table, param, what)
-    _, blocks, shape, shard, offset = _rows_header(rows, what)
-    box = _local_box(param)
-    if not _row_matches(rows, param):
+    header = _rows_header(rows, what)
+    _, blocks, shape, shard, offset = header
+    if not _is_this_shard(header, param):
+        box = _local_box(param)
         raise ValueError(f"{what} was saved for the shard of shape {shard} at offset {offset} of a "
                          f"param of shape {shape}; this rank holds the shard {box[0]} at {box[1]} of "
                          f"{tuple(param.shape)}. q8 state of a DTensor param loads only into the "
@@ -185,7 +186,7 @@ def whole_moment(table: torch.Tensor, role: str, shape: tuple, what: str) -> tor
     filled = torch.zeros(shape, dtype=torch.bool)
     for rows in table.reshape(-1, *table.shape[-2:]):
         _, blocks, whole, shard, offset = _rows_header(rows, what)
-        if whole != tuple(shape) or any(o < 0 or o + n > s for o, n, s in zip(offset, shard, shape)):
+        if whole != tuple(shape) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offset, shard, shape)):
             raise ValueError(f"{what} is a q8 rank table of a param of shape {whole} (a shard {shard} at "
                              f"{offset}); the param has shape {tuple(shape)}")
         if blocks != q8_shape(math.prod(shard))[0]:

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import bf16opt
+from bf16opt.distributed import shard_of
 from bf16opt.q8_sharded import is_rank_table, whole_moment
 from bf16opt.storage import Q8, q8_decode, q8_encode
 
@@ -180,7 +181,35 @@ def _check_other_sharding(rank: int, path: str) -> list:
             return [f"Shard(1): {error}"]
     changed = [f"{name} {key}" for name in SHAPES for key, value in before[name].items()
                if not torch.equal(_bits(_local(other_opt.state[other[name]][key])), _bits(value))]
-    return [f"Shard(1): the failed load changed {changed}"] if changed else []
+    failures = [f"Shard(1): the failed load changed {changed}"] if changed else []
+    return failures + _gathered_into_other_sharding(other)
+
+
+def _gathered_into_other_sharding(other) -> list:
+    """Gathered tables (plain tensors) loaded by load_state_dict into ``other``'s sharding:
+    each rank's slice of the decoded moment, quantized anew in its shard's blocks (and the
+    codes as saved for the one-row param, sharded alike)."""
+    nearest = bf16opt.Precision(master="bf16", exp_avg="q8", exp_avg_sq="q8", rounding="nearest",
+                                q8_rounding="nearest")  # (no remainder: gloo has no int16 all-gather)
+    model = _fsdp2_model(0)
+    opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision=nearest, backend="numba")
+    _train(model, opt, 0, 1)
+    saved = opt.state_dict()
+    gathered = {**saved, "state": {index: {key: value if key == "step" else value.full_tensor()
+                                           for key, value in state.items()}
+                                   for index, state in saved["state"].items()}}
+    other_opt = bf16opt.AdamW(other.named_parameters(), lr=1e-2, precision=nearest, backend="numba")
+    other_opt.load_state_dict(gathered)
+    failures = []
+    for index, name in enumerate(SHAPES):
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole = whole_moment(gathered["state"][index][key], key, SHAPES[name], key)
+            expected = q8_encode(shard_of(whole, other[name], name).reshape(-1), key == "exp_avg")
+            if name == "empty":
+                expected = opt.state[model[name]][key]
+            if not torch.equal(other_opt.state[other[name]][key], expected):
+                failures.append(f"a gathered table into another sharding: {name} {key}")
+    return failures
 
 
 def _check_full_state_dict(rank: int) -> list:
