@@ -189,6 +189,9 @@ def _gathered_into_other_sharding(other) -> list:
     """Gathered tables (plain tensors) loaded by load_state_dict into ``other``'s sharding:
     each rank's slice of the decoded moment, quantized anew in its shard's blocks (and the
     codes as saved for the one-row param, sharded alike)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # noqa: PLC0415
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+
     nearest = bf16opt.Precision(master="bf16", exp_avg="q8", exp_avg_sq="q8", rounding="nearest",
                                 q8_rounding="nearest")  # (no remainder: gloo has no int16 all-gather)
     model = _fsdp2_model(0)
@@ -209,6 +212,18 @@ def _gathered_into_other_sharding(other) -> list:
                 expected = opt.state[model[name]][key]
             if not torch.equal(other_opt.state[other[name]][key], expected):
                 failures.append(f"a gathered table into another sharding: {name} {key}")
+    # torch's full-state-dict loading hands each rank a row of the table, as a DTensor placed
+    # like the live one: on another sharding that row is another shard's, and loading refuses
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(model, opt, options=options)
+    fresh_opt = bf16opt.AdamW(other.named_parameters(), lr=1e-2, precision=nearest, backend="numba")
+    try:
+        set_optimizer_state_dict(other, fresh_opt, full if dist.get_rank() == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        failures.append("a full state dict into another sharding: no error")
+    except ValueError as error:
+        if "this rank holds the shard" not in str(error):
+            failures.append(f"a full state dict into another sharding: {error}")
     return failures
 
 
