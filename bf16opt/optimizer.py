@@ -517,10 +517,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's state dict, with plain-type ``precision`` entries and a format tag.
 
-        State tensors keep their storage dtypes (bf16 moments stay bf16).
+        State tensors keep their storage dtypes (bf16 moments stay bf16); a q8 moment of a
+        DTensor param is its rank's row of a rank table (``q8_sharded.py``), so that DCP saves
+        every rank's blocks.
         """
         self._finish_pending()
-        return state_dicts.save(super().state_dict(), self.algorithm.name, type(self).__name__)
+        return state_dicts.save(super().state_dict(), self.algorithm.name, type(self).__name__,
+                                self.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a bf16opt or torch.optim state dict, converting into this optimizer's dtypes.

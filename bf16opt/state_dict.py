@@ -15,7 +15,9 @@ and state aside (a :class:`LoadPlan`), which the optimizer installs only when al
 DTensor params (FSDP2): state buffers are DTensors sharded like the param (as torch.optim's,
 so ``torch.distributed.checkpoint`` saves and reshards them); a saved buffer is loaded as
 this rank's shard -- a DTensor placed like the param gives its local tensor, a plain tensor
-of the param's whole shape (a full state dict) the slice this rank holds.
+of the param's whole shape (a full state dict) the slice this rank holds.  A q8 moment of a
+DTensor param is saved as its rank's row of a "rank table" DTensor and loaded back only into
+the sharding it was saved with (``q8_sharded.py``; a gathered table also into plain params).
 
 Format (``STATE_DICT_FORMAT``): 3 since stochastic rounding draws two buffers' bits from one
 hash; 2 since it names a named param's random streams by its name; a format-1 state dict
@@ -35,6 +37,7 @@ from .algorithms import KernelConfig
 from .checks import check_step_count
 from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
+from .q8_sharded import is_local_q8, is_rank_table, loaded_shard, rank_table, whole_moment
 from .storage import Q8, decode, encode, join_remainder, q8_decode, q8_encode, q8_shape, q8_signed, split_remainder
 from .tensors import real_view, state_moved, wrapped
 
@@ -59,9 +62,11 @@ UNSAVED_KEYS = ("update_in_backward",)
 COMPANION_KEYS = ("master", "compensation", "remainder")
 
 
-def save(state_dict: dict, family: str, optimizer_name: str) -> dict:
-    """torch's state dict with plain-type ``precision`` entries and a tag naming the
-    algorithm ``family`` and the optimizer class that saved it."""
+def save(state_dict: dict, family: str, optimizer_name: str, live_groups: list) -> dict:
+    """torch's state dict with plain-type ``precision`` entries, a tag naming the algorithm
+    ``family`` and the optimizer class that saved it, and each q8 moment of a DTensor param
+    as its row of a rank table (``q8_sharded.py``); ``live_groups`` are the optimizer's."""
+    _q8_shards_as_tables(state_dict, live_groups)
     for group in state_dict["param_groups"]:
         # as_precision: a precision edited by hand since the last step may still be a name
         group["precision"] = as_precision(group["precision"]).to_dict()
@@ -69,6 +74,19 @@ def save(state_dict: dict, family: str, optimizer_name: str) -> dict:
             group.pop(key, None)
     state_dict["bf16opt"] = {"format": STATE_DICT_FORMAT, "family": family, "optimizer": optimizer_name}
     return state_dict
+
+
+def _q8_shards_as_tables(state_dict: dict, live_groups: list) -> None:
+    """Replace (never edit: they are the optimizer's own) the state dicts of DTensor params
+    that hold q8 moments, so that DCP saves every rank's blocks rather than one rank's copy."""
+    param_of = {index: param for saved, live in zip(state_dict["param_groups"], live_groups)
+                for index, param in zip(saved["params"], live["params"])}
+    for index, state in state_dict["state"].items():
+        param = param_of.get(index)
+        if is_dtensor(param) and any(is_local_q8(value, param) for value in state.values()):
+            state_dict["state"][index] = {
+                key: rank_table(value, param, f"{key} of param {index}") if is_local_q8(value, param)
+                else value for key, value in state.items()}
 
 
 def state_fits(state: dict, config: KernelConfig) -> bool:
@@ -184,12 +202,29 @@ def _loaded_state(target: LoadTarget, param, group: dict, saved_state, index) ->
     offloaded = group.get("offload") == "cpu"  # its state lives in host RAM
     like = real.detach().to("cpu").contiguous() if offloaded else real
     if is_dtensor(param) and isinstance(saved_state, Mapping):  # each saved buffer as this rank's shard
-        saved_state = {key: value if key == "step" else shard_of(value, param, f"{key} of param {index}")
+        saved_state = {key: value if key == "step" else _saved_shard(value, param, key, index)
+                       for key, value in saved_state.items()}
+    elif isinstance(saved_state, Mapping):  # a gathered table of a sharded run: its whole moment
+        saved_state = {key: whole_moment(value, key, tuple(real.shape), f"{key} of param {index}")
+                       if key != "step" and _is_gathered_table(value, real) else value
                        for key, value in saved_state.items()}
     state, new_param = convert_state(config, saved_state, like, index, target.name)
     if offloaded:
         state = state_moved(state, target.to_host)
     return wrapped(state, param), new_param
+
+
+def _saved_shard(value, param, key: str, index):
+    """A saved buffer of DTensor ``param`` as this rank's shard (q8 rank tables included)."""
+    what = f"{key} of param {index}"
+    if is_rank_table(value) and not is_local_q8(value, param):  # (a local q8: saved before tables)
+        return loaded_shard(value, param, key, what)
+    return shard_of(value, param, what)
+
+
+def _is_gathered_table(value, param: torch.Tensor) -> bool:
+    # a q8 tensor of the param itself is never a table, even if its first codes spell the magic
+    return is_rank_table(value) and not _is_q8(value, param)
 
 
 def _check_saved_group(target: LoadTarget, saved, number: int) -> None:

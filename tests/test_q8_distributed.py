@@ -102,6 +102,18 @@ def _check(rank: int, world: int) -> list:
         for key in ("exp_avg", "exp_avg_sq"):
             if not torch.equal(again.state[q][key], opt_sharded.state[q][key]):
                 failures.append(f"state dict round trip: {key}")
+    # (a q8 moment is saved as its rank's row of a rank table, test_q8_dcp.py; a state dict
+    # holding the rank's plain q8 tensors, as bf16opt saved them before, loads too)
+    param_of = dict(zip(saved["param_groups"][0]["params"], sharded.parameters()))
+    plain = {**saved, "state": {index: {**state, **{key: opt_sharded.state[param_of[index]][key]
+                                                    for key in ("exp_avg", "exp_avg_sq")}}
+                                for index, state in saved["state"].items()}}
+    older = bf16opt.AdamW(sharded.parameters(), **kwargs)
+    older.load_state_dict(plain)
+    for q in sharded.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(older.state[q][key], opt_sharded.state[q][key]):
+                failures.append(f"plain q8 tensors in a state dict: {key}")
     return failures
 
 
