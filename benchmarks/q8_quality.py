@@ -3,7 +3,8 @@ preset against fp32 in the same run, the two candidate maps (dynamic tree, compa
 reference backend, and the 8-bit peers where they install from PyPI (optional, never
 dependencies): torchao's AdamW8bit and bitsandbytes' AdamW8bit, each on bf16 and on fp32 params.
 
-    python benchmarks/q8_quality.py [--steps 300] [--skip-maps] [--no-peers | --peers-only] [--json out.json]
+    python benchmarks/q8_quality.py [--steps 300] [--skip-maps] [--no-peers | --peers-only] [--backend numba]
+                                    [--json out.json]
 
 Prints each run's final loss (mean of the last 10% of steps) and its gap to fp32 as a
 percentage, against the limits of issue 40 (0.3% for fp32-remainder-q8, 0.5% for bf16-sr-q8).
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--maps-only", action="store_true", help="only the two maps (and fp32, the baseline)")
     parser.add_argument("--no-peers", action="store_true", help="no torchao / bitsandbytes runs")
     parser.add_argument("--peers-only", action="store_true", help="fp32 (the baseline) and the peers only")
+    parser.add_argument("--backend", default="numba",
+                        help="the presets' backend (reference: the same bits, no kernel to compile)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     data = torch.frombuffer(bytearray(stdlib_corpus()), dtype=torch.uint8)
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     rows = []
     presets = ("fp32",) if args.maps_only or args.peers_only else ("fp32", "fp32-remainder-q8", "bf16-sr-q8", "fp32-remainder-bf16-states")
     for preset in presets:
-        rows.append((preset, run(preset, data, args.steps, lr, "numba")))
+        rows.append((preset, run(preset, data, args.steps, lr, args.backend)))
     if not args.skip_maps and not args.peers_only:
         for kind in ("dynamic", "companded"):
             storage.Q8_MAP_KIND = kind  # the reference reads the map kind at each call
