@@ -31,7 +31,7 @@ from bf16opt.precision import PRESETS, plan_for
 
 SWEEP_VARIABLE = "BF16OPT_SWEEP"
 #: how many parts a sweep is cut into: one per run
-PARTS = 4
+PARTS = 6
 
 
 def sweeps_everything(environ=os.environ) -> bool:
