@@ -10,23 +10,21 @@ process group: param names as stream ids, the format-1 state-dict rule.
 from __future__ import annotations
 
 import copy
+import functools
 import os
-import socket
 import tempfile
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import bf16opt
 from bf16opt.distributed import shard_of
+from gloo_ranks import needs_gloo, run_on_ranks
 
 PRESETS = ("fp32", "bf16", "bf16-sr", "bf16-kahan", "fp32-remainder")
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with the gloo backend is not available in this torch build")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -295,45 +293,24 @@ def check_integration_examples(rank: int, path: str) -> list:
     return failures
 
 
-def _worker(rank: int, world: int, port: int, path: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results[rank] = {
-            "fsdp2": check_fsdp2_matches_one_process(rank),
-            "tensor_parallel": check_tensor_parallel_placements(rank),
-            "precision_change": check_precision_change(rank),
-            "dcp": check_dcp_round_trip(rank, path),
-            "zero": check_zero_redundancy(rank),
-            "ddp": check_ddp(rank),
-            "full_state_dict": check_full_state_dict(rank),
-            "docs": check_integration_examples(rank, path),
-        }
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_gloo
-def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks(monkeypatch):
+def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks():
     """FSDP2 (uneven shards, an empty shard) equals one process bit for bit for every preset,
     Lion and SGD with stochastic rounding, offload='cpu'; Shard(1) placements; DCP save/load
     and full state dicts continue bit for bit; ZeroRedundancyOptimizer and DDP equal one
     process; docs/integrations_dist.md's examples run."""
-    results = mp.Manager().dict()
-    # CPU ranks even on a CUDA machine: the docs' examples use fully_shard's default mesh (the
-    # accelerator's), and the checks compare with backend='numba', which runs on CPU tensors
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with tempfile.TemporaryDirectory() as path:
-        mp.spawn(_worker, args=(2, _free_port(), path, results), nprocs=2, join=True)
-    expected = {"fsdp2": [], "tensor_parallel": [], "precision_change": [], "dcp": [], "zero": [], "ddp": [], "full_state_dict": [],
-                "docs": []}
-    assert dict(results) == {0: expected, 1: expected}
+        checks = {"fsdp2": check_fsdp2_matches_one_process,
+                  "tensor_parallel": check_tensor_parallel_placements,
+                  "precision_change": check_precision_change,
+                  "dcp": functools.partial(check_dcp_round_trip, path=path),
+                  "zero": check_zero_redundancy,
+                  "ddp": check_ddp,
+                  "full_state_dict": check_full_state_dict,
+                  "docs": functools.partial(check_integration_examples, path=path)}
+        results = run_on_ranks(checks)
+    expected = {name: [] for name in checks}
+    assert results == {0: expected, 1: expected}
 
 
 # ------------------------------------------------------------------- one process

@@ -6,8 +6,8 @@ one inside a block), and one process without a process group (docs/numerics.md,
 
 from __future__ import annotations
 
+import functools
 import os
-import socket
 import tempfile
 
 import pytest
@@ -15,17 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import bf16opt
 from bf16opt.distributed import shard_of
 from bf16opt.q8_sharded import is_rank_table, whole_moment
 from bf16opt.storage import Q8, q8_decode, q8_encode
+from gloo_ranks import needs_gloo, run_on_ranks
 
-needs_gloo = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(),
-    reason="torch.distributed with the gloo backend is not available in this torch build")
 
 # dim 0 cut in two: 12 rows of 256 (boundary 3072 = 12 blocks: aligned), 41 rows of 100
 # (boundary 4100: inside block 16), one row (rank 1's shard is empty); all >= q8_min_numel,
@@ -292,21 +289,9 @@ def _check_element_route(rank: int, path: str) -> None:
                os.path.join(path, f"exp_avg{rank}.pt"))
 
 
-def _worker(rank: int, world: int, port: int, path: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results[rank] = {"round trip": _check_fsdp2(rank, path),
-                         "other sharding": _check_other_sharding(rank, os.path.join(path, "dim0")),
-                         "full state dict": _check_full_state_dict(rank)}
-        _check_element_route(rank, path)
-    finally:
-        dist.destroy_process_group()
-
-
 @needs_gloo
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (the one-process load at the end)
-def test_fsdp2_q8_dcp_round_trip_continues_bit_for_bit(monkeypatch):
+def test_fsdp2_q8_dcp_round_trip_continues_bit_for_bit():
     """Two ranks: sharded DCP and full state dicts resume bit for bit, another sharding raises;
     then one process (another world size) cannot load the two ranks' q8 checkpoint (DCP
     refuses the tables' shape), but loads their checkpoint taken after a step with an element
@@ -315,15 +300,14 @@ def test_fsdp2_q8_dcp_round_trip_continues_bit_for_bit(monkeypatch):
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,  # noqa: PLC0415
                                                          get_state_dict, set_state_dict)
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    results = mp.Manager().dict()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as path:
-        mp.spawn(_worker, args=(2, port, path, results), nprocs=2, join=True)
-        expected = {"round trip": [], "other sharding": [], "full state dict": []}
-        assert dict(results) == {0: expected, 1: expected}
+        results = run_on_ranks({"round trip": functools.partial(_check_fsdp2, path=path),
+                                "other sharding": functools.partial(_check_other_sharding,
+                                                                    path=os.path.join(path, "dim0")),
+                                "full state dict": _check_full_state_dict,
+                                "element route": functools.partial(_check_element_route, path=path)})
+        expected = {"round trip": [], "other sharding": [], "full state dict": [], "element route": None}
+        assert results == {0: expected, 1: expected}
         model = _model(1)
         opt = bf16opt.AdamW(model.named_parameters(), lr=1e-2, precision="fp32-remainder-q8", backend="numba")
         state = {"optim": get_optimizer_state_dict(model, opt)}

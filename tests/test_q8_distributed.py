@@ -7,20 +7,15 @@ scale): the run equals one process updating each shard as a param of its own
 
 from __future__ import annotations
 
-import os
-import socket
+import functools
 
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import bf16opt
 from bf16opt.storage import Q8, Q8_BLOCK
+from gloo_ranks import needs_gloo, run_on_ranks
 
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with the gloo backend is not available in this torch build")
 
 # dim 0 cut in two: 12 rows of 256 (boundary 3072 = 12 blocks: aligned), 41 rows of 100
 # (boundary 4100: inside block 16)
@@ -117,21 +112,6 @@ def _check(rank: int, world: int) -> list:
     return failures
 
 
-def _worker(rank: int, world: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results[rank] = _check(rank, world)
-    finally:
-        dist.destroy_process_group()
-
-
 @needs_gloo
-def test_fsdp2_q8_blocks_are_blocks_of_each_shard(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    results = mp.Manager().dict()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, results), nprocs=2, join=True)
-    assert dict(results) == {0: [], 1: []}
+def test_fsdp2_q8_blocks_are_blocks_of_each_shard():
+    assert run_on_ranks({"shards": functools.partial(_check, world=2)}) == {0: {"shards": []}, 1: {"shards": []}}

@@ -9,16 +9,14 @@ a rank's partial (unreduced) grad would give other bits than the normal step.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import bf16opt
-from test_distributed import _fsdp2_model, bits, make_model, needs_gloo
+from gloo_ranks import needs_gloo, run_on_ranks
+from test_distributed import _fsdp2_model, bits, make_model
+
 
 def _mesh():
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
@@ -262,32 +260,15 @@ def _clipping_set_later_is_refused(rank: int) -> list:
     return failures
 
 
-def _worker(rank: int, world: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results[rank] = {
-            "steps": check_steps_match_the_normal_step(rank),
-            "accumulation": check_accumulation(rank),
-            "unit used twice": check_a_unit_used_twice(rank),
-            "per-update clipping": check_per_update_clipping_is_refused(rank),
-        }
-    finally:
-        dist.destroy_process_group()
-
-
 @needs_gloo
-def test_fsdp2_updates_in_backward_with_the_normal_steps_bits(monkeypatch):
+def test_fsdp2_updates_in_backward_with_the_normal_steps_bits():
     """FSDP2 runs the hooks after its reduce-scatter: each shard is updated in backward from the
     reduced grad and its grad freed, with the normal step's bits (AdamW with stochastic rounding,
     remainder, bf16 states on the reference, SGD momentum with Kahan, offload='cpu' also with the
     root as the only unit, float32 params under a mixed-precision policy), with either way of
     accumulating grads and with a unit used twice; per-update clipping is refused."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    results = mp.Manager().dict()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, results), nprocs=2, join=True)
-    expected = {"steps": [], "accumulation": [], "unit used twice": [], "per-update clipping": []}
-    assert dict(results) == {0: expected, 1: expected}
+    checks = {"steps": check_steps_match_the_normal_step, "accumulation": check_accumulation,
+              "unit used twice": check_a_unit_used_twice,
+              "per-update clipping": check_per_update_clipping_is_refused}
+    expected = {name: [] for name in checks}
+    assert run_on_ranks(checks) == {0: expected, 1: expected}
