@@ -123,13 +123,15 @@ def plan(args, data, lr: float) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0, help="model init, data order and rounding streams of every row")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="model init, data order and rounding streams of every row")
     parser.add_argument("--skip-maps", action="store_true", help="no reference-backend runs of the two maps")
     parser.add_argument("--maps-only", action="store_true", help="only the two maps (and fp32, the baseline)")
     parser.add_argument("--no-peers", action="store_true", help="no torchao / bitsandbytes runs")
     parser.add_argument("--peers-only", action="store_true", help="fp32 (the baseline) and the peers only")
     parser.add_argument("--rows", nargs="+", default=None, metavar="NAME",
-                        help="only these rows, named exactly as the table prints them (names hold commas: quote each)")
+                        help="only these rows, named exactly as the table prints them "
+                             "(names hold commas: quote each)")
     parser.add_argument("--backend", default="numba",
                         help="the presets' backend (reference: the same bits, no kernel to compile)")
     parser.add_argument("--json", default=None)
@@ -143,15 +145,18 @@ def main(argv=None) -> int:
             parser.error(f"--rows: no row named {unknown} with these flags (a peer must be installed); "
                          f"rows: {[name for name, _, _ in rows]}")
         rows = [row for row in rows if row[0] in args.rows]
-    results = [(name, is_peer, result) for name, is_peer, run_row in rows if (result := run_row()) is not None]
+    results = [(name, is_peer, result) for name, is_peer, run_row in rows
+               if (result := run_row()) is not None]
     base = next((result["final"] for name, _, result in results if name == "fp32"), None)
-    print(f"AdamW, {args.steps} steps, seed {args.seed}, bf16 CharGPT (compare's default task); final loss, gap to fp32")
+    print(f"AdamW, {args.steps} steps, seed {args.seed}, bf16 CharGPT (compare's default task); "
+          "final loss, gap to fp32")
     table = []
+    width = max([40] + [len(name) for name, _, _ in results])  # peer names run past 40 characters
     for name, _, result in results:
         gap = None if base is None else 100 * (result["final"] - base) / base
         limit = next((f"<= {v}%" for k, v in LIMITS.items() if name.startswith(k)), "")
         shown = "(no fp32 row)" if gap is None else f"{gap:+.3f}%"
-        print(f"  {name:<40} {result['final']:.4f}  {shown}  {limit}")
+        print(f"  {name:<{width}} {result['final']:.4f}  {shown}  {limit}")
         table.append({"preset": str(name), "seed": args.seed, "final": result["final"], "gap_percent": gap})
     if not any(is_peer for _, is_peer, _ in results) and not args.no_peers and args.rows is None:
         print("  8-bit peers (torchao, bitsandbytes): none installed or none ran (optional peers)")
