@@ -392,8 +392,31 @@ def test_q8_quality_benchmark_prints_its_table():
                              "--backend", "reference"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    table = result.stdout.split("final loss, gap to fp32")[1].splitlines()
-    rows = {line[:41].strip(): line[41:].split() for line in table if line.startswith("  ") and "%" in line}
+    rows = _q8_quality_rows(result.stdout)
     assert {"fp32", "fp32-remainder-q8", "bf16-sr-q8"} <= set(rows), result.stdout
     assert rows["fp32"][1] == "+0.000%" and all(float(row[0]) > 0 for row in rows.values())
     assert "torchao" in result.stdout and "bitsandbytes" in result.stdout
+
+
+def _q8_quality_rows(stdout: str) -> dict:
+    """q8_quality.py's table as {row name: (final loss, gap)}; names (peers') may hold spaces and commas."""
+    table = stdout.split("final loss, gap to fp32")[1].splitlines()
+    return {match[1]: (match[2], match[3]) for line in table
+            if (match := re.match(r"  (\S.*?) +(\d+\.\d{4})  (\(no fp32 row\)|[+-]\d+\.\d{3}%)", line))}
+
+
+def test_q8_quality_benchmark_runs_only_the_named_rows_with_the_seed():
+    """--rows runs just the rows named (no fp32 row: no gap), --seed changes the run, a wrong name
+    stops before any training."""
+    def final(*args):
+        result = subprocess.run([sys.executable, str(BENCHMARKS / "q8_quality.py"), "--steps", "2", "--skip-maps",
+                                 "--backend", "reference", "--no-peers", *args], capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr
+        return _q8_quality_rows(result.stdout)
+    seed_0, seed_1 = final("--rows", "bf16-sr-q8"), final("--rows", "bf16-sr-q8", "--seed", "1")
+    assert set(seed_0) == set(seed_1) == {"bf16-sr-q8"} and seed_0["bf16-sr-q8"][1] == "(no fp32 row)"
+    assert seed_0["bf16-sr-q8"][0] != seed_1["bf16-sr-q8"][0]
+    wrong = subprocess.run([sys.executable, str(BENCHMARKS / "q8_quality.py"), "--rows", "fp33"],
+                           capture_output=True, text=True, timeout=600)
+    assert wrong.returncode == 2 and "--rows" in wrong.stderr and "fp33" in wrong.stderr
