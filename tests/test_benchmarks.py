@@ -405,18 +405,19 @@ def _q8_quality_rows(stdout: str) -> dict:
             if (match := re.match(r"  (\S.*?) +(\d+\.\d{4})  (\(no fp32 row\)|[+-]\d+\.\d{3}%)", line))}
 
 
-def test_q8_quality_benchmark_runs_only_the_named_rows_with_the_seed():
+def test_q8_quality_benchmark_runs_only_the_named_rows_with_the_seed(capsys):
     """--rows runs just the rows named (no fp32 row: no gap), --seed changes the run, a wrong name
-    stops before any training."""
+    stops before any training (in this process: the table code is the subprocess test's)."""
+    q8_quality, = benchmark_modules("q8_quality")
+
     def final(*args):
-        result = subprocess.run([sys.executable, str(BENCHMARKS / "q8_quality.py"), "--steps", "2", "--skip-maps",
-                                 "--backend", "reference", "--no-peers", *args], capture_output=True, text=True,
-                                timeout=600)
-        assert result.returncode == 0, result.stderr
-        return _q8_quality_rows(result.stdout)
+        assert q8_quality.main(["--steps", "2", "--skip-maps", "--backend", "reference", "--no-peers", *args]) == 0
+        return _q8_quality_rows(capsys.readouterr().out)
     seed_0, seed_1 = final("--rows", "bf16-sr-q8"), final("--rows", "bf16-sr-q8", "--seed", "1")
     assert set(seed_0) == set(seed_1) == {"bf16-sr-q8"} and seed_0["bf16-sr-q8"][1] == "(no fp32 row)"
     assert seed_0["bf16-sr-q8"][0] != seed_1["bf16-sr-q8"][0]
-    wrong = subprocess.run([sys.executable, str(BENCHMARKS / "q8_quality.py"), "--rows", "fp33"],
-                           capture_output=True, text=True, timeout=600)
-    assert wrong.returncode == 2 and "--rows" in wrong.stderr and "fp33" in wrong.stderr
+    with pytest.raises(SystemExit) as stopped:
+        q8_quality.main(["--rows", "fp33"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--rows" in err and "fp33" in err
