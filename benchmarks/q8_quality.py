@@ -106,7 +106,8 @@ def plan(args, data, lr: float) -> list:
     order; nothing runs yet, so that ``--rows`` is checked before minutes are spent."""
     steps, seed = args.steps, args.seed
     rows = []
-    presets = ("fp32",) if args.maps_only or args.peers_only else ("fp32", "fp32-remainder-q8", "bf16-sr-q8", "fp32-remainder-bf16-states")
+    presets = ("fp32",) if args.maps_only or args.peers_only else \
+        ("fp32", "fp32-remainder-q8", "bf16-sr-q8", "fp32-remainder-bf16-states")
     for preset in presets:
         rows.append((preset, False, lambda preset=preset: run(preset, data, steps, lr, args.backend, seed)))
     if not args.skip_maps and not args.peers_only:

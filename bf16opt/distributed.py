@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_known_tensor", "dtensor_type", "global_offset", "is_dtensor", "local", "shard_of", "wrap_like"]
+__all__ = ["check_known_tensor", "dtensor_type", "global_offset", "is_dtensor", "local", "local_box", "shard_of", "wrap_like"]
 
 
 _DTENSOR: Optional[type] = None
@@ -102,7 +102,7 @@ def wrap_like(tensor: torch.Tensor, param) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
-def _local_box(param) -> tuple:
+def local_box(param) -> tuple:
     """(local shape, global offset per dim) of this rank's shard of ``param``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415
 
@@ -119,7 +119,7 @@ def global_offset(param, what: str) -> int:
     contiguous range of the param's elements; ValueError naming ``what`` otherwise."""
     if not is_dtensor(param):
         return 0
-    shape, offset = _local_box(param)
+    shape, offset = local_box(param)
     full = tuple(param.shape)
     if math.prod(shape) == 0:
         return 0
@@ -146,5 +146,5 @@ def shard_of(value: torch.Tensor, param, what: str) -> torch.Tensor:
         return local(value)
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
         return value  # convert_state names what is wrong with it
-    shape, offset = _local_box(param)
+    shape, offset = local_box(param)
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .distributed import _local_box, dtensor_type, is_dtensor, local, shard_of
+from .distributed import dtensor_type, is_dtensor, local, local_box, shard_of
 from .storage import Q8, Q8_ROW, q8_decode, q8_shape, q8_signed
 
 __all__ = ["HEADER_WORDS", "TABLE_MAGIC", "is_local_q8", "is_rank_table", "loaded_shard", "rank_table",
@@ -55,6 +55,11 @@ def _sharding_dims(param) -> list:
     return [i for i, placement in enumerate(param.placements) if placement.is_shard()]
 
 
+def _shard_counts(param) -> tuple:
+    """The table's leading shape: the size of each mesh dim whose placement shards ``param``."""
+    return tuple(param.device_mesh.size(i) for i in _sharding_dims(param))
+
+
 def _largest_shard_blocks(param) -> int:
     """Blocks of the largest shard: torch.chunk's first piece is the largest, on every cut dim."""
     shape = list(param.shape)
@@ -65,7 +70,7 @@ def _largest_shard_blocks(param) -> int:
 
 
 def _header(param, blocks: int) -> torch.Tensor:
-    shape, offset = _local_box(param)
+    shape, offset = local_box(param)
     words = [TABLE_MAGIC, param.ndim, blocks, *param.shape, *shape, *offset]
     row = torch.zeros(Q8_ROW, dtype=torch.uint8)
     row[:8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
@@ -90,7 +95,7 @@ def rank_table(q8: torch.Tensor, param, what: str):
     sharding = _sharding_dims(param)
     mesh = param.device_mesh
     placements = [Shard(sharding.index(i)) if i in sharding else Replicate() for i in range(mesh.ndim)]
-    shape = tuple(mesh.size(i) for i in sharding) + tuple(row.shape)
+    shape = _shard_counts(param) + tuple(row.shape)
     stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
     return dtensor_type().from_local(row.view((1,) * len(sharding) + tuple(row.shape)), mesh, placements,
                                      run_check=False, shape=shape, stride=stride)
@@ -128,8 +133,7 @@ def _own_row(table: torch.Tensor, param, what: str) -> torch.Tensor:
                              f"param, placed {param.placements}, needs one row per shard")
         return rows.reshape(rows.shape[-2:])
     mesh = param.device_mesh
-    counts = tuple(mesh.size(i) for i in sharding)
-    if tuple(table.shape[:-2]) != counts:
+    if tuple(table.shape[:-2]) != _shard_counts(param):
         raise ValueError(f"{what} is a q8 rank table of {tuple(table.shape[:-2])} shards; the param is "
                          f"placed {param.placements} on a mesh of shape {tuple(mesh.shape)}")
     coordinate = mesh.get_coordinate()
@@ -147,15 +151,14 @@ def loaded_shard(table: torch.Tensor, param, role: str, what: str) -> torch.Tens
 
 def _saved_on_this_sharding(table: torch.Tensor, param, what: str) -> bool:
     """Whether a gathered table has a row for this rank's shard, as this rank holds it."""
-    counts = tuple(param.device_mesh.size(i) for i in _sharding_dims(param))
-    if tuple(table.shape[:-2]) != counts:
+    if tuple(table.shape[:-2]) != _shard_counts(param):
         return False
     return _is_this_shard(_rows_header(_own_row(table, param, what), what), param)
 
 
 def _is_this_shard(header: tuple, param) -> bool:
     _, blocks, shape, shard, offset = header
-    box = _local_box(param)
+    box = local_box(param)
     return (shape, shard, offset) == (tuple(param.shape), *box) and blocks == q8_shape(math.prod(box[0]))[0]
 
 
@@ -166,7 +169,7 @@ def shard_blocks(table: torch.Tensor, param, what: str) -> torch.Tensor:
     header = _rows_header(rows, what)
     _, blocks, shape, shard, offset = header
     if not _is_this_shard(header, param):
-        box = _local_box(param)
+        box = local_box(param)
         raise ValueError(f"{what} was saved for the shard of shape {shard} at offset {offset} of a "
                          f"param of shape {shape}; this rank holds the shard {box[0]} at {box[1]} of "
                          f"{tuple(param.shape)}. q8 state of a DTensor param loads only into the "

@@ -235,7 +235,8 @@ def _call(address: int, table: np.ndarray, values: np.ndarray, keys: np.ndarray,
 
 def _checked(bucket: Bucket, scalars) -> tuple:
     """:func:`prepare`'s checks of a bucket with params (after ``check_scalars``), then (chunk
-    function, float32 scalars, stream keys, item sizes)."""
+    function, float32 scalars, stream keys, item sizes); a momentum buffer's first step is set
+    up to run as a later one (:func:`first_as_later`: its buffers are fresh, not installed yet)."""
     config = bucket.config
     for param in bucket.params:
         if not param.is_cpu:  # (is_cpu, not device.type: asked for every param of every step)
