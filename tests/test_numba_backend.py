@@ -508,26 +508,36 @@ def test_native_rounding_converts_alone_unless_a_lane_is_nan_or_subnormal():
 
 
 # ---------------------------------------------------------------- property tests
+# Random sizes, layouts, scalars, non-finite grads and step counts on the kernels the sweeps
+# above compile (their cases and ``one_variant``): a flag drawn freely would compile a
+# configuration of its own, about a second each, for what the sweeps already check.
 shape_strategy = st.one_of(
     st.sampled_from([(), (1,), (7,), (22,), (64,), (0,)]),
     st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
 )
+ADAM_KERNELS = [case.values for case in adam_plan_cases(SWEPT_PLANS)]  # (plan, amsgrad, weight_decay, track)
+SGD_KERNELS = [case.values for case in sgd_plan_cases(SWEPT_QUALITY_PLANS)]  # (plan, group, first, track)
+
+
+def _bucket_and_variant(algorithm, plan, shapes, flags, case, **options) -> tuple:
+    """The case's bucket and ``run_both``'s arguments for the kernel the sweeps run on it."""
+    bucket = make_bucket(algorithm, plan, shapes, flags=flags, seed=case["seed"], specials=case["specials"],
+                         **options)
+    return bucket, one_variant(bucket)
 
 
 @st.composite
 def adam_cases(draw):
-    plan = draw(st.sampled_from(SWEPT_PLANS))
+    plan, amsgrad, wd_mode, track = draw(st.sampled_from(ADAM_KERNELS))
     shapes = draw(st.lists(shape_strategy, min_size=1, max_size=4))
     contiguous = draw(st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)))
-    wd_mode = draw(st.sampled_from(sorted(ADAM_GROUPS)))
     group = dict(lr=draw(st.sampled_from([1e-4, 1e-3, 0.1, 3.0])),
                  betas=(draw(st.sampled_from([0.0, 0.5, 0.9])),
                         draw(st.sampled_from([0.0, 0.99, 0.999]))),
                  eps=draw(st.sampled_from([0.0, 1e-8, 1e-3])),
                  weight_decay=0.0 if wd_mode == "none" else draw(st.sampled_from([1e-2, 0.3])),
                  decoupled_weight_decay=wd_mode == "decoupled")
-    return dict(plan=plan, shapes=shapes, contiguous=contiguous, group=group,
-                amsgrad=draw(st.booleans()), maximize=draw(st.booleans()),
+    return dict(plan=plan, shapes=shapes, contiguous=contiguous, group=group, amsgrad=amsgrad, track=track,
                 specials=draw(st.booleans()), steps=draw(st.integers(1, 4)),
                 seed=draw(st.integers(0, 2**31 - 1)))
 
@@ -536,10 +546,10 @@ def adam_cases(draw):
 @given(adam_cases())
 def test_adam_matches_reference_property(case):
     group = case["group"]
-    bucket = make_bucket(ADAM, case["plan"], case["shapes"],
-                         flags=adam_flags(group, case["amsgrad"], case["maximize"]), seed=case["seed"],
-                         specials=case["specials"], layouts=case["contiguous"])
-    run_both(bucket, group, case["steps"], where=str(case))
+    bucket, variant_arguments = _bucket_and_variant(ADAM, case["plan"], case["shapes"],
+                                                    adam_flags(group, case["amsgrad"]), case,
+                                                    layouts=case["contiguous"], track=case["track"])
+    run_both(bucket, group, case["steps"], where=str(case), **variant_arguments)
 
 
 @st.composite
@@ -551,42 +561,41 @@ def lion_cases(draw):
                  betas=(draw(st.sampled_from([0.0, 0.9, 0.95])),
                         draw(st.sampled_from([0.0, 0.99]))),
                  weight_decay=draw(st.sampled_from([0.0, 0.1, 1.0])))
-    return dict(plan=plan, shapes=shapes, contiguous=contiguous, group=group,
-                maximize=draw(st.booleans()), specials=draw(st.booleans()),
+    return dict(plan=plan, shapes=shapes, contiguous=contiguous, group=group, specials=draw(st.booleans()),
                 steps=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 @settings(max_examples=30)
 @given(lion_cases())
 def test_lion_matches_reference_property(case):
-    bucket = make_bucket(LION, case["plan"], case["shapes"], flags=dict(maximize=case["maximize"]),
-                         seed=case["seed"], specials=case["specials"], layouts=case["contiguous"])
-    run_both(bucket, case["group"], case["steps"], where=str(case))
+    bucket, variant_arguments = _bucket_and_variant(LION, case["plan"], case["shapes"], {}, case,
+                                                    layouts=case["contiguous"])
+    run_both(bucket, case["group"], case["steps"], where=str(case), **variant_arguments)
 
 
 # a 4-d shape may be laid out channels_last
 sgd_shape_strategy = st.one_of(shape_strategy,
                                st.lists(st.integers(1, 6), min_size=4, max_size=4).map(tuple))
 unit_interval = st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.99]), st.floats(0.0, 1.0, exclude_max=True))
+positive_unit_interval = st.one_of(st.sampled_from([0.5, 0.9, 0.99]),
+                                   st.floats(0.0, 1.0, exclude_min=True, exclude_max=True))
 
 
 @st.composite
 def sgd_cases(draw):
-    """This run's plans (quality ones included: ``tests/sweeps.py``), momentum on/off, nesterov,
-    the buffer's first step, L2, maximize, telemetry, contiguous / transposed / strided /
-    channels_last."""
-    plan = draw(st.sampled_from(SWEPT_QUALITY_PLANS))
+    """A swept kernel (this run's plans, quality ones included: ``tests/sweeps.py``; momentum
+    or not, nesterov, L2, telemetry as its case), its scalars drawn, the buffer's first step
+    first; contiguous / transposed / strided / channels_last."""
+    plan, kernel_group, first, track = draw(st.sampled_from(SGD_KERNELS))
     shapes = draw(st.lists(sgd_shape_strategy, min_size=1, max_size=4))
     layouts = [draw(st.sampled_from(["contiguous", "transposed"]
                                     + (["channels_last"] if len(shape) == 4 else [])))
                for shape in shapes]
-    momentum = draw(unit_interval)
-    nesterov = momentum != 0.0 and draw(st.booleans())
+    momentum = draw(positive_unit_interval) if kernel_group["momentum"] else 0.0
+    weight_decay = draw(st.sampled_from([1e-2, 0.3])) if kernel_group["weight_decay"] else 0.0
     group = sgd_group(lr=draw(st.sampled_from([1e-4, 1e-3, 0.1, 3.0])), momentum=momentum,
-                      dampening=0.0 if nesterov else draw(unit_interval),
-                      weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.3])), nesterov=nesterov)
-    return dict(plan=plan, shapes=shapes, layouts=layouts, group=group, first=draw(st.booleans()),
-                maximize=draw(st.booleans()), track=draw(st.booleans()),
+                      dampening=draw(unit_interval), weight_decay=weight_decay, nesterov=kernel_group["nesterov"])
+    return dict(plan=plan, shapes=shapes, layouts=layouts, group=group, first=first, track=track,
                 specials=draw(st.booleans()), steps=draw(st.integers(1, 4)),
                 seed=draw(st.integers(0, 2**31 - 1)))
 
@@ -595,11 +604,12 @@ def sgd_cases(draw):
 @given(sgd_cases())
 def test_sgd_matches_reference_property(case):
     group = case["group"]
-    bucket = make_bucket(SGD, case["plan"], case["shapes"],
-                         flags=sgd_flags(group, first=case["first"], maximize=case["maximize"]),
-                         track=case["track"], seed=case["seed"], specials=case["specials"],
-                         layouts=case["layouts"])
-    run_both(bucket, group, case["steps"], where=str(case))
+    bucket, variant_arguments = _bucket_and_variant(SGD, case["plan"], case["shapes"],
+                                                    sgd_flags(group, first=case["first"]), case,
+                                                    track=case["track"], layouts=case["layouts"])
+    if group["nesterov"] or variant_arguments.get("unit"):  # (nesterov, and the unit kernel, need none)
+        group["dampening"] = 0.0
+    run_both(bucket, group, case["steps"], where=str(case), **variant_arguments)
 
 
 # ---------------------------------------------------------------- through the optimizers
