@@ -144,16 +144,14 @@ def loaded_shard(table: torch.Tensor, param, role: str, what: str) -> torch.Tens
     """This rank's moment ``role`` of DTensor ``param`` from a rank table: its q8 blocks as
     saved where the table was saved on this sharding; from a gathered table saved on another,
     the slice of the whole moment this rank holds (float32, quantized anew by the caller)."""
-    if is_dtensor(table) or _saved_on_this_sharding(table, param, what):
+    if is_dtensor(table):
         return shard_blocks(table, param, what)
+    if tuple(table.shape[:-2]) == _shard_counts(param):  # gathered: its row may be this rank's shard
+        rows = _own_row(table, param, what)
+        header = _rows_header(rows, what)
+        if _is_this_shard(header, param):
+            return rows[1:1 + header[1]]
     return shard_of(whole_moment(table, role, tuple(param.shape), what), param, what)
-
-
-def _saved_on_this_sharding(table: torch.Tensor, param, what: str) -> bool:
-    """Whether a gathered table has a row for this rank's shard, as this rank holds it."""
-    if tuple(table.shape[:-2]) != _shard_counts(param):
-        return False
-    return _is_this_shard(_rows_header(_own_row(table, param, what), what), param)
 
 
 def _is_this_shard(header: tuple, param) -> bool:

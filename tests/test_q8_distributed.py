@@ -91,25 +91,24 @@ def _check(rank: int, world: int) -> list:
             failures.append("cut: the boundary was meant to cut a block")
     # a rank's state dict saves its own q8 tensors and loads back bit-identically
     saved = opt_sharded.state_dict()
-    again = bf16opt.AdamW(sharded.parameters(), **kwargs)
-    again.load_state_dict(saved)
-    for q in sharded.parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if not torch.equal(again.state[q][key], opt_sharded.state[q][key]):
-                failures.append(f"state dict round trip: {key}")
+    failures += _loaded_moments_differ(saved, sharded, kwargs, opt_sharded, "state dict round trip")
     # (a q8 moment is saved as its rank's row of a rank table, test_q8_dcp.py; a state dict
     # holding the rank's plain q8 tensors, as bf16opt saved them before, loads too)
     param_of = dict(zip(saved["param_groups"][0]["params"], sharded.parameters()))
     plain = {**saved, "state": {index: {**state, **{key: opt_sharded.state[param_of[index]][key]
                                                     for key in ("exp_avg", "exp_avg_sq")}}
                                 for index, state in saved["state"].items()}}
-    older = bf16opt.AdamW(sharded.parameters(), **kwargs)
-    older.load_state_dict(plain)
-    for q in sharded.parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if not torch.equal(older.state[q][key], opt_sharded.state[q][key]):
-                failures.append(f"plain q8 tensors in a state dict: {key}")
+    failures += _loaded_moments_differ(plain, sharded, kwargs, opt_sharded, "plain q8 tensors in a state dict")
     return failures
+
+
+def _loaded_moments_differ(state_dict: dict, model, kwargs: dict, expected, what: str) -> list:
+    """``state_dict`` loaded by a fresh optimizer of ``model``'s params: the q8 moments that
+    differ from ``expected``'s."""
+    loaded = bf16opt.AdamW(model.parameters(), **kwargs)
+    loaded.load_state_dict(state_dict)
+    return [f"{what}: {key}" for q in model.parameters() for key in ("exp_avg", "exp_avg_sq")
+            if not torch.equal(loaded.state[q][key], expected.state[q][key])]
 
 
 @needs_gloo
