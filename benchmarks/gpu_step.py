@@ -19,7 +19,9 @@ In the same run, for each (row, shape):
   ``torch.optim.SGD(fused=True)`` for SGD, none for Lion.  Its states are in the params'
   dtype, so it has the row's storage only for fp32 params with the fp32 preset and bf16
   params with the bf16 preset (column ``same``);
-* with ``--track`` (default on), the same step with ``track_precision=True``.
+* with ``--track`` (default on), the same step with ``track_precision=True``;
+* on a GPU (``--no-graph`` skips it), the same step with ``capturable=True`` captured in a CUDA
+  graph, timed as the graph's replays (column ``graph``; ``x eager`` = graph / bf16opt).
 
 Times are medians by CUDA events over ``--repeats`` steps after ``--warmup`` steps.  Columns:
 ``%limit`` = limit / bf16opt; ``x torch`` = bf16opt / torch fused; ``x one`` = the step over
@@ -247,6 +249,29 @@ def bf16opt_time(bench: Bench, row: Row, params: list, track: bool) -> tuple:
     return ms, state
 
 
+def graph_time(bench: Bench, row: Row, params: list) -> Optional[float]:
+    """Median ms of the row's capturable=True step replayed from a CUDA graph (None off a GPU)."""
+    if bench.device != "cuda":
+        return None
+    import bf16opt
+
+    lr = torch.tensor(1e-4, dtype=torch.float64, device="cuda")
+    opt = getattr(bf16opt, row.optimizer)(params, lr=lr, precision=row.preset, backend="cupy", capturable=True,
+                                          **row.options)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up steps: state, kernels, room for the captured tables
+        for _ in range(3):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    ms = bench.timer(graph.replay, bench.warmup, bench.repeats)
+    del graph, opt
+    return ms
+
+
 def peer_time(bench: Bench, row: Row, params: list) -> Optional[float]:
     if row.peer is None:
         return None
@@ -258,7 +283,7 @@ def peer_time(bench: Bench, row: Row, params: list) -> Optional[float]:
     return ms
 
 
-def measure(bench: Bench, row: Row, shape_name: str, shapes: list, track: bool) -> dict:
+def measure(bench: Bench, row: Row, shape_name: str, shapes: list, track: bool, graph: bool = True) -> dict:
     params = make_params(shapes, row.param_dtype, bench.device)
     ours, state = bf16opt_time(bench, row, params, track=False)
     arrays = limit_arrays(params, state)
@@ -267,9 +292,10 @@ def measure(bench: Bench, row: Row, shape_name: str, shapes: list, track: bool) 
     del arrays
     tracked = bf16opt_time(bench, row, params, track=True)[0] if track else None
     peer = peer_time(bench, row, params)
+    graphed = graph_time(bench, row, params) if graph else None
     figures = dict(row=row.name, shape=shape_name, tensors=len(shapes), params=sum(_numel(s) for s in shapes),
                    limit_ms=limit, bf16opt_ms=ours, tracked_ms=tracked, torch_fused_ms=peer,
-                   torch_same_storage=row.same and peer is not None)
+                   torch_same_storage=row.same and peer is not None, graph_ms=graphed)
     del params
     gc.collect()
     if bench.device == "cuda":
@@ -291,15 +317,16 @@ def with_ratios(results: list) -> list:
         out.append({**r, "of_limit": ratio(r["limit_ms"], r["bf16opt_ms"]),
                     "vs_torch": ratio(r["bf16opt_ms"], r["torch_fused_ms"]),
                     "tracked_vs_untracked": ratio(r["tracked_ms"], r["bf16opt_ms"]),
+                    "graph_vs_eager": ratio(r.get("graph_ms"), r["bf16opt_ms"]),
                     "vs_one_tensor": ratio(r["bf16opt_ms"], one["bf16opt_ms"]) if one else None})
     return out
 
 
 COLUMNS = [("shape", "{}"), ("configuration", "{}"), ("limit", "{:.3f}"), ("bf16opt", "{:.3f}"),
            ("%limit", "{:.0%}"), ("tracked", "{:.3f}"), ("x untracked", "{:.2f}"), ("torch fused", "{:.3f}"),
-           ("x torch", "{:.2f}"), ("same", "{}"), ("x one", "{:.2f}")]
+           ("x torch", "{:.2f}"), ("same", "{}"), ("x one", "{:.2f}"), ("graph", "{:.3f}"), ("x eager", "{:.2f}")]
 KEYS = ["shape", "row", "limit_ms", "bf16opt_ms", "of_limit", "tracked_ms", "tracked_vs_untracked",
-        "torch_fused_ms", "vs_torch", "torch_same_storage", "vs_one_tensor"]
+        "torch_fused_ms", "vs_torch", "torch_same_storage", "vs_one_tensor", "graph_ms", "graph_vs_eager"]
 
 
 def table(results: list, title: str) -> str:
@@ -308,7 +335,7 @@ def table(results: list, title: str) -> str:
     for r in results:
         cells = []
         for (name, form), key in zip(COLUMNS, KEYS):
-            value = r[key]
+            value = r.get(key)
             if key == "torch_same_storage":
                 value = ("yes" if value else "no") if r["torch_fused_ms"] is not None else None
             cells.append("–" if value is None else form.format(value))
@@ -351,6 +378,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per figure (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--no-track", action="store_true", help="skip the track_precision=True steps")
+    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays (capturable=True)")
     parser.add_argument("--out", type=Path, default=None, help="directory for gpu_step.md and gpu_step.json")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: CPU tensors, no-op launches, host timers, a small size")
@@ -408,7 +436,8 @@ def main(argv=None) -> int:
     for shape_name in args.shapes:
         shapes = shapes_for(shape_name, args.log2_params, divisor)
         for row in rows:
-            results.append(measure(bench, row, shape_name, shapes, track=not args.no_track))
+            results.append(measure(bench, row, shape_name, shapes, track=not args.no_track,
+                                   graph=not args.no_graph))
             r = results[-1]
             peer = r["torch_fused_ms"] if r["torch_fused_ms"] is not None else float("nan")
             print(f"  {shape_name:8s} {row.name:34s} limit {r['limit_ms']:8.3f}  "

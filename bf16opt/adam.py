@@ -75,7 +75,12 @@ class Adam(MixedPrecisionOptimizer):
     The exact float32 operation order is specified in ``bf16opt/backends/reference.py``.
 
     ``foreach`` and ``fused`` are accepted and have no effect (every backend is
-    multi-tensor already); ``capturable=True`` and ``differentiable=True`` are rejected.
+    multi-tensor already); ``differentiable=True`` is rejected.  ``capturable=True`` (CUDA params,
+    CuPy kernels) makes the step capturable in a CUDA graph (``torch.cuda.graph``): each param's
+    ``state['step']`` lives on its device and the kernels read it, and the lr, when they run, so
+    a replay has the bits of an eager step (``bf16opt/capture.py``; README, "CUDA graphs").  Give
+    ``lr`` as a tensor on the device for a schedule to reach the replays; a float lr is fixed at
+    capture, as in torch.
     """
 
     algorithm = ADAM
@@ -116,6 +121,10 @@ class Adam(MixedPrecisionOptimizer):
 
     def _scalars(self, group: dict, step: int, rounded=f32) -> AdamScalars:
         return adam_scalars(group, step, rounded)
+
+    def _live_rates(self, group: dict) -> tuple:
+        decoupled = float(group["weight_decay"]) if group["decoupled_weight_decay"] else 0.0
+        return decoupled, tuple(float(b) for b in group["betas"])
 
 
 class AdamW(Adam):

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from . import capture
 from .distributed import check_known_tensor, local
 from .precision import FLOAT64, PARAM_DTYPES
 
@@ -27,6 +28,8 @@ def check_number(value, argument: str, label: Optional[str] = None, *, low: floa
                              f"{tuple(value.shape)}")
         if value.is_complex():
             raise TypeError(f"{argument} must be a real number, got a complex tensor")
+        if value.device.type != "cpu" and capture.capturing():  # (read when the graph runs, as in torch)
+            return math.nan
         shown = value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{argument} must be a real number, got {type(value).__name__}")
@@ -76,9 +79,6 @@ def check_implementation_flags(group: dict) -> None:
         raise ValueError("`fused` and `foreach` cannot be `True` together.")
     check_flag(group.get("capturable", False), "capturable")
     check_flag(group.get("differentiable", False), "differentiable")
-    if group.get("capturable"):
-        raise ValueError("capturable=True is not supported: bf16opt computes per-step scalars "
-                         "on the host, which CUDA graph capture cannot record")
     if group.get("differentiable"):
         raise ValueError("differentiable=True is not supported: bf16opt's step is not "
                          "differentiable (it writes rounded results in place)")

@@ -38,8 +38,8 @@ class Lion(MixedPrecisionOptimizer):
         m_t &= \beta_2 m_{t-1} + (1-\beta_2) g_t
 
     Args: ``params``, ``lr`` (1e-4), ``betas`` ((0.9, 0.99)), ``weight_decay`` (0.0,
-    decoupled), ``maximize``, plus ``precision``, ``backend``, ``seed`` and
-    ``track_precision`` and ``offload`` as in :class:`bf16opt.Adam`.
+    decoupled), ``maximize``, plus ``precision``, ``backend``, ``seed``,
+    ``track_precision``, ``offload`` and ``capturable`` as in :class:`bf16opt.Adam`.
     Lion keeps one moment, so ``Precision.exp_avg_sq`` is unused.  The exact float32
     operation order is specified in ``bf16opt/backends/reference.py``.
     """
@@ -53,13 +53,13 @@ class Lion(MixedPrecisionOptimizer):
                  maximize: bool = False, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
                  offload_threads: int | None = None, update_in_backward: bool = False,
-                 max_grad_norm_per_param: float | None = None) -> None:
+                 max_grad_norm_per_param: float | None = None, capturable: bool = False) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
                         precision=precision, backend=backend,
                         seed=seed, track_precision=track_precision,
                         offload=offload, offload_threads=offload_threads,
                         update_in_backward=update_in_backward,
-                        max_grad_norm_per_param=max_grad_norm_per_param)
+                        max_grad_norm_per_param=max_grad_norm_per_param, capturable=capturable)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -73,3 +73,6 @@ class Lion(MixedPrecisionOptimizer):
 
     def _scalars(self, group: dict, step: int, rounded=f32) -> LionScalars:
         return lion_scalars(group, rounded)
+
+    def _live_rates(self, group: dict) -> tuple:
+        return float(group["weight_decay"]), None

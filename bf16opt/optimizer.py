@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import state_dict as state_dicts
-from . import clipping, release, step_cache, step_hooks
+from . import capture, clipping, release, step_cache, step_hooks
 from .algorithms import Algorithm, KernelConfig, kernel_config
 from .amp import amp_arguments
 from .backends import backend_name, check_backend_name, resolve_backend
@@ -99,6 +99,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _scalars(self, group: dict, step: int):
         """The step's float32 scalars (a NamedTuple of ``algorithm.scalars``)."""
+        raise NotImplementedError
+
+    def _live_rates(self, group: dict) -> tuple:
+        """(decoupled weight-decay rate, Adam's betas or None) of a live step (capture.py)."""
         raise NotImplementedError
 
     def _force_group_entries(self, group: dict) -> None:
@@ -191,6 +195,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise ValueError("backend='cupy' updates state on the GPU; with offload='cpu' the state "
                              "lives in host RAM and is updated by backend='numba' (or 'auto')")
         check_implementation_flags(group)
+        capture.check_group(group)
         check_flag(group.get("track_precision", False), "track_precision")
         check_flag(group.get(release.KEY, False), release.KEY)
         clipping.check_max_norm(group.get(clipping.KEY))
@@ -290,6 +295,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             _set_grad_mode(grad_enabled)
 
     def _step_without_grad(self, closure, grad_scale, found_inf):
+        if capture.capturing():
+            capture.check_optimizer(self, grad_scale, found_inf)
         hooks = self.__dict__.get("_release_hooks")
         if (hooks is not None and hooks.hooked()) or release.wanted(self.param_groups):
             return self._release_step(closure, grad_scale, found_inf)

@@ -40,8 +40,8 @@ class SGD(MixedPrecisionOptimizer):
 
     Args: ``params``, ``lr`` (1e-3), ``momentum`` :math:`\mu` (0), ``dampening``
     :math:`\tau` (0), ``weight_decay`` :math:`\lambda` (0, L2 as in torch), ``nesterov``,
-    ``maximize``, plus ``precision``, ``backend``, ``seed``, ``track_precision`` and ``offload`` as in
-    :class:`bf16opt.Adam`.  The momentum buffer is stored as ``Precision.exp_avg`` (so
+    ``maximize``, plus ``precision``, ``backend``, ``seed``, ``track_precision``, ``offload`` and
+    ``capturable`` as in :class:`bf16opt.Adam`.  The momentum buffer is stored as ``Precision.exp_avg`` (so
     ``"bf16"`` keeps it in bfloat16); ``exp_avg_sq`` is unused.  Without momentum no
     buffer exists, as in torch.  ``foreach``/``fused`` are accepted and have no effect;
     ``differentiable=True`` is rejected.  The exact float32 operation order is specified
@@ -58,14 +58,14 @@ class SGD(MixedPrecisionOptimizer):
                  fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
                  offload_threads: int | None = None, update_in_backward: bool = False,
-                 max_grad_norm_per_param: float | None = None) -> None:
+                 max_grad_norm_per_param: float | None = None, capturable: bool = False) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused, precision=precision,
                         backend=backend, seed=seed,
                         track_precision=track_precision, offload=offload,
                         offload_threads=offload_threads, update_in_backward=update_in_backward,
-                        max_grad_norm_per_param=max_grad_norm_per_param)
+                        max_grad_norm_per_param=max_grad_norm_per_param, capturable=capturable)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -88,3 +88,6 @@ class SGD(MixedPrecisionOptimizer):
 
     def _scalars(self, group: dict, step: int, rounded=f32) -> SGDScalars:
         return sgd_scalars(group, rounded)
+
+    def _live_rates(self, group: dict) -> tuple:
+        return 0.0, None

@@ -119,7 +119,8 @@ def settings(optimizer, group: dict, precision) -> tuple:
     names = group.get("param_names")
     return (precision, tuple(optimizer._flags(group).items()), bool(group.get("track_precision")),
             group["seed"], group["backend"], group.get("offload"), group.get("sr_streams"),
-            None if names is None else tuple(names), group.get("max_grad_norm_per_param"))
+            None if names is None else tuple(names), group.get("max_grad_norm_per_param"),
+            group.get("capturable"))
 
 
 class GroupLaunch:

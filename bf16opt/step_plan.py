@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import state_dict as state_dicts
-from . import clipping, step_cache
+from . import capture, clipping, step_cache
 from .algorithms import KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, f32, reference, resolve_backend
 from .checks import check_step_count
@@ -158,6 +158,10 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
     offloader = optimizer._offloader if group.get("offload") == "cpu" else None
     backends = {device: resolve_backend(group["backend"], HOST if offloader else device)
                 for device in {param.device for param in params}}
+    live = bool(group.get("capturable"))
+    if live:
+        for backend in backends.values():
+            capture.check_backend(backend, number)
     entries = _entries(optimizer, plan, group, first_index, precision, params, offloader)
     max_norm = group.get(clipping.KEY)
     factors = None if max_norm is None else _clip_factors(entries, float(max_norm), inv_grad_scale)
@@ -170,18 +174,21 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
         plan.clips += [(entry.grad, factor.to(entry.grad.device), entry.original if offloader else None)
                        for entry, factor in zip(entries, factors)]
     plan.counters.extend(entry.counter for entry in entries)
-    counts = torch.stack([e.counter.double() for e in entries]).tolist()
-    for value, entry in zip(counts, entries):
-        check_step_count(value, f"state['step'] of param {entry.number}")
+    steps = _steps(entries)  # (None while a graph is captured: the kernels read the counters)
+    lives = _live_inputs(optimizer, plan, group, number, entries, steps, backends) if live else {}
     launched = []
-    for bucket, originals, step in _buckets(group, entries, [int(s) + 1 for s in counts]):
+    for bucket, originals, step in _buckets(group, entries, steps, live):
         config = bucket.config
         float64 = config.plan.param == torch.float64
-        scalars = optimizer._scalars(group, step, float if float64 else f32)
+        if live:  # the kernels compute the step's scalars; these give the constant ones
+            bucket.live = lives[originals[0].device]
+            scalars = optimizer._scalars(capture.placeholder_lr(group), 1, f32)
+        else:
+            scalars = optimizer._scalars(group, step, float if float64 else f32)
+            _check_finite(scalars, number, step)
         if inv_grad_scale != 1.0:
             scalars = scalars._replace(inv_grad_scale=inv_grad_scale)
         backend = float64_backend(group["backend"]) if float64 else backends[originals[0].device]
-        _check_finite(scalars, number, step)
         if config.track:
             bucket.counts = torch.zeros(len(bucket.params), 3, dtype=torch.int64)
         if offloader:  # checks and compiles, and cuts the update into the pipeline's chunks
@@ -199,6 +206,7 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
              offloader) -> list:
     """Each param's :class:`ParamEntry`, its state found, converted or made aside."""
     distributed = dtensor_type() is not None  # else no DTensor exists in this process
+    live = bool(group.get("capturable"))
     position = {id(p): first_index + i for i, p in enumerate(group["params"])}
     ids = stream_ids(group, first_index)
     flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
@@ -216,6 +224,10 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
                                                    plan_for(precision, param.dtype, original.numel()), flags, track)
         state = _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
         counter = step_counter(state, number)
+        if counter.device != (param.device if live else HOST):  # capturable: counters live on the device
+            counter = counter.to(param.device if live else HOST)
+            state = {**state, "step": counter}
+            plan.states[original] = wrapped(state, original)
         made = new_buffers(param, state, config, offloader)
         if made:
             plan.buffers[original] = wrapped(made, original)
@@ -276,19 +288,51 @@ def _clip_factors(entries: list, max_norm: float, inv_grad_scale: float) -> list
     return [clipping.coefficient(entry.grad, max_norm) for entry in entries]
 
 
-def _buckets(group: dict, entries: list, steps: list) -> list:
+def _live_inputs(optimizer, plan: StepPlan, group: dict, number: int, entries: list, steps: Optional[list],
+                 devices) -> dict:
+    """A capturable group's :class:`LiveInputs` per device (capture.py), once its live steps
+    are known to work: no new or converted state while a graph is captured, no float64 params
+    (the reference backend's), finite scalars at the steps the kernels will run (eager)."""
+    if capture.capturing() and (plan.param_writes or any(
+            entry.original in plan.states or entry.original in plan.buffers for entry in entries)):
+        capture.refuse_while_capturing(number, "a param's first step, or a change of its state (precision, "
+                                               "dtype, device or capturable)")
+    if any(entry.param.dtype == torch.float64 for entry in entries):
+        raise ValueError(f"param group {number}: capturable=True needs the CuPy kernels, and float64 "
+                         f"params are updated by the reference backend")
+    for step in sorted(set(steps or ())):
+        _check_finite(optimizer._scalars(group, step, f32), number, step)
+    return {device: capture.live_inputs(optimizer, group, number, device) for device in devices}
+
+
+def _steps(entries: list) -> Optional[list]:
+    """The step each entry runs (its counter + 1, checked), or None while a CUDA graph is
+    captured (a capturable group's counters are on the device: reading them would sync)."""
+    if capture.capturing():
+        return None
+    counts = torch.stack([e.counter.double() for e in entries]).tolist()
+    for value, entry in zip(counts, entries):
+        check_step_count(value, f"state['step'] of param {entry.number}")
+    return [int(s) + 1 for s in counts]
+
+
+def _buckets(group: dict, entries: list, steps: Optional[list], live: bool = False) -> list:
     """(bucket, original params, step number) of each set of entries sharing a device, a
-    kernel configuration and a step number, in first-seen order."""
+    kernel configuration and a step number, in first-seen order.  A live step's buckets
+    (capturable) do not split by step: each param's counter names its own."""
     buckets = {}
-    for entry, step in zip(entries, steps):
+    for k, entry in enumerate(entries):
         config = entry.config
+        step = None if live else steps[k]
         key = (entry.param.device, config, step)
         if key not in buckets:
-            buckets[key] = (Bucket(config, seed=group["seed"], step=step), [], step)
+            buckets[key] = (Bucket(config, seed=group["seed"], step=step or 0), [], step)
         bucket, originals, _ = buckets[key]
         bucket.append([entry.param, entry.grad] + [None if state_key is None else entry.state[state_key]
                                                    for state_key in config.state_keys[2:]],
                       entry.number, entry.offset, entry.stream)
+        if live:
+            bucket.counters.append(entry.counter)
         originals.append(entry.original)
     return list(buckets.values())
 

@@ -51,6 +51,16 @@ struct AdamCoefficients {
   bool maximize, l2, float32_grad;
   float beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2,
       eps, weight_decay, decay, inv_grad_scale;
+
+  // adam_scalars (bf16opt/adam.py) at ``step``, the lr read now
+  __device__ __forceinline__ AdamCoefficients at_step(const LiveStep& live, i64 step) const {
+    AdamCoefficients out = *this;
+    const double lr = live.learning_rate();
+    out.step_size = live.step_size(lr, step);
+    out.inv_sqrt_bias_correction2 = live.inv_sqrt_bias_correction2(step);
+    out.decay = live.decay(lr);
+    return out;
+  }
 };
 
 // One tensor's Adam update (the Update interface of update_chunks, multi_tensor.cuh).
@@ -149,7 +159,7 @@ struct AdamUpdate {
 
 template <class P, class M, class EA, class EAS, bool AMSGRAD, bool TRACK>
 __global__ void adam_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
-                            i64 step, u64* counts, int flags, float beta1, float beta2,
+                            i64 step, u64* counts, int flags, BF16OPT_LIVE_PARAMETERS, float beta1, float beta2,
                             float one_minus_beta1, float one_minus_beta2, float step_size,
                             float inv_sqrt_bias_correction2, float eps, float weight_decay,
                             float decay, float inv_grad_scale) {
@@ -157,13 +167,16 @@ __global__ void adam_kernel(const i64* table, int n_tensors, i64 n_chunks, int c
                            (flags & kFloat32Grad) != 0, beta1, beta2, one_minus_beta1,
                            one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps,
                            weight_decay, decay, inv_grad_scale};
+  const LiveStep live = BF16OPT_LIVE_STEP;
+  const LiveStep* const live_or_null = (flags & kLive) != 0 ? &live : nullptr;
   typedef AdamUpdate<P, M, EA, EAS, AMSGRAD, TRACK> Update;
   if constexpr (IsQ8<EA>::value || IsQ8<EAS>::value) {  // q8 moments: block by block (q8.cuh)
     update_q8_chunks<Update, Q8Slot<kAdamExpAvg, EA, kExpAvg, 1>, Q8Slot<kAdamExpAvgSq, EAS, kExpAvgSq, 2>,
                      Q8Slot<kAdamMaxExpAvgSq, EAS, kMaxExpAvgSq, -1, AMSGRAD>>(table, n_tensors, n_chunks,
-                                                                            chunk_size, seed, step, counts, c);
+                                                                            chunk_size, seed, step, counts, c,
+                                                                            live_or_null);
   } else {
-    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
   }
 }
 

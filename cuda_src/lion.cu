@@ -32,6 +32,15 @@ enum LionFlag { kLionMaximize = 1 };
 struct LionCoefficients {
   bool maximize, float32_grad;
   float beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, inv_grad_scale;
+
+  // lion_scalars (bf16opt/lion.py), the lr read now
+  __device__ __forceinline__ LionCoefficients at_step(const LiveStep& live, i64) const {
+    LionCoefficients out = *this;
+    const double lr_now = live.learning_rate();
+    out.lr = __double2float_rn(lr_now);
+    out.decay = live.decay(lr_now);
+    return out;
+  }
 };
 
 // One tensor's Lion update (the Update interface of update_chunks, multi_tensor.cuh).
@@ -103,17 +112,19 @@ struct LionUpdate {
 
 template <class P, class M, class EA, bool TRACK>
 __global__ void lion_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
-                            i64 step, u64* counts, int flags, float beta1, float beta2,
+                            i64 step, u64* counts, int flags, BF16OPT_LIVE_PARAMETERS, float beta1, float beta2,
                             float one_minus_beta1, float one_minus_beta2, float lr, float decay,
                             float inv_grad_scale) {
   const LionCoefficients c{(flags & kLionMaximize) != 0, (flags & kFloat32Grad) != 0, beta1, beta2,
                            one_minus_beta1, one_minus_beta2, lr, decay, inv_grad_scale};
+  const LiveStep live = BF16OPT_LIVE_STEP;
+  const LiveStep* const live_or_null = (flags & kLive) != 0 ? &live : nullptr;
   typedef LionUpdate<P, M, EA, TRACK> Update;
   if constexpr (IsQ8<EA>::value) {  // a q8 moment: block by block (q8.cuh)
     update_q8_chunks<Update, Q8Slot<kLionExpAvg, EA, kExpAvg, 1>, NoQ8Slot, NoQ8Slot>(
-        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
   } else {
-    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
   }
 }
 

@@ -14,6 +14,8 @@
 //   table[(R + 2) * n + t]  index of tensor t's first chunk; entry n is the total
 //   table[(R + 3) * n + 1 + t]  global element index of tensor t's first element (a
 //                           DTensor shard's offset in the whole param; random streams only)
+//   table[(R + 4) * n + 1 + t]  live steps only (kLive): address of tensor t's step counter
+//                           (float64, in device memory)
 //
 // Chunk c covers elements [k * chunk_size, min((k + 1) * chunk_size, size)) of the
 // tensor t whose chunk range holds c (k = c - first chunk of t).  Blocks walk the
@@ -50,6 +52,9 @@ struct ChunkTable {
   }
   __device__ __forceinline__ i64 first_element(int tensor) const {
     return table[(R + 3) * n_tensors + 1 + tensor];
+  }
+  __device__ __forceinline__ const double* counter(int tensor) const {
+    return reinterpret_cast<const double*>(static_cast<u64>(table[(R + 4) * n_tensors + 1 + tensor]));
   }
   // The last tensor whose first chunk is <= chunk (tensors without chunks are skipped).
   __device__ __forceinline__ int tensor_of_chunk(i64 chunk) const {
@@ -122,7 +127,51 @@ __device__ __forceinline__ bool aligned16(const void* base, int bytes, i64 index
 // (bf16opt/algorithms.py's FLOAT32_GRAD_BIT).  kFloat32Grad: the grads are float32 while
 // the param is bfloat16/float16 (gradients accumulated in float32).  A run-time bit like
 // maximize: a template parameter would double every instantiation for one load.
-enum SharedFlag { kFloat32Grad = 1 << 15 };
+enum SharedFlag { kFloat32Grad = 1 << 15, kLive = 1 << 14, kLiveLrDouble = 1 << 13 };
+
+// Live steps (capturable=True, kLive): the step and the learning rate are read from device
+// memory when the kernel runs, so a CUDA graph replays the right step.  Each tensor's step is
+// its counter's value (advanced before the launch); its scalars are the host's
+// (adam_scalars & co.), computed here in the same float64 operations, each IEEE-rounded as on
+// the host, then rounded to float32 once.  Adam's bias corrections come from a host-filled
+// table (1 - beta1**k, float32(1 / sqrt(1 - beta2**k)), by the host's pow) whose last row
+// holds for every later step: a device pow is not the host's.
+struct LiveStep {
+  const void* lr;       // the group's lr tensor (float32, or float64 with kLiveLrDouble); nullptr: lr_value
+  bool lr_double;
+  double lr_value;
+  double decay_rate;    // decoupled weight decay: decay = 1 - lr * decay_rate (0: none)
+  const double* bias;   // Adam: bias_rows rows of (1 - beta1**k, float32(1 / sqrt(1 - beta2**k)))
+  i64 bias_rows;
+
+  __device__ __forceinline__ double learning_rate() const {
+    if (lr == nullptr) return lr_value;
+    return lr_double ? *static_cast<const double*>(lr) : static_cast<double>(*static_cast<const float*>(lr));
+  }
+  __device__ __forceinline__ i64 row(i64 step) const { return step < bias_rows ? step : bias_rows - 1; }
+  __device__ __forceinline__ float step_size(double lr_now, i64 step) const {
+    return __double2float_rn(__ddiv_rn(lr_now, bias[2 * row(step)]));
+  }
+  __device__ __forceinline__ float inv_sqrt_bias_correction2(i64 step) const {
+    return static_cast<float>(bias[2 * row(step) + 1]);
+  }
+  __device__ __forceinline__ float decay(double lr_now) const {
+    return __double2float_rn(__dsub_rn(1.0, __dmul_rn(lr_now, decay_rate)));
+  }
+};
+
+#define BF16OPT_LIVE_PARAMETERS \
+  const void *live_lr, double lr_value, double decay_rate, const double *bias, i64 bias_rows
+#define BF16OPT_LIVE_STEP LiveStep{live_lr, (flags & kLiveLrDouble) != 0, lr_value, decay_rate, bias, bias_rows}
+
+// The coefficients tensor ``tensor`` runs with, and its step (``step`` unless live).
+template <int R, class Coefficients>
+__device__ __forceinline__ Coefficients tensor_coefficients(const Coefficients& c, const LiveStep* live,
+                                                            const ChunkTable<R>& tab, int tensor, i64& step) {
+  if (live == nullptr) return c;
+  step = static_cast<i64>(*tab.counter(tensor));
+  return c.at_step(*live, step);
+}
 
 // The gradient as the update reads it: its decoded float32 value times the inverse loss
 // scale (1.0 without GradScaler), in the grad's own format: the param's storage type P,
@@ -208,12 +257,14 @@ __device__ __forceinline__ void for_each_chunk(const ChunkTable<R>& tab, i64 n_c
 template <class Update, class Coefficients>
 __device__ __forceinline__ void update_chunks(const i64* table, int n_tensors, i64 n_chunks,
                                               int chunk_size, u64 seed, i64 step, u64* counts,
-                                              const Coefficients& c) {
+                                              const Coefficients& coefficients, const LiveStep* live) {
   constexpr int kVec = Update::kVec;
   const ChunkTable<Update::kRoles> tab{table, n_tensors};
   for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
     const Update up(tab, tensor);
-    const Streams streams = make_streams<Update::kStochastic>(seed, step, tab.index(tensor),
+    i64 tensor_step = step;
+    const Coefficients c = tensor_coefficients(coefficients, live, tab, tensor, tensor_step);
+    const Streams streams = make_streams<Update::kStochastic>(seed, tensor_step, tab.index(tensor),
                                                                  tab.first_element(tensor));
     Tally<Update::kTrack> tally;
     const i64 stride = blockDim.x;

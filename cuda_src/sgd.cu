@@ -40,6 +40,13 @@ enum SgdFlag { kSgdMaximize = 1, kSgdL2 = 2, kSgdNesterov = 4, kSgdFirst = 8 };
 struct SgdCoefficients {
   bool maximize, l2, nesterov, first, float32_grad;
   float momentum, one_minus_dampening, lr, weight_decay, inv_grad_scale;
+
+  // sgd_scalars (bf16opt/sgd.py), the lr read now
+  __device__ __forceinline__ SgdCoefficients at_step(const LiveStep& live, i64) const {
+    SgdCoefficients out = *this;
+    out.lr = __double2float_rn(live.learning_rate());
+    return out;
+  }
 };
 
 // One tensor's SGD update (the Update interface of update_chunks, multi_tensor.cuh).
@@ -127,19 +134,21 @@ struct SgdUpdate {
 
 template <class P, class M, class EA, bool MOMENTUM, bool TRACK>
 __global__ void sgd_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
-                           i64 step, u64* counts, int flags, float momentum,
+                           i64 step, u64* counts, int flags, BF16OPT_LIVE_PARAMETERS, float momentum,
                            float one_minus_dampening, float lr, float weight_decay,
                            float inv_grad_scale) {
   const SgdCoefficients c{(flags & kSgdMaximize) != 0, (flags & kSgdL2) != 0,
                           (flags & kSgdNesterov) != 0, (flags & kSgdFirst) != 0,
                           (flags & kFloat32Grad) != 0, momentum, one_minus_dampening, lr,
                           weight_decay, inv_grad_scale};
+  const LiveStep live = BF16OPT_LIVE_STEP;
+  const LiveStep* const live_or_null = (flags & kLive) != 0 ? &live : nullptr;
   typedef SgdUpdate<P, M, EA, MOMENTUM, TRACK> Update;
   if constexpr (MOMENTUM && IsQ8<EA>::value) {  // a q8 momentum buffer: block by block (q8.cuh)
     update_q8_chunks<Update, Q8Slot<kSgdMomentumBuffer, EA, kExpAvg, 1>, NoQ8Slot, NoQ8Slot>(
-        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
   } else {
-    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c);
+    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
   }
 }
 

@@ -139,7 +139,7 @@ for row_id, opt_class, kwargs in [
     ("betas-float-and-tensor", bf16opt.Adam, dict(betas=(0.9, torch.tensor(0.99)))),
     ("amsgrad-string", bf16opt.Adam, dict(amsgrad="yes")),
     ("maximize-none", bf16opt.SGD, dict(maximize=None)),
-    ("capturable", bf16opt.Adam, dict(capturable=True)),
+    ("capturable-with-offload", bf16opt.AdamW, dict(capturable=True, offload="cpu")),
     ("differentiable", bf16opt.AdamW, dict(differentiable=True)),
     ("fused-and-foreach", bf16opt.Adam, dict(fused=True, foreach=True)),
     ("momentum-negative", bf16opt.SGD, dict(momentum=-0.5)),
@@ -320,6 +320,13 @@ def _():
     opt, a, b = live()
     opt.grad_scale = torch.tensor(2.0)  # as torch.amp.GradScaler.step sets it
     return opt, lambda: opt.step(grad_scale=torch.tensor(2.0))
+
+
+@case("capturable-on-cpu")
+def _():
+    opt, a, b = live()
+    opt.param_groups[1]["capturable"] = True  # the second group: the first must not be updated either
+    return opt, opt.step
 
 
 @case("release-closure")

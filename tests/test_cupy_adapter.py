@@ -4,11 +4,9 @@ optimizer driving the (CPU-emulated) kernels end to end.  No GPU, no CuPy needed
 
 from __future__ import annotations
 
-import functools
 import itertools
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -158,15 +156,6 @@ def test_no_gpu_message():
 
 
 # ---------------------------------------------------------------- optimizer end to end
-def emulated_backend():
-    """The cupy adapter with the launch swapped for the CPU emulation."""
-    return types.SimpleNamespace(
-        name="cupy-emulated",
-        run=functools.partial(cuda_backend.run, execute=emulator.execute),
-        prepare=functools.partial(cuda_backend.prepare, execute=emulator.execute),
-        relaunch=functools.partial(cuda_backend.relaunch, execute=emulator.execute))
-
-
 def make_params(seed: int):
     g = torch.Generator().manual_seed(seed)
     shapes = [(33, 7), (5,), (129,), (4, 4, 3), (1,), (6, 5, 3, 3)]
@@ -203,7 +192,7 @@ def test_optimizer_with_emulated_kernels_matches_reference(monkeypatch, optimize
     expected_params, actual_params = make_params(0), make_params(0)
     expected = optimizer(expected_params, lr=1e-2, backend="reference", **options)
     actual = optimizer(actual_params, lr=1e-2, backend="reference", **options)
-    emulated = emulated_backend()
+    emulated = emulator.backend()
     import bf16opt.step_plan as optimizer_module
     real_resolve = optimizer_module.resolve_backend
     g = torch.Generator().manual_seed(1)

@@ -212,3 +212,63 @@ def test_runs_on_the_current_stream():
     stream.synchronize()
     assert not torch.equal(before, after)
     assert torch.equal(after, params[0].detach())
+
+
+CAPTURE_CASES = [
+    (bf16opt.AdamW, dict(precision="bf16-sr", weight_decay=0.1)),
+    (bf16opt.Adam, dict(precision="fp32", amsgrad=True)),
+    (bf16opt.AdamW, dict(precision="fp32-remainder-q8")),
+    (bf16opt.Lion, dict(precision="bf16", weight_decay=0.1)),
+    (bf16opt.SGD, dict(precision="bf16-kahan", momentum=0.9, nesterov=True)),
+]
+
+
+@pytest.mark.parametrize("optimizer, options", CAPTURE_CASES)
+def test_cuda_graph_replays_equal_eager_steps(optimizer, options):
+    """capturable=True, captured with torch.cuda.graph after warm-up steps on a side stream (the
+    graph clones static grads, so its grads are new tensors of the graph's pool), replayed with
+    new grad values and an lr tensor a schedule fills: the bits of eager steps (capturable=False)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(333, 77), (5,), (4096 + 3,), (4, 4, 3)]
+    start = [torch.randn(s, generator=g).to(d) for s, d in zip(shapes, OPTIMIZER_DTYPES)]
+    grads = [[torch.randn(s, generator=g).to(d).cuda() for s, d in zip(shapes, OPTIMIZER_DTYPES)]
+             for _ in range(8)]
+    eager_params = [torch.nn.Parameter(p.cuda()) for p in start]
+    graph_params = [torch.nn.Parameter(p.cuda()) for p in start]
+    eager = optimizer(eager_params, lr=1e-2, backend="cupy", **options)
+    lr = torch.tensor(1e-2, dtype=torch.float64, device="cuda")
+    graphed = optimizer(graph_params, lr=lr, backend="cupy", capturable=True, **options)
+    static = [grad.clone() for grad in grads[0]]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for step in range(3):
+            lr.fill_(1e-2 * 0.7 ** step)
+            for param, grad in zip(graph_params, grads[step]):
+                param.grad = grad.clone()
+            graphed.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for param, grad in zip(graph_params, static):
+            param.grad = grad.clone()
+        graphed.step()
+    for step in range(8):
+        rate = 1e-2 * 0.7 ** step
+        eager.param_groups[0]["lr"] = rate
+        for param, grad in zip(eager_params, grads[step]):
+            param.grad = grad.clone()
+        eager.step()
+        if step >= 3:
+            lr.fill_(rate)
+            for buffer, grad in zip(static, grads[step]):
+                buffer.copy_(grad)
+            graph.replay()
+    torch.cuda.synchronize()
+    for e, a in zip(eager_params, graph_params):
+        assert torch.equal(e.detach().view(torch.uint8), a.detach().view(torch.uint8))
+        assert eager.state[e].keys() == graphed.state[a].keys()
+        for key, value in eager.state[e].items():
+            other = graphed.state[a][key]
+            assert torch.equal(value.cpu().view(torch.uint8) if value.dim() else value.cpu(),
+                               other.cpu().view(torch.uint8) if other.dim() else other.cpu().to(value.dtype)), key

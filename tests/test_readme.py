@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -21,12 +22,15 @@ def python_blocks() -> list[str]:
 
 
 def test_readme_has_its_examples():
-    # Quickstart, per-group precision, checkpoint and resume, offload, update in backward, telemetry
-    assert len(python_blocks()) == 6
+    # Quickstart, per-group precision, checkpoint and resume, offload, update in backward, CUDA
+    # graphs, telemetry
+    assert len(python_blocks()) == 7
 
 
 @pytest.mark.parametrize("index", range(len(python_blocks())))
 def test_readme_example_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     block = python_blocks()[index]
+    if 'device="cuda"' in block and not torch.cuda.is_available():
+        pytest.skip("this example needs a CUDA device")
     exec(compile(block, f"README.md example {index}", "exec"), {"__name__": "example"})  # noqa: S102

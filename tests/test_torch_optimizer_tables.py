@@ -12,8 +12,8 @@ suite constructs it with (``optim_inputs_func``) and the inputs that must fail
   which bf16opt accepts and ignores) trains a small regression for ``STEPS`` steps with
   ``precision="fp32"`` on fp32 params next to torch.optim's class: every param must stay
   within 1e-6 of torch's relative to its tensor's max |w| (tests/test_dropin.py's
-  ``assert_params_close``).  Inputs bf16opt refuses by design (``capturable=True``,
-  ``differentiable=True``) are checked to be refused, then skipped with that reason.
+  ``assert_params_close``).  Inputs bf16opt refuses by design (``differentiable=True``;
+  ``capturable=True`` on these CPU params) are checked to be refused.
 
 Importing the tables needs the ``expecttest`` package (a torch test dependency); without it
 this module is skipped.
@@ -53,12 +53,14 @@ DEVIATIONS = {
     "a param group cannot have duplicate parameters":
         (ValueError, r"params\[0\] and params\[1\] are the same tensor"),
 }
-# flag -> why bf16opt refuses it: such inputs are checked to be refused (torch's results do not apply)
+# flag -> (the message of bf16opt's refusal on CPU params, why): such inputs are checked to be
+# refused (torch's results do not apply)
 REFUSED_BY_DESIGN = {
-    "capturable": "bf16opt refuses capturable=True by design: per-step scalars are computed on the host, "
-                  "which CUDA graph capture cannot record",
-    "differentiable": "bf16opt refuses differentiable=True by design: the step writes rounded results in "
-                      "place and has no autograd graph",
+    "capturable": ("capturable=True needs the CuPy kernels",
+                   "capturable=True runs in the CUDA kernels (CUDA params); torch refuses CPU params too"),
+    "differentiable": ("differentiable=True is not supported",
+                       "bf16opt refuses differentiable=True by design: the step writes rounded results in "
+                       "place and has no autograd graph"),
 }
 
 
@@ -146,8 +148,10 @@ def test_optim_input_follows_torch(key):
     kwargs = optim_input.kwargs
     refused = [flag for flag in REFUSED_BY_DESIGN if kwargs.get(flag)]
     if refused:  # refused by design (REFUSED_BY_DESIGN says why): the refusal is the behaviour checked
-        with pytest.raises(ValueError, match=f"{refused[0]}=True is not supported"):
-            getattr(bf16opt, name)([nn.Parameter(torch.randn(3))], **copy.deepcopy(kwargs))
+        param = nn.Parameter(torch.randn(3))
+        param.grad = torch.ones(3)
+        with pytest.raises(ValueError, match=REFUSED_BY_DESIGN[refused[0]][0]):
+            getattr(bf16opt, name)([param], **copy.deepcopy(kwargs)).step()
         return
     theirs_model, x, y = regression()
     ours_model = copy.deepcopy(theirs_model)

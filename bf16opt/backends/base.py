@@ -9,7 +9,7 @@ once (``f32``); every backend gets the same values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import numpy as np
 import torch
@@ -20,6 +20,16 @@ from ..algorithms import KernelConfig
 def f32(value: float) -> float:
     """Round a host scalar to float32 once (returned as an exactly representable float)."""
     return float(np.float32(value))
+
+
+class LiveInputs(NamedTuple):
+    """A live step's inputs (``capturable=True``, bf16opt/capture.py): what the kernels read
+    on the device when they run, instead of the step's host scalars."""
+
+    lr: Optional[torch.Tensor]    # one-element float32/float64 tensor on the device; None: lr_value
+    lr_value: float
+    decay_rate: float             # decoupled weight decay: decay = 1 - lr * decay_rate
+    bias: Optional[torch.Tensor]  # Adam: float64 (rows, 2) bias corrections by step; else None
 
 
 @dataclass
@@ -42,6 +52,10 @@ class Bucket:
     # Telemetry: when set, the backend writes each param's counters (the algorithm's
     # ``counters`` columns) into this int64 (len(params), 3) tensor.
     counts: Optional[torch.Tensor] = None
+    # A live step (capturable=True): each param's step counter (a float64 tensor on its device,
+    # advanced before the launch) names its step, and the kernels compute the scalars from it
+    live: Optional[LiveInputs] = None
+    counters: list = field(default_factory=list)
 
     def __post_init__(self):
         if not self.tensors:

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from ..algorithms import ALGORITHMS, KernelConfig, kernel_config
+from ..algorithms import ALGORITHMS, LIVE_BIT, LIVE_LR_DOUBLE_BIT, KernelConfig, kernel_config
 from ..precision import all_plans, q8_plans
 from ..storage import Q8, Q8_BLOCK
 from .base import Bucket, check_scalars
@@ -41,6 +41,7 @@ from .cuda_compile import cached_nvrtc_compile, compile_options, device_arch, ke
 from .staging import Staged, check, stage
 
 name = "cupy"
+live = True  # runs live steps (capturable=True: step and lr read on the device, bf16opt/capture.py)
 
 INSTALL_HINT = ("install CuPy for your CUDA version: pip install cupy-cuda12x (CUDA 12) or cupy-cuda13x "
                 "(CUDA 13); in a bf16opt checkout: pip install '.[cuda12]' or '.[cuda13]'")
@@ -207,13 +208,15 @@ class LaunchPlan(NamedTuple):
 
 def build_launch_plan(pointers: Sequence[Sequence[int]], sizes: Sequence[int], *,
                       indices: Optional[Sequence[int]] = None, offsets: Optional[Sequence[int]] = None,
+                      counters: Optional[Sequence[int]] = None,
                       chunk_size: int = DEFAULT_CHUNK_SIZE, block: int = DEFAULT_BLOCK,
                       max_grid: int = MAX_GRID) -> Optional[LaunchPlan]:
     """Chunk table for tensors with ``pointers[t][role]`` and ``sizes[t]`` elements.
 
     ``indices[t]`` is tensor t's index in the optimizer (it names the tensor's random
     streams; default t); ``offsets[t]`` the global index of its first element (a shard's
-    offset in its param; default 0).  Pure numpy.  Empty tensors are left out (``columns`` lists
+    offset in its param; default 0); ``counters[t]`` the address of its step counter (a live
+    step's; default: none, and no such row).  Pure numpy.  Empty tensors are left out (``columns`` lists
     the kept positions); returns None when nothing is left.  ``chunk_size`` must be a
     multiple of 8 (the widest vector step) so every chunk of a 16-byte aligned tensor
     starts 16-byte aligned.
@@ -230,12 +233,14 @@ def build_launch_plan(pointers: Sequence[Sequence[int]], sizes: Sequence[int], *
         offsets = [0] * len(sizes)
     if len(offsets) != len(sizes):
         raise ValueError("offsets and sizes must have one entry per tensor")
+    if counters is not None and len(counters) != len(sizes):
+        raise ValueError("counters and sizes must have one entry per tensor")
     keep = [t for t, size in enumerate(sizes) if size > 0]
     if not keep:
         return None
     roles = len(pointers[keep[0]])
     n = len(keep)
-    table = np.zeros((roles + 4) * n + 1, dtype=np.int64)
+    table = np.zeros((roles + (4 if counters is None else 5)) * n + 1, dtype=np.int64)
     size_array = np.asarray([sizes[t] for t in keep], dtype=np.int64)
     for column, t in enumerate(keep):
         if len(pointers[t]) != roles:
@@ -248,9 +253,16 @@ def build_launch_plan(pointers: Sequence[Sequence[int]], sizes: Sequence[int], *
     first = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(chunks, out=first[1:])
     table[(roles + 2) * n:(roles + 3) * n + 1] = first
-    table[(roles + 3) * n + 1:] = [offsets[t] for t in keep]
+    table[(roles + 3) * n + 1:(roles + 4) * n + 1] = [offsets[t] for t in keep]
+    if counters is not None:
+        table[(roles + 4) * n + 1:] = [counters[t] for t in keep]
     n_chunks = int(first[-1])
     return LaunchPlan(table, n, n_chunks, chunk_size, min(n_chunks, max_grid), block, tuple(keep))
+
+
+#: a launch's live-step arguments (cuda_src/multi_tensor.cuh's LiveStep: lr's address, lr_value,
+#: decay_rate, the bias table's address and rows) when its step is not live
+NO_LIVE = (0, 0.0, 0.0, 0, 0)
 
 
 class PreparedLaunch(NamedTuple):
@@ -263,6 +275,7 @@ class PreparedLaunch(NamedTuple):
     step: int = 0
     counts: Optional[torch.Tensor] = None  # telemetry: int64 (tensors in the table, 3), zeros
     flags: int = 0           # run-time flags (KernelConfig.flag_bits: maximize, L2, ...)
+    live: tuple = NO_LIVE    # a live step's arguments (capturable=True)
 
 
 def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -280,8 +293,10 @@ def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_S
     staged = stage(bucket, "cupy")
     if config.quantized:  # chunks of whole q8 blocks (q8.cuh)
         chunk_size = -(-chunk_size // Q8_BLOCK) * Q8_BLOCK
+    live = bucket.live
     launch_plan = build_launch_plan(staged.pointers.tolist(), staged.numels, indices=list(indices),
                                     offsets=list(bucket.offsets),
+                                    counters=None if live is None else [c.data_ptr() for c in bucket.counters],
                                     chunk_size=chunk_size, block=block, max_grid=max_grid)
     if launch_plan is None:
         return None
@@ -293,8 +308,38 @@ def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_S
     if config.track:
         counts = torch.zeros((launch_plan.n_tensors, 3), dtype=torch.int64,
                              device=bucket.params[0].device)
+    flags, live_arguments = config.flag_bits, NO_LIVE
+    if live is not None:
+        flags |= LIVE_BIT | (LIVE_LR_DOUBLE_BIT if live.lr is not None and live.lr.dtype == torch.float64 else 0)
+        live_arguments = (0 if live.lr is None else live.lr.data_ptr(), float(live.lr_value), float(live.decay_rate),
+                          0 if live.bias is None else live.bias.data_ptr(),
+                          0 if live.bias is None else live.bias.shape[0])
     return PreparedLaunch(kind, kernel_name(config), launch_plan, values, staged, int(bucket.seed),
-                          int(bucket.step), counts, config.flag_bits)
+                          int(bucket.step), counts, flags, live_arguments)
+
+
+def check_live(bucket: Bucket) -> None:
+    """A live bucket's step counters, lr tensor and bias table are what the kernels can read:
+    float64 counters (one per param) and bias rows, a float32/float64 lr, all on the params'
+    device and contiguous (raises ValueError)."""
+    live, device = bucket.live, bucket.params[0].device
+    if len(bucket.counters) != len(bucket.params):
+        raise ValueError("a live bucket needs one step counter per param")
+    for i, counter in enumerate(bucket.counters):
+        if not (isinstance(counter, torch.Tensor) and counter.dtype == torch.float64 and counter.numel() == 1
+                and counter.device == device):
+            raise ValueError(f"the step counter of param {bucket.indices[i] if bucket.indices else i} must be "
+                             f"a one-element float64 tensor on {device} for capturable=True")
+    if live.lr is not None and not (live.lr.dtype in (torch.float32, torch.float64) and live.lr.numel() == 1
+                                    and live.lr.device == device):
+        raise ValueError(f"lr must be a number or a one-element float32/float64 tensor on {device} for "
+                         f"capturable=True, got a {live.lr.dtype} tensor of shape {tuple(live.lr.shape)} "
+                         f"on {live.lr.device}")
+    if live.bias is not None and not (live.bias.dtype == torch.float64 and live.bias.dim() == 2
+                                      and live.bias.shape[1] == 2 and live.bias.is_contiguous()
+                                      and live.bias.device == device):
+        raise ValueError("the bias-correction table must be a contiguous float64 (rows, 2) tensor on the "
+                         "params' device")
 
 
 # ---------------------------------------------------------------- running on a GPU
@@ -317,6 +362,54 @@ def _device_table(table: np.ndarray, device: torch.device, stream) -> torch.Tens
     return on_device
 
 
+def _live_arguments(live: tuple) -> tuple:
+    lr, lr_value, decay_rate, bias, rows = live
+    return np.uint64(lr), np.float64(lr_value), np.float64(decay_rate), np.uint64(bias), np.int64(rows)
+
+
+# Chunk tables of captured launches (CUDA graphs): a graph's copy node reads its host table at
+# every replay, so each captured table gets host and device memory of its own that nothing
+# reuses; both are allocated outside capture (eager live launches keep room for the next).
+_CAPTURE_ROOM_WORDS = 1 << 16
+
+
+class _CaptureArena:
+    def __init__(self, device: torch.device, words: int):
+        self.host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+        self.device = torch.empty(words, dtype=torch.int64, device=device)
+        self.used = 0
+
+    def free(self) -> int:
+        return self.host.numel() - self.used
+
+
+_capture_arenas: dict = {}  # device index -> list of arenas (the last has room; all stay alive)
+
+
+def _capture_room(device: torch.device, words: int) -> None:
+    """Room for a captured table of ``words`` entries on ``device`` (not while capturing)."""
+    arenas = _capture_arenas.setdefault(device.index, [])
+    if not arenas or arenas[-1].free() < words:
+        arenas.append(_CaptureArena(device, max(words, _CAPTURE_ROOM_WORDS)))
+
+
+def _captured_table(table: np.ndarray, device: torch.device, stream) -> int:
+    """The device address of ``table``, copied there by a copy the capture records."""
+    import cupy
+
+    arenas = _capture_arenas.get(device.index)
+    if not arenas or arenas[-1].free() < table.size:
+        raise RuntimeError("capturable=True: no room for this launch's chunk table in the capture's memory; "
+                           "run the same step eagerly (a warm-up step) before capturing it")
+    arena = arenas[-1]
+    start, arena.used = arena.used, arena.used + table.size
+    arena.host[start:arena.used].numpy()[:] = table
+    nbytes = table.size * 8
+    cupy.cuda.runtime.memcpyAsync(arena.device.data_ptr() + start * 8, arena.host.data_ptr() + start * 8, nbytes,
+                                  cupy.cuda.runtime.memcpyHostToDevice, stream.cuda_stream)
+    return arena.device.data_ptr() + start * 8
+
+
 def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
     import cupy
 
@@ -325,11 +418,17 @@ def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
     kernel = load_kernel(device_index, prepared.kind, prepared.expression)
     torch_stream = torch.cuda.current_stream(device)
     plan = prepared.plan
-    table = _device_table(plan.table, device, torch_stream)
+    with cupy.cuda.Device(device_index):
+        if torch.cuda.is_current_stream_capturing():
+            table_address = _captured_table(plan.table, device, torch_stream)
+        else:
+            table_address = _device_table(plan.table, device, torch_stream).data_ptr()
+            if prepared.flags & LIVE_BIT:  # (this launch may be captured next, with the group's others)
+                _capture_room(device, 8 * plan.table.size)
     counts = 0 if prepared.counts is None else prepared.counts.data_ptr()
-    args = (np.uint64(table.data_ptr()), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
+    args = (np.uint64(table_address), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
             np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step),
-            np.uint64(counts), np.int32(prepared.flags)) + prepared.scalars
+            np.uint64(counts), np.int32(prepared.flags)) + _live_arguments(prepared.live) + prepared.scalars
     with cupy.cuda.Device(device_index):
         with cupy.cuda.ExternalStream(torch_stream.cuda_stream):
             kernel((plan.grid,), (plan.block,), args)
@@ -361,6 +460,8 @@ def prepare(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch]
                          "optimizer names its random streams)")
     if not 0 <= bucket.seed < 2 ** 64:
         raise ValueError(f"bucket.seed must be in [0, 2**64), got {bucket.seed}")
+    if bucket.live is not None:
+        check_live(bucket)
     if execute is None:
         device = bucket.params[0].device
         check_available(device)
@@ -465,7 +566,7 @@ class Relaunch:
         plan = prepared.plan
         args = (np.uint64(self.device_table.data_ptr()), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
                 np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step), np.uint64(0),
-                np.int32(prepared.flags)) + prepared.scalars
+                np.int32(prepared.flags)) + _live_arguments(NO_LIVE) + prepared.scalars
         with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
             self.kernel((plan.grid,), (plan.block,), args)
 
@@ -473,10 +574,11 @@ class Relaunch:
 def relaunch(bucket: Bucket, grad_positions: list, execute: Optional[Callable[[PreparedLaunch], None]] = None,
              **plan_options) -> "Relaunch | None":
     """``bucket``'s launch for reuse, or None when it cannot be reused: telemetry (fresh counts
-    every step), shards (element offsets), tensors staged through copies (new every step), or
-    only empty tensors.  ``bucket`` has passed :func:`prepare`'s checks; ``execute`` as there."""
+    every step), shards (element offsets), live steps (capturable=True: the step cache reads
+    host counters), tensors staged through copies (new every step), or only empty tensors.
+    ``bucket`` has passed :func:`prepare`'s checks; ``execute`` as there."""
     config = bucket.config
-    if config.track or bucket.offsets:
+    if config.track or bucket.offsets or bucket.live is not None:
         return None
     scalars = config.algorithm.scalars(*([0.0] * len(config.algorithm.scalars._fields)))
     prepared = prepare_launch(bucket, scalars, **plan_options)

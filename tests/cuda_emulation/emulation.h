@@ -50,6 +50,13 @@ inline float __int_as_float(int i) {
   return x;
 }
 
+// float64 arithmetic, one IEEE rounding each (SSE2 double, no contraction), and the
+// round-to-nearest-even conversion to float32 (the default rounding mode).
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline float __double2float_rn(double x) { return static_cast<float>(x); }
+
 // Vector (Pack) accesses at addresses not aligned to the pack: the x86 CPU would carry them
 // out, a GPU would fault, so the emulator reads this count after every launch.
 inline unsigned long long misaligned_vector_accesses = 0;

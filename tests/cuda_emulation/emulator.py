@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import types
 from pathlib import Path
 
 import numpy as np
@@ -69,9 +70,11 @@ def _translation_units() -> list:
                     f'extern "C" void {symbol(kind, index)}(unsigned grid, unsigned block, '
                     f"const long long* table, int n_tensors, long long n_chunks, int chunk_size, "
                     f"unsigned long long seed, long long step, unsigned long long* counts, int flags, "
-                    f"const float* s) {{\n"
+                    f"const void* live_lr, double lr_value, double decay_rate, const double* bias, "
+                    f"long long bias_rows, const float* s) {{\n"
                     f"  emulate_launch(grid, block, [&] {{ {names[index]}(table, n_tensors, "
-                    f"n_chunks, chunk_size, seed, step, counts, flags, {scalars}); }});\n}}")
+                    f"n_chunks, chunk_size, seed, step, counts, flags, live_lr, lr_value, decay_rate, "
+                    f"bias, bias_rows, {scalars}); }});\n}}")
             units.append((f"{kind}_{part}.cpp", "\n".join(lines) + "\n"))
     units.append(("probe.cpp", f'#include "{(HERE / "emulation.h").as_posix()}"\n'
                   + kernel_source("lion") + PROBE_SOURCE))
@@ -176,7 +179,8 @@ def _function(kind: str, expression: str):
     function.restype = None
     function.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
                          ctypes.c_longlong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_longlong,
-                         ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+                         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_double, ctypes.c_double,
+                         ctypes.c_void_p, ctypes.c_longlong, ctypes.POINTER(ctypes.c_float)]
     return function
 
 
@@ -193,7 +197,7 @@ def execute(prepared: cuda_backend.PreparedLaunch) -> None:
     _function(prepared.kind, prepared.expression)(
         plan.grid, plan.block, table.ctypes.data, plan.n_tensors, plan.n_chunks, plan.chunk_size,
         prepared.seed, prepared.step, None if counts is None else counts.data_ptr(), prepared.flags,
-        scalars.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        *prepared.live, scalars.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
     misaligned = misaligned_vector_accesses() - misaligned_before
     if misaligned:
         raise AssertionError(f"{prepared.expression}: {misaligned} vector accesses at misaligned "
@@ -238,3 +242,13 @@ def remainder_split_join(x: np.ndarray) -> tuple:
     function(ctypes.c_void_p(x.ctypes.data), ctypes.c_longlong(x.size), ctypes.c_void_p(param.ctypes.data),
              ctypes.c_void_p(remainder.ctypes.data), ctypes.c_void_p(joined.ctypes.data))
     return param, remainder, joined
+
+
+def backend(execute=execute):
+    """The cupy adapter with the launch swapped for ``execute`` (default: the CPU emulation),
+    as the optimizer sees a backend (``resolve_backend``'s answer)."""
+    return types.SimpleNamespace(
+        name="cupy-emulated", live=cuda_backend.live,
+        run=functools.partial(cuda_backend.run, execute=execute),
+        prepare=functools.partial(cuda_backend.prepare, execute=execute),
+        relaunch=functools.partial(cuda_backend.relaunch, execute=execute))
