@@ -16,8 +16,9 @@ operation and one rounding to float32, so a live step has the bits of the eager 
 While a graph is captured nothing may read the device from the host or copy to it
 synchronously.  What would is refused with a clear error before anything changes: a group
 without ``capturable=True``, a param's first step or a state conversion (they make tensors:
-run warm-up steps eagerly first, as torch's CUDA-graph recipe does), and GradScaler (its
-found_inf is read on the host).
+run warm-up steps eagerly first, as torch's CUDA-graph recipe does).  GradScaler's scale and
+inf flag are read by the kernels too (bf16opt/amp.py ``captured_amp``): a flagged step skips
+its updates and leaves its counters, as an eager one does.
 """
 
 from __future__ import annotations
@@ -71,16 +72,21 @@ def refuse_while_capturing(number: int, what: str) -> None:
                        f"steps eagerly before capturing (as torch's CUDA-graph recipe does)")
 
 
-def check_optimizer(optimizer, grad_scale, found_inf) -> None:
+def check_optimizer(optimizer) -> None:
     """The checks of a step while a graph is captured (RuntimeError; nothing changed yet)."""
     for number, group in enumerate(optimizer.param_groups):
         if not group.get("capturable"):
             raise RuntimeError(f"Attempting CUDA graph capture of step() for an instance of "
                                f"{type(optimizer).__name__} but param group {number} has capturable=False")
-    if grad_scale is not None or found_inf is not None or getattr(optimizer, "grad_scale", None) is not None \
-            or getattr(optimizer, "found_inf", None) is not None:
-        raise RuntimeError("a step with GradScaler cannot be captured in a CUDA graph: its found_inf is read "
-                           "on the host")
+
+
+def advance_counters(counters: list, found_inf: Optional[torch.Tensor] = None) -> None:
+    """Add one to every step counter; with GradScaler's inf flag of a captured step (on the
+    counters' device), one where the flag is zero and none where it is not."""
+    if found_inf is None:
+        torch._foreach_add_(counters, 1)
+    else:
+        torch._foreach_add_(counters, torch.eq(found_inf.reshape(()), 0).to(torch.float64))
 
 
 def placeholder_lr(group: dict) -> dict:
@@ -89,8 +95,9 @@ def placeholder_lr(group: dict) -> dict:
     return {**group, "lr": 1.0} if isinstance(group["lr"], torch.Tensor) else group
 
 
-def live_inputs(optimizer, group: dict, number: int, device: torch.device) -> LiveInputs:
-    """What the kernels of ``group``'s live steps on ``device`` read (ValueError on a bad lr)."""
+def live_inputs(optimizer, group: dict, number: int, device: torch.device, amp=None) -> LiveInputs:
+    """What the kernels of ``group``'s live steps on ``device`` read (ValueError on a bad lr);
+    ``amp``: GradScaler's tensors of a captured step (``amp.captured_amp``), or None."""
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.device != device or lr.dtype not in (torch.float32, torch.float64) or lr.numel() != 1:
@@ -102,7 +109,9 @@ def live_inputs(optimizer, group: dict, number: int, device: torch.device) -> Li
         lr_tensor, lr_value = None, float(lr)
     decay_rate, betas = optimizer._live_rates(group)
     bias = None if betas is None else bias_table(betas, device, number)
-    return LiveInputs(lr_tensor, lr_value, decay_rate, bias)
+    if amp is None:
+        return LiveInputs(lr_tensor, lr_value, decay_rate, bias)
+    return LiveInputs(lr_tensor, lr_value, decay_rate, bias, amp.grad_scale, amp.found_inf)
 
 
 _device_tables: dict = {}  # (device, beta1, beta2) -> float64 (rows, 2) tensor

@@ -26,7 +26,7 @@ import torch
 from . import state_dict as state_dicts
 from . import capture, clipping, release, step_cache, step_hooks
 from .algorithms import Algorithm, KernelConfig, kernel_config
-from .amp import amp_arguments
+from .amp import amp_arguments, captured_amp
 from .backends import backend_name, check_backend_name, resolve_backend
 from .checks import (check_flag, check_implementation_flags, check_no_aliasing, check_number, check_ordered_params,
                      check_param, check_seed, default_seed)
@@ -296,14 +296,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _step_without_grad(self, closure, grad_scale, found_inf):
         if capture.capturing():
-            capture.check_optimizer(self, grad_scale, found_inf)
+            capture.check_optimizer(self)
         hooks = self.__dict__.get("_release_hooks")
         if (hooks is not None and hooks.hooked()) or release.wanted(self.param_groups):
             return self._release_step(closure, grad_scale, found_inf)
         return self._full_step(closure, grad_scale, found_inf)
 
     def _full_step(self, closure, grad_scale, found_inf):
-        inv_grad_scale, skip = amp_arguments(self, grad_scale, found_inf)
+        amp = None
+        if capture.capturing():  # GradScaler's tensors are read by the kernels, when the graph runs
+            inv_grad_scale, skip, amp = 1.0, False, captured_amp(self, grad_scale, found_inf)
+        else:
+            inv_grad_scale, skip = amp_arguments(self, grad_scale, found_inf)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -319,7 +323,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for _, _, run in reuse.answers:
                 run()
             return loss
-        self._install_and_run(plan_step(self, inv_grad_scale, reuse.answers))
+        self._install_and_run(plan_step(self, inv_grad_scale, reuse.answers, amp))
         return loss
 
     def _install_and_run(self, plan) -> None:
@@ -336,7 +340,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for param, new_param in plan.mirror_writes:
             self._offloader.set_mirror(param, new_param)
         if plan.counters:
-            torch._foreach_add_(plan.counters, 1)  # one call, not one per param
+            capture.advance_counters(plan.counters, plan.found_inf)  # one call, not one per param
         self._state_configs.update(plan.known)
         if plan.offloaded is not None:  # params that left the offloaded groups free their host buffers
             self._offloader.release(plan.offloaded)

@@ -76,6 +76,7 @@ class StepPlan:
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
     clips: list = field(default_factory=list)          # (grad the kernels read, clip factor): scaled first
     stale_launches: bool = False                       # kept launches of groups that are gone
+    found_inf: Optional[torch.Tensor] = None           # GradScaler's inf flag of a captured step
 
 
 def float64_backend(name: str):
@@ -97,11 +98,12 @@ def stream_ids(group: dict, first_index: int) -> list:
     return [stream_id(first_index + i, name) for i, name in enumerate(names)]
 
 
-def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=()) -> StepPlan:
+def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=(), amp=None) -> StepPlan:
     """Phase one of a full step (module doc).  ``inv_grad_scale``: every algorithm's last
     scalar (1 / GradScaler's scale).  ``answered``: ``step_cache.reused_step``'s answers for
-    the first groups, (group, precision, phase two or None) each (not asked again)."""
-    plan = StepPlan()
+    the first groups, (group, precision, phase two or None) each (not asked again).  ``amp``:
+    GradScaler's tensors of a step captured in a CUDA graph (``amp.captured_amp``), or None."""
+    plan = StepPlan(found_inf=None if amp is None else amp.found_inf)
     kept = optimizer._group_launches
     view = step_cache.StateView(optimizer.state) if kept else None  # (one for all groups)
     first_index = 0
@@ -116,7 +118,7 @@ def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=()) -> StepPlan:
             plan.precisions.append((group, precision))
             plan.reused.append(reused)
         else:
-            _plan_group(optimizer, plan, number, group, first_index, precision, inv_grad_scale)
+            _plan_group(optimizer, plan, number, group, first_index, precision, inv_grad_scale, amp)
         first_index += len(group["params"])
     if "_offloader_instance" in optimizer.__dict__:
         plan.offloaded = {p for g in optimizer.param_groups if g.get("offload") == "cpu" for p in g["params"]}
@@ -147,7 +149,7 @@ def plan_update(optimizer, number: int, narrowed: dict, first_index: int, precis
 
 
 def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index: int, precision,
-                inv_grad_scale: float) -> None:
+                inv_grad_scale: float, amp=None) -> None:
     """A group's part of the plan: its params' entries, then its buckets' launches."""
     params = params_with_grad(optimizer, group, first_index)
     if not params:
@@ -175,7 +177,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
                        for entry, factor in zip(entries, factors)]
     plan.counters.extend(entry.counter for entry in entries)
     steps = _steps(entries)  # (None while a graph is captured: the kernels read the counters)
-    lives = _live_inputs(optimizer, plan, group, number, entries, steps, backends) if live else {}
+    lives = _live_inputs(optimizer, plan, group, number, entries, steps, backends, amp) if live else {}
     launched = []
     for bucket, originals, step in _buckets(group, entries, steps, live):
         config = bucket.config
@@ -289,7 +291,7 @@ def _clip_factors(entries: list, max_norm: float, inv_grad_scale: float) -> list
 
 
 def _live_inputs(optimizer, plan: StepPlan, group: dict, number: int, entries: list, steps: Optional[list],
-                 devices) -> dict:
+                 devices, amp) -> dict:
     """A capturable group's :class:`LiveInputs` per device (capture.py), once its live steps
     are known to work: no new or converted state while a graph is captured, no float64 params
     (the reference backend's), finite scalars at the steps the kernels will run (eager)."""
@@ -302,7 +304,7 @@ def _live_inputs(optimizer, plan: StepPlan, group: dict, number: int, entries: l
                          f"params are updated by the reference backend")
     for step in sorted(set(steps or ())):
         _check_finite(optimizer._scalars(group, step, f32), number, step)
-    return {device: capture.live_inputs(optimizer, group, number, device) for device in devices}
+    return {device: capture.live_inputs(optimizer, group, number, device, amp) for device in devices}
 
 
 def _steps(entries: list) -> Optional[list]:

@@ -135,7 +135,9 @@ enum SharedFlag { kFloat32Grad = 1 << 15, kLive = 1 << 14, kLiveLrDouble = 1 << 
 // (adam_scalars & co.), computed here in the same float64 operations, each IEEE-rounded as on
 // the host, then rounded to float32 once.  Adam's bias corrections come from a host-filled
 // table (1 - beta1**k, float32(1 / sqrt(1 - beta2**k)), by the host's pow) whose last row
-// holds for every later step: a device pow is not the host's.
+// holds for every later step: a device pow is not the host's.  GradScaler's loss scale and inf
+// flag, when given, are read here too: the grads are read times float32(1 / scale), and a
+// non-zero flag skips the step (amp_arguments, bf16opt/amp.py).
 struct LiveStep {
   const void* lr;       // the group's lr tensor (float32, or float64 with kLiveLrDouble); nullptr: lr_value
   bool lr_double;
@@ -143,6 +145,13 @@ struct LiveStep {
   double decay_rate;    // decoupled weight decay: decay = 1 - lr * decay_rate (0: none)
   const double* bias;   // Adam: bias_rows rows of (1 - beta1**k, float32(1 / sqrt(1 - beta2**k)))
   i64 bias_rows;
+  const float* grad_scale;  // GradScaler's loss scale (nullptr: the launch's inv_grad_scale)
+  const float* found_inf;   // GradScaler's inf flag (nullptr: never skips)
+
+  __device__ __forceinline__ bool skips() const { return found_inf != nullptr && *found_inf != 0.0f; }
+  __device__ __forceinline__ float inv_grad_scale(float given) const {
+    return grad_scale == nullptr ? given : __double2float_rn(__ddiv_rn(1.0, static_cast<double>(*grad_scale)));
+  }
 
   __device__ __forceinline__ double learning_rate() const {
     if (lr == nullptr) return lr_value;
@@ -160,9 +169,11 @@ struct LiveStep {
   }
 };
 
-#define BF16OPT_LIVE_PARAMETERS \
-  const void *live_lr, double lr_value, double decay_rate, const double *bias, i64 bias_rows
-#define BF16OPT_LIVE_STEP LiveStep{live_lr, (flags & kLiveLrDouble) != 0, lr_value, decay_rate, bias, bias_rows}
+#define BF16OPT_LIVE_PARAMETERS                                                                  \
+  const void *live_lr, double lr_value, double decay_rate, const double *bias, i64 bias_rows, \
+      const float *grad_scale, const float *found_inf
+#define BF16OPT_LIVE_STEP \
+  LiveStep{live_lr, (flags & kLiveLrDouble) != 0, lr_value, decay_rate, bias, bias_rows, grad_scale, found_inf}
 
 // The coefficients tensor ``tensor`` runs with, and its step (``step`` unless live).
 template <int R, class Coefficients>
@@ -170,7 +181,9 @@ __device__ __forceinline__ Coefficients tensor_coefficients(const Coefficients& 
                                                             const ChunkTable<R>& tab, int tensor, i64& step) {
   if (live == nullptr) return c;
   step = static_cast<i64>(*tab.counter(tensor));
-  return c.at_step(*live, step);
+  Coefficients out = c.at_step(*live, step);
+  out.inv_grad_scale = live->inv_grad_scale(c.inv_grad_scale);
+  return out;
 }
 
 // The gradient as the update reads it: its decoded float32 value times the inverse loss
@@ -259,6 +272,7 @@ __device__ __forceinline__ void update_chunks(const i64* table, int n_tensors, i
                                               int chunk_size, u64 seed, i64 step, u64* counts,
                                               const Coefficients& coefficients, const LiveStep* live) {
   constexpr int kVec = Update::kVec;
+  if (live != nullptr && live->skips()) return;
   const ChunkTable<Update::kRoles> tab{table, n_tensors};
   for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
     const Update up(tab, tensor);

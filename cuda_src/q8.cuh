@@ -173,6 +173,7 @@ __device__ __forceinline__ void update_q8_chunks(const i64* table, int n_tensors
                                                  u64 seed, i64 step, u64* counts, const Coefficients& coefficients,
                                                  const LiveStep* live) {
   constexpr int R = Update::kRoles;
+  if (live != nullptr && live->skips()) return;
   const ChunkTable<R> tab{table, n_tensors};
   for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
     i64 tensor_step = step;

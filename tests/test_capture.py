@@ -118,24 +118,24 @@ def test_live_steps_have_the_bits_of_eager_steps(emulated, optimizer, options, l
 
 class Recorder:
     """A simulated CUDA-graph capture: while ``capturing``, the step's device work (kernel
-    launches, the counters' add) is recorded instead of run; :meth:`replay` runs the record."""
+    launches, the counters' advance) is recorded instead of run; :meth:`replay` runs the record."""
 
     def __init__(self, monkeypatch):
         self.capturing = False
         self.record = []
-        real_add = torch._foreach_add_
+        real_advance = capture.advance_counters
 
-        def add(tensors, value):
+        def advance(counters, found_inf=None):
             if not self.capturing:
-                return real_add(tensors, value)
-            self.record.append(lambda: real_add(list(tensors), value))
+                return real_advance(counters, found_inf)
+            self.record.append(lambda: real_advance(list(counters), found_inf))
 
         def execute(prepared):
             if not self.capturing:
                 return emulator.execute(prepared)
             self.record.append(lambda: emulator.execute(prepared))
 
-        monkeypatch.setattr(torch, "_foreach_add_", add)
+        monkeypatch.setattr(capture, "advance_counters", advance)
         monkeypatch.setattr(capture, "capturing", lambda: self.capturing)
         backend = emulator.backend(execute)
         monkeypatch.setattr(step_plan, "resolve_backend", lambda name, device: backend)
@@ -199,21 +199,53 @@ def test_capture_is_refused_before_warm_up_and_nothing_changes(monkeypatch):
     assert opt.state[params[0]]["step"].item() == 1.0
 
 
-def test_capture_refuses_groups_without_capturable_and_gradscaler(monkeypatch):
+def test_capture_refuses_groups_without_capturable(monkeypatch):
     params = make_params()
     opt = bf16opt.AdamW(params, lr=1e-2, precision="bf16")
     recorder = Recorder(monkeypatch)
     give_grads([params], torch.Generator().manual_seed(0))
     opt.step()
+    before = snapshot(opt)
     with pytest.raises(RuntimeError, match="capturable=False"):
         recorder.captured(opt.step)
-    opt.param_groups[0]["capturable"] = True
-    opt.step()  # (eager: moves the counters)
-    before = snapshot(opt)
-    with pytest.raises(RuntimeError, match="GradScaler"):
-        recorder.captured(lambda: opt.step(grad_scale=torch.tensor(2.0 ** 10)))
     assert_unchanged(opt, before)
     assert not recorder.record
+
+
+@pytest.mark.parametrize("optimizer, options", [CASES[0], CASES[2], CASES[4], CASES[5]])
+def test_a_captured_step_with_gradscaler_reads_its_scale_and_skips_on_inf(monkeypatch, optimizer, options):
+    """GradScaler's protocol in a captured step: the kernels read the loss scale and the inf
+    flag when the graph runs; a flagged replay changes nothing, its counters included, as the
+    eager step (which reads them on the host) does."""
+    expected_params, actual_params = make_params(), make_params()
+    expected = optimizer(expected_params, lr=1e-2, backend="reference", seed=3, **options)
+    actual = optimizer(actual_params, lr=1e-2, capturable=True, seed=3, **options)
+    scale, found_inf = torch.tensor(2.0 ** 12), torch.zeros(())
+    g = torch.Generator().manual_seed(4)
+    recorder = Recorder(monkeypatch)
+    for step in range(7):
+        give_grads([expected_params], g)
+        scale.fill_(2.0 ** (12 - step % 3))
+        found_inf.fill_(1.0 if step in (4, 5) else 0.0)
+        with reference_backend():
+            expected.step(grad_scale=scale.clone(), found_inf=found_inf.clone())
+        for e, a in zip(expected_params, actual_params):
+            if step < 2:
+                a.grad = e.grad.clone()
+            else:
+                a.grad.copy_(e.grad)
+        if step < 2:  # warm-up, eager (GradScaler.step sets the attributes, as here)
+            actual.grad_scale, actual.found_inf = scale, found_inf
+            actual.step()
+            del actual.grad_scale, actual.found_inf
+            continue
+        if step == 2:
+            actual.grad_scale, actual.found_inf = scale, found_inf
+            recorder.captured(actual.step)
+            del actual.grad_scale, actual.found_inf
+        recorder.replay()
+    assert_same_bits(expected_params, actual_params, expected, actual)
+    assert actual.state[actual_params[0]]["step"].item() == 5.0
 
 
 @pytest.mark.parametrize("setting", [dict(offload="cpu"), dict(update_in_backward=True),

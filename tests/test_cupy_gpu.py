@@ -272,3 +272,40 @@ def test_cuda_graph_replays_equal_eager_steps(optimizer, options):
             other = graphed.state[a][key]
             assert torch.equal(value.cpu().view(torch.uint8) if value.dim() else value.cpu(),
                                other.cpu().view(torch.uint8) if other.dim() else other.cpu().to(value.dtype)), key
+
+
+def test_cuda_graph_step_reads_gradscaler_tensors_when_it_runs():
+    """A captured step given GradScaler's loss scale and inf flag (device tensors) reads them at
+    each replay: new scales unscale the grads, a flagged replay changes nothing, counters
+    included, as eager steps given the same do."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(333, 77), (5,), (4096 + 3,)]
+    start = [torch.randn(s, generator=g).half() for s in shapes]
+    grads = [[(torch.randn(s, generator=g) * 64).half().cuda() for s in shapes] for _ in range(7)]
+    eager_params = [torch.nn.Parameter(p.cuda()) for p in start]
+    graph_params = [torch.nn.Parameter(p.cuda()) for p in start]
+    eager = bf16opt.AdamW(eager_params, lr=1e-3, precision="fp32", backend="cupy")
+    graphed = bf16opt.AdamW(graph_params, lr=1e-3, precision="fp32", backend="cupy", capturable=True)
+    scale = torch.full((), 2.0 ** 6, device="cuda")
+    found_inf = torch.zeros((), device="cuda")
+    for param, grad in zip(graph_params, grads[0]):
+        param.grad = grad.clone()
+    graphed.step(grad_scale=scale, found_inf=found_inf)  # warm-up (eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step(grad_scale=scale, found_inf=found_inf)
+    for step in range(7):
+        scale.fill_(2.0 ** (6 - step % 3))
+        found_inf.fill_(1.0 if step in (3, 4) else 0.0)
+        for param, grad in zip(eager_params, grads[step]):
+            param.grad = grad.clone()
+        eager.step(grad_scale=scale.clone(), found_inf=found_inf.clone())
+        for param, grad in zip(graph_params, grads[step]):
+            param.grad.copy_(grad)
+        if step == 0:
+            continue  # (the warm-up step was step 0)
+        graph.replay()
+    torch.cuda.synchronize()
+    for e, a in zip(eager_params, graph_params):
+        assert torch.equal(e.detach().view(torch.int16), a.detach().view(torch.int16))
+        assert graphed.state[a]["step"].item() == eager.state[e]["step"].item() == 5.0

@@ -30,6 +30,8 @@ class LiveInputs(NamedTuple):
     lr_value: float
     decay_rate: float             # decoupled weight decay: decay = 1 - lr * decay_rate
     bias: Optional[torch.Tensor]  # Adam: float64 (rows, 2) bias corrections by step; else None
+    grad_scale: Optional[torch.Tensor] = None  # GradScaler's loss scale (a captured step's); None: none
+    found_inf: Optional[torch.Tensor] = None   # GradScaler's inf flag: non-zero skips the step
 
 
 @dataclass

@@ -261,8 +261,9 @@ def build_launch_plan(pointers: Sequence[Sequence[int]], sizes: Sequence[int], *
 
 
 #: a launch's live-step arguments (cuda_src/multi_tensor.cuh's LiveStep: lr's address, lr_value,
-#: decay_rate, the bias table's address and rows) when its step is not live
-NO_LIVE = (0, 0.0, 0.0, 0, 0)
+#: decay_rate, the bias table's address and rows, the loss scale's and inf flag's addresses)
+#: when its step is not live
+NO_LIVE = (0, 0.0, 0.0, 0, 0, 0, 0)
 
 
 class PreparedLaunch(NamedTuple):
@@ -311,11 +312,15 @@ def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_S
     flags, live_arguments = config.flag_bits, NO_LIVE
     if live is not None:
         flags |= LIVE_BIT | (LIVE_LR_DOUBLE_BIT if live.lr is not None and live.lr.dtype == torch.float64 else 0)
-        live_arguments = (0 if live.lr is None else live.lr.data_ptr(), float(live.lr_value), float(live.decay_rate),
-                          0 if live.bias is None else live.bias.data_ptr(),
-                          0 if live.bias is None else live.bias.shape[0])
+        live_arguments = (_address(live.lr), float(live.lr_value), float(live.decay_rate), _address(live.bias),
+                          0 if live.bias is None else live.bias.shape[0], _address(live.grad_scale),
+                          _address(live.found_inf))
     return PreparedLaunch(kind, kernel_name(config), launch_plan, values, staged, int(bucket.seed),
                           int(bucket.step), counts, flags, live_arguments)
+
+
+def _address(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def check_live(bucket: Bucket) -> None:
@@ -340,6 +345,10 @@ def check_live(bucket: Bucket) -> None:
                                       and live.bias.device == device):
         raise ValueError("the bias-correction table must be a contiguous float64 (rows, 2) tensor on the "
                          "params' device")
+    for name, value in (("grad_scale", live.grad_scale), ("found_inf", live.found_inf)):
+        if value is not None and not (value.dtype == torch.float32 and value.numel() == 1 and value.device == device):
+            raise ValueError(f"{name} must be a one-element float32 tensor on {device} for a captured step, got "
+                             f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}")
 
 
 # ---------------------------------------------------------------- running on a GPU
@@ -363,8 +372,9 @@ def _device_table(table: np.ndarray, device: torch.device, stream) -> torch.Tens
 
 
 def _live_arguments(live: tuple) -> tuple:
-    lr, lr_value, decay_rate, bias, rows = live
-    return np.uint64(lr), np.float64(lr_value), np.float64(decay_rate), np.uint64(bias), np.int64(rows)
+    lr, lr_value, decay_rate, bias, rows, grad_scale, found_inf = live
+    return (np.uint64(lr), np.float64(lr_value), np.float64(decay_rate), np.uint64(bias), np.int64(rows),
+            np.uint64(grad_scale), np.uint64(found_inf))
 
 
 # Chunk tables of captured launches (CUDA graphs): a graph's copy node reads its host table at

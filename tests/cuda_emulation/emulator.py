@@ -71,10 +71,11 @@ def _translation_units() -> list:
                     f"const long long* table, int n_tensors, long long n_chunks, int chunk_size, "
                     f"unsigned long long seed, long long step, unsigned long long* counts, int flags, "
                     f"const void* live_lr, double lr_value, double decay_rate, const double* bias, "
-                    f"long long bias_rows, const float* s) {{\n"
+                    f"long long bias_rows, const float* grad_scale, const float* found_inf, "
+                    f"const float* s) {{\n"
                     f"  emulate_launch(grid, block, [&] {{ {names[index]}(table, n_tensors, "
                     f"n_chunks, chunk_size, seed, step, counts, flags, live_lr, lr_value, decay_rate, "
-                    f"bias, bias_rows, {scalars}); }});\n}}")
+                    f"bias, bias_rows, grad_scale, found_inf, {scalars}); }});\n}}")
             units.append((f"{kind}_{part}.cpp", "\n".join(lines) + "\n"))
     units.append(("probe.cpp", f'#include "{(HERE / "emulation.h").as_posix()}"\n'
                   + kernel_source("lion") + PROBE_SOURCE))
@@ -180,7 +181,8 @@ def _function(kind: str, expression: str):
     function.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
                          ctypes.c_longlong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_longlong,
                          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_double, ctypes.c_double,
-                         ctypes.c_void_p, ctypes.c_longlong, ctypes.POINTER(ctypes.c_float)]
+                         ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.POINTER(ctypes.c_float)]
     return function
 
 
