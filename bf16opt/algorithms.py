@@ -35,7 +35,7 @@ import torch
 from .precision import StoragePlan
 from .storage import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS
 
-__all__ = ["ADAM", "ALGORITHMS", "FLOAT32_GRAD_BIT", "LION", "LIVE_BIT", "LIVE_LR_DOUBLE_BIT", "SGD", "AdamScalars", "Algorithm",
+__all__ = ["ADAM", "ALGORITHMS", "FLOAT32_GRAD_BIT", "LION", "LIVE_LR_DOUBLE_BIT", "SGD", "AdamScalars", "Algorithm",
            "KernelConfig", "LionScalars", "Role", "SGDScalars", "grad_dtypes", "kernel_config"]
 
 
@@ -136,9 +136,8 @@ class Algorithm:
 #: kFloat32Grad).  A run-time bit like maximize, not a template parameter: it would double
 #: the 360 instantiations (NVRTC time, the emulation build) for a one-instruction difference.
 FLOAT32_GRAD_BIT = 1 << 15
-#: bits of a live step (capturable=True, bf16opt/capture.py; kLive and kLiveLrDouble): the
-#: step and lr are read on the device when the kernel runs; the lr tensor is float64
-LIVE_BIT = 1 << 14
+#: bit of a live step's launch (capturable=True, bf16opt/capture.py; kLiveLrDouble): the lr
+#: tensor the kernel reads is float64 (else float32)
 LIVE_LR_DOUBLE_BIT = 1 << 13
 
 

@@ -157,7 +157,7 @@ struct AdamUpdate {
   }
 };
 
-template <class P, class M, class EA, class EAS, bool AMSGRAD, bool TRACK>
+template <class P, class M, class EA, class EAS, bool AMSGRAD, bool TRACK, bool LIVE = false>
 __global__ void adam_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
                             i64 step, u64* counts, int flags, BF16OPT_LIVE_PARAMETERS, float beta1, float beta2,
                             float one_minus_beta1, float one_minus_beta2, float step_size,
@@ -168,15 +168,14 @@ __global__ void adam_kernel(const i64* table, int n_tensors, i64 n_chunks, int c
                            one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps,
                            weight_decay, decay, inv_grad_scale};
   const LiveStep live = BF16OPT_LIVE_STEP;
-  const LiveStep* const live_or_null = (flags & kLive) != 0 ? &live : nullptr;
   typedef AdamUpdate<P, M, EA, EAS, AMSGRAD, TRACK> Update;
   if constexpr (IsQ8<EA>::value || IsQ8<EAS>::value) {  // q8 moments: block by block (q8.cuh)
     update_q8_chunks<Update, Q8Slot<kAdamExpAvg, EA, kExpAvg, 1>, Q8Slot<kAdamExpAvgSq, EAS, kExpAvgSq, 2>,
-                     Q8Slot<kAdamMaxExpAvgSq, EAS, kMaxExpAvgSq, -1, AMSGRAD>>(table, n_tensors, n_chunks,
+                     Q8Slot<kAdamMaxExpAvgSq, EAS, kMaxExpAvgSq, -1, AMSGRAD>, LIVE>(table, n_tensors, n_chunks,
                                                                             chunk_size, seed, step, counts, c,
-                                                                            live_or_null);
+                                                                            live);
   } else {
-    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
+    update_chunks<Update, LIVE>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live);
   }
 }
 

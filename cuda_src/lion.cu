@@ -110,7 +110,7 @@ struct LionUpdate {
   }
 };
 
-template <class P, class M, class EA, bool TRACK>
+template <class P, class M, class EA, bool TRACK, bool LIVE = false>
 __global__ void lion_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
                             i64 step, u64* counts, int flags, BF16OPT_LIVE_PARAMETERS, float beta1, float beta2,
                             float one_minus_beta1, float one_minus_beta2, float lr, float decay,
@@ -118,13 +118,12 @@ __global__ void lion_kernel(const i64* table, int n_tensors, i64 n_chunks, int c
   const LionCoefficients c{(flags & kLionMaximize) != 0, (flags & kFloat32Grad) != 0, beta1, beta2,
                            one_minus_beta1, one_minus_beta2, lr, decay, inv_grad_scale};
   const LiveStep live = BF16OPT_LIVE_STEP;
-  const LiveStep* const live_or_null = (flags & kLive) != 0 ? &live : nullptr;
   typedef LionUpdate<P, M, EA, TRACK> Update;
   if constexpr (IsQ8<EA>::value) {  // a q8 moment: block by block (q8.cuh)
-    update_q8_chunks<Update, Q8Slot<kLionExpAvg, EA, kExpAvg, 1>, NoQ8Slot, NoQ8Slot>(
-        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
+    update_q8_chunks<Update, Q8Slot<kLionExpAvg, EA, kExpAvg, 1>, NoQ8Slot, NoQ8Slot, LIVE>(
+        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live);
   } else {
-    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
+    update_chunks<Update, LIVE>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live);
   }
 }
 

@@ -14,7 +14,7 @@
 //   table[(R + 2) * n + t]  index of tensor t's first chunk; entry n is the total
 //   table[(R + 3) * n + 1 + t]  global element index of tensor t's first element (a
 //                           DTensor shard's offset in the whole param; random streams only)
-//   table[(R + 4) * n + 1 + t]  live steps only (kLive): address of tensor t's step counter
+//   table[(R + 4) * n + 1 + t]  live kernels only (LIVE): address of tensor t's step counter
 //                           (float64, in device memory)
 //
 // Chunk c covers elements [k * chunk_size, min((k + 1) * chunk_size, size)) of the
@@ -127,10 +127,10 @@ __device__ __forceinline__ bool aligned16(const void* base, int bytes, i64 index
 // (bf16opt/algorithms.py's FLOAT32_GRAD_BIT).  kFloat32Grad: the grads are float32 while
 // the param is bfloat16/float16 (gradients accumulated in float32).  A run-time bit like
 // maximize: a template parameter would double every instantiation for one load.
-enum SharedFlag { kFloat32Grad = 1 << 15, kLive = 1 << 14, kLiveLrDouble = 1 << 13 };
+enum SharedFlag { kFloat32Grad = 1 << 15, kLiveLrDouble = 1 << 13 };
 
-// Live steps (capturable=True, kLive): the step and the learning rate are read from device
-// memory when the kernel runs, so a CUDA graph replays the right step.  Each tensor's step is
+// Live steps (capturable=True; the kernels' LIVE instantiations): the step and the learning
+// rate are read from device memory when the kernel runs, so a CUDA graph replays the right step.  Each tensor's step is
 // its counter's value (advanced before the launch); its scalars are the host's
 // (adam_scalars & co.), computed here in the same float64 operations, each IEEE-rounded as on
 // the host, then rounded to float32 once.  Adam's bias corrections come from a host-filled
@@ -175,14 +175,11 @@ struct LiveStep {
 #define BF16OPT_LIVE_STEP \
   LiveStep{live_lr, (flags & kLiveLrDouble) != 0, lr_value, decay_rate, bias, bias_rows, grad_scale, found_inf}
 
-// The coefficients tensor ``tensor`` runs with, and its step (``step`` unless live).
-template <int R, class Coefficients>
-__device__ __forceinline__ Coefficients tensor_coefficients(const Coefficients& c, const LiveStep* live,
-                                                            const ChunkTable<R>& tab, int tensor, i64& step) {
-  if (live == nullptr) return c;
-  step = static_cast<i64>(*tab.counter(tensor));
-  Coefficients out = c.at_step(*live, step);
-  out.inv_grad_scale = live->inv_grad_scale(c.inv_grad_scale);
+// The coefficients of a live step at ``step`` (the launch's, with those computed from it).
+template <class Coefficients>
+__device__ __forceinline__ Coefficients live_coefficients(const Coefficients& c, const LiveStep& live, i64 step) {
+  Coefficients out = c.at_step(live, step);
+  out.inv_grad_scale = live.inv_grad_scale(c.inv_grad_scale);
   return out;
 }
 
@@ -257,6 +254,27 @@ __device__ __forceinline__ void for_each_chunk(const ChunkTable<R>& tab, i64 n_c
   }
 }
 
+// for_each_chunk with each chunk's step and coefficients: body(tensor, start, count, step, c).
+// The launch's, or in a live kernel (LIVE, its own instantiation) its tensor's counter and the
+// coefficients computed from it (nothing at all when GradScaler's flag skips the step).  The
+// live loop is not compiled into the other kernels: its computed coefficients take registers
+// the launch's scalars do not, and a kernel has the registers of its widest path.
+template <bool LIVE, int R, class Coefficients, class Body>
+__device__ __forceinline__ void for_each_chunk_at_step(const ChunkTable<R>& tab, i64 n_chunks, int chunk_size,
+                                                       i64 step, const Coefficients& c, const LiveStep& live,
+                                                       Body body) {
+  if constexpr (!LIVE) {
+    for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
+      body(tensor, start, count, step, c);
+    });
+  } else if (!live.skips()) {
+    for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
+      const i64 tensor_step = static_cast<i64>(*tab.counter(tensor));
+      body(tensor, start, count, tensor_step, live_coefficients(c, live, tensor_step));
+    });
+  }
+}
+
 // The chunk loop of every kernel.  Update is one algorithm's math on one tensor:
 //   kRoles, kVec, kStochastic, kTrack   chunk-table roles, vector width, whether any
 //                                       storage rounds stochastically, telemetry
@@ -267,17 +285,15 @@ __device__ __forceinline__ void for_each_chunk(const ChunkTable<R>& tab, i64 n_c
 //                                       accesses (VEC) or N == 1
 // Per chunk, the threads of the block stride over its vector steps, then over the
 // elements the vector path left (all of them when a pointer is misaligned).
-template <class Update, class Coefficients>
+template <class Update, bool LIVE, class Coefficients>
 __device__ __forceinline__ void update_chunks(const i64* table, int n_tensors, i64 n_chunks,
                                               int chunk_size, u64 seed, i64 step, u64* counts,
-                                              const Coefficients& coefficients, const LiveStep* live) {
+                                              const Coefficients& coefficients, const LiveStep& live) {
   constexpr int kVec = Update::kVec;
-  if (live != nullptr && live->skips()) return;
   const ChunkTable<Update::kRoles> tab{table, n_tensors};
-  for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
+  for_each_chunk_at_step<LIVE>(tab, n_chunks, chunk_size, step, coefficients, live,
+                         [&](int tensor, i64 start, i64 count, i64 tensor_step, const Coefficients& c) {
     const Update up(tab, tensor);
-    i64 tensor_step = step;
-    const Coefficients c = tensor_coefficients(coefficients, live, tab, tensor, tensor_step);
     const Streams streams = make_streams<Update::kStochastic>(seed, tensor_step, tab.index(tensor),
                                                                  tab.first_element(tensor));
     Tally<Update::kTrack> tally;

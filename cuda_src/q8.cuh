@@ -168,16 +168,14 @@ __device__ __forceinline__ void q8_slot_store(const ChunkTable<R>& tab, int tens
 
 // The chunk loop of a kernel with q8 states (update_chunks' counterpart): each thread takes
 // whole blocks of a chunk, in order of its index.  S0..S2: the update's state slots.
-template <class Update, class S0, class S1, class S2, class Coefficients>
+template <class Update, class S0, class S1, class S2, bool LIVE, class Coefficients>
 __device__ __forceinline__ void update_q8_chunks(const i64* table, int n_tensors, i64 n_chunks, int chunk_size,
                                                  u64 seed, i64 step, u64* counts, const Coefficients& coefficients,
-                                                 const LiveStep* live) {
+                                                 const LiveStep& live) {
   constexpr int R = Update::kRoles;
-  if (live != nullptr && live->skips()) return;
   const ChunkTable<R> tab{table, n_tensors};
-  for_each_chunk(tab, n_chunks, chunk_size, [&](int tensor, i64 start, i64 count) {
-    i64 tensor_step = step;
-    const Coefficients c = tensor_coefficients(coefficients, live, tab, tensor, tensor_step);
+  for_each_chunk_at_step<LIVE>(tab, n_chunks, chunk_size, step, coefficients, live,
+                         [&](int tensor, i64 start, i64 count, i64 tensor_step, const Coefficients& c) {
     const Streams streams = make_streams<Update::kStochastic>(seed, tensor_step, tab.index(tensor),
                                                                 tab.first_element(tensor));
     Tally<Update::kTrack> tally;

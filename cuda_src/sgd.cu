@@ -132,7 +132,7 @@ struct SgdUpdate {
   }
 };
 
-template <class P, class M, class EA, bool MOMENTUM, bool TRACK>
+template <class P, class M, class EA, bool MOMENTUM, bool TRACK, bool LIVE = false>
 __global__ void sgd_kernel(const i64* table, int n_tensors, i64 n_chunks, int chunk_size, u64 seed,
                            i64 step, u64* counts, int flags, BF16OPT_LIVE_PARAMETERS, float momentum,
                            float one_minus_dampening, float lr, float weight_decay,
@@ -142,13 +142,12 @@ __global__ void sgd_kernel(const i64* table, int n_tensors, i64 n_chunks, int ch
                           (flags & kFloat32Grad) != 0, momentum, one_minus_dampening, lr,
                           weight_decay, inv_grad_scale};
   const LiveStep live = BF16OPT_LIVE_STEP;
-  const LiveStep* const live_or_null = (flags & kLive) != 0 ? &live : nullptr;
   typedef SgdUpdate<P, M, EA, MOMENTUM, TRACK> Update;
   if constexpr (MOMENTUM && IsQ8<EA>::value) {  // a q8 momentum buffer: block by block (q8.cuh)
-    update_q8_chunks<Update, Q8Slot<kSgdMomentumBuffer, EA, kExpAvg, 1>, NoQ8Slot, NoQ8Slot>(
-        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
+    update_q8_chunks<Update, Q8Slot<kSgdMomentumBuffer, EA, kExpAvg, 1>, NoQ8Slot, NoQ8Slot, LIVE>(
+        table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live);
   } else {
-    update_chunks<Update>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live_or_null);
+    update_chunks<Update, LIVE>(table, n_tensors, n_chunks, chunk_size, seed, step, counts, c, live);
   }
 }
 

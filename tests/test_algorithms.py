@@ -49,14 +49,15 @@ def test_cuda_role_and_flag_enums_follow_the_description(name):
 
 
 def test_cuda_shared_flag_bit_follows_the_description():
-    """kFloat32Grad (float32 grads of 16-bit params) is FLOAT32_GRAD_BIT, kLive and kLiveLrDouble
-    (capturable steps) LIVE_BIT and LIVE_LR_DOUBLE_BIT, all above every algorithm's own run-time bits."""
-    from bf16opt.algorithms import FLOAT32_GRAD_BIT, LIVE_BIT, LIVE_LR_DOUBLE_BIT
+    """kFloat32Grad (float32 grads of 16-bit params) is FLOAT32_GRAD_BIT, kLiveLrDouble (a
+    capturable step's float64 lr tensor) LIVE_LR_DOUBLE_BIT, both above every algorithm's own
+    run-time bits."""
+    from bf16opt.algorithms import FLOAT32_GRAD_BIT, LIVE_LR_DOUBLE_BIT
 
     source = (CUDA_SRC / "multi_tensor.cuh").read_text()
-    for bit in (15, 14, 13):
+    for bit in (15, 13):
         source = source.replace(f"1 << {bit}", str(1 << bit))
-    assert enum_entries(source, "SharedFlag") == {"kFloat32Grad": FLOAT32_GRAD_BIT, "kLive": LIVE_BIT,
+    assert enum_entries(source, "SharedFlag") == {"kFloat32Grad": FLOAT32_GRAD_BIT,
                                                   "kLiveLrDouble": LIVE_LR_DOUBLE_BIT}
     assert all(LIVE_LR_DOUBLE_BIT > 1 << len(a.runtime_flags) for a in ALGORITHMS.values())
 
@@ -88,8 +89,9 @@ def test_cuda_kernel_takes_the_description_scalars_in_order(name):
     assert after_flags[0] == "BF16OPT_LIVE_PARAMETERS"  # (a live step's inputs, multi_tensor.cuh)
     assert after_flags[1:] == list(algorithm.scalars._fields)
     template = re.search(r"template\s*<([^>]*)>\s*__global__\s+void\s+" + name + "_kernel", source)
-    flags = [p.split()[-1] for p in template.group(1).split(",") if p.split()[0] == "bool"]
-    assert flags == [flag.upper() for flag in algorithm.template_flags] + ["TRACK"]
+    flags = [p.split("=")[0].split()[-1] for p in template.group(1).split(",") if p.split()[0] == "bool"]
+    # (LIVE, defaulted to false: capturable steps' instantiations, cupy.kernel_name(config, live=True))
+    assert flags == [flag.upper() for flag in algorithm.template_flags] + ["TRACK", "LIVE"]
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))

@@ -49,6 +49,22 @@ def make_params(seed: int = 0) -> list:
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in zip(shapes, dtypes)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def live_kernels():
+    """The emulated live kernels these tests launch, built together (one library, not one each)."""
+    from bf16opt.backends import cupy as cuda_backend
+    from bf16opt.tensors import real_view
+
+    kernels = set()
+    for optimizer, options in CASES + [(bf16opt.AdamW, dict(precision="bf16"))]:
+        params = make_params()
+        opt = optimizer(params, capturable=True, **options)
+        kernels |= {(opt.algorithm.name, cuda_backend.kernel_name(opt._state_config(group, real_view(p), p.numel()),
+                                                                  live=True))
+                    for group in opt.param_groups for p in group["params"]}
+    emulator.build_live(kernels)
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     """Every group's kernels run in the CPU emulation of the CuPy backend."""

@@ -201,6 +201,28 @@ def test_every_instantiation_compiles(compiled_ptx):
                for arch in ARCHS[1:])
 
 
+def test_live_kernels_compile_apart_from_the_others():
+    """capturable=True's instantiations (``kernel_name(config, live=True)``) compile with the same
+    IEEE rules; the float64 math of their per-chunk scalars is in them and not in the kernel of
+    the same config without LIVE (a kernel has the registers of its widest path)."""
+    for kind in ALGORITHMS:
+        names = cuda_backend.all_kernel_names(kind)[:2]
+        live = [cuda_backend.kernel_name(cuda_backend.kernel_configs(kind)[name], live=True) for name in names]
+        assert all(name.endswith(", true>") for name in live)
+        facts = ptx_facts(kind, "compute_90", names + live)
+        assert not facts["missing"] and not facts["ftz"] and not facts["fma"] and not facts["approx"], kind
+        _, compiled = compile_all(kind, "compute_90", names)
+        ptx = compiled.binary.decode()
+        assert not re.search(r"\b(div|mul|sub)\.rn\.f64", ptx), f"float64 math in {kind}'s kernels without LIVE"
+        _, compiled = compile_all(kind, "compute_90", live)
+        ptx = compiled.binary.decode()
+        assert re.search(r"\bcvt\.rn\.f32\.f64", ptx), kind
+        if kind != "sgd":  # (Adam's and Lion's decay = 1 - lr * rate; Adam's lr / bias correction)
+            assert re.search(r"\bmul\.rn\.f64", ptx) and re.search(r"\bsub\.rn\.f64", ptx), kind
+        if kind == "adam":
+            assert re.search(r"\bdiv\.rn\.f64", ptx), kind
+
+
 def test_consecutive_runs_sweep_every_name():
     """The first arch's part-sweeps of consecutive days are disjoint and cover every name."""
     names = cuda_backend.all_kernel_names("sgd")

@@ -85,16 +85,18 @@ def run_on_gpu(config, seed, shapes, layouts=None, steps=3, **plan_options):
              run=lambda bucket, scalars: cuda_backend.run(bucket, scalars, **plan_options))
 
 
-def optimizer_kernels(optimizer, options, dtypes=OPTIMIZER_DTYPES) -> set:
+def optimizer_kernels(optimizer, options, dtypes=OPTIMIZER_DTYPES, live=False) -> set:
     """(kind, kernel name) an optimizer case launches: one kernel per param dtype (only the
-    template flags and telemetry name a kernel; run-time flags are arguments)."""
+    template flags and telemetry name a kernel; run-time flags are arguments); ``live``: and
+    the capturable step's kernel of each."""
     algorithm = optimizer.algorithm
     template = {"amsgrad": options.get("amsgrad", False), "momentum": options.get("momentum", 0.0) != 0.0}
     flags = tuple((name, template[name]) for name in algorithm.template_flags)
     precision = as_precision(options.get("precision", "fp32"))
-    return {(algorithm.name, cuda_backend.kernel_name(kernel_config(
-        algorithm, plan_for(precision, dtype), flags, options.get("track_precision", False))))
-        for dtype in set(dtypes)}
+    configs = [kernel_config(algorithm, plan_for(precision, dtype), flags, options.get("track_precision", False))
+               for dtype in set(dtypes)]
+    return {(algorithm.name, cuda_backend.kernel_name(config, is_live))
+            for config in configs for is_live in ((False, True) if live else (False,))}
 
 
 def kernels_of(item) -> set:
@@ -104,7 +106,8 @@ def kernels_of(item) -> set:
         config = params["config"]
         return {(config.algorithm.name, cuda_backend.kernel_name(config))}
     if "optimizer" in params:
-        return optimizer_kernels(params["optimizer"], params["options"])
+        return optimizer_kernels(params["optimizer"], params["options"],
+                                 live=item.name.startswith("test_cuda_graph"))
     if item.name == "test_runs_on_the_current_stream":
         return optimizer_kernels(bf16opt.AdamW, {}, [torch.float32])
     return set()

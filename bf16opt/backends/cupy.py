@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from ..algorithms import ALGORITHMS, LIVE_BIT, LIVE_LR_DOUBLE_BIT, KernelConfig, kernel_config
+from ..algorithms import ALGORITHMS, LIVE_LR_DOUBLE_BIT, KernelConfig, kernel_config
 from ..precision import all_plans, q8_plans
 from ..storage import Q8, Q8_BLOCK
 from .base import Bucket, check_scalars
@@ -76,18 +76,20 @@ def _master_policy(config: KernelConfig) -> str:
     return _MASTER_POLICIES[config.weights]
 
 
-def kernel_name(config: KernelConfig) -> str:
+def kernel_name(config: KernelConfig, live: bool = False) -> str:
     """Name expression of the kernel instantiation of ``config``:
     ``bf16opt::<algorithm>_kernel<param storage, master policy, moment storages...,
-    template flags..., track>``.  A moment storage no present role uses (SGD without
-    momentum) is written as Fp32, so such configurations share one instantiation."""
+    template flags..., track>``, and ``live`` (capturable=True: the kernel reads its step and
+    lr on the device) appended as ``true`` (the template's default is false).  A moment
+    storage no present role uses (SGD without momentum) is written as Fp32, so such
+    configurations share one instantiation."""
     algorithm, plan = config.algorithm, config.plan
     used = {role.storage for _, role, _, _ in config.present()}
     arguments = [_storage(plan.param, config.weights == "param-stochastic"), _master_policy(config)]
     arguments += [_storage(getattr(plan, field), plan.rounding == "stochastic", field,
                            plan.q8_rounding == "stochastic") if field in used
                   else STORAGE_TYPES[torch.float32] for field in algorithm.storage_parameters]
-    arguments += [_cxx_bool(flag) for flag in (*config.template_flags, config.track)]
+    arguments += [_cxx_bool(flag) for flag in (*config.template_flags, config.track)] + (["true"] if live else [])
     return f"bf16opt::{algorithm.name}_kernel<{', '.join(arguments)}>"
 
 
@@ -278,6 +280,11 @@ class PreparedLaunch(NamedTuple):
     flags: int = 0           # run-time flags (KernelConfig.flag_bits: maximize, L2, ...)
     live: tuple = NO_LIVE    # a live step's arguments (capturable=True)
 
+    @property
+    def is_live(self) -> bool:
+        """A live kernel's launch (``kernel_name(config, live=True)``)."""
+        return self.live is not NO_LIVE
+
 
 def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                    block: int = DEFAULT_BLOCK, max_grid: int = MAX_GRID) -> Optional[PreparedLaunch]:
@@ -311,12 +318,12 @@ def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_S
                              device=bucket.params[0].device)
     flags, live_arguments = config.flag_bits, NO_LIVE
     if live is not None:
-        flags |= LIVE_BIT | (LIVE_LR_DOUBLE_BIT if live.lr is not None and live.lr.dtype == torch.float64 else 0)
+        flags |= LIVE_LR_DOUBLE_BIT if live.lr is not None and live.lr.dtype == torch.float64 else 0
         live_arguments = (_address(live.lr), float(live.lr_value), float(live.decay_rate), _address(live.bias),
                           0 if live.bias is None else live.bias.shape[0], _address(live.grad_scale),
                           _address(live.found_inf))
-    return PreparedLaunch(kind, kernel_name(config), launch_plan, values, staged, int(bucket.seed),
-                          int(bucket.step), counts, flags, live_arguments)
+    return PreparedLaunch(kind, kernel_name(config, live is not None), launch_plan, values, staged,
+                          int(bucket.seed), int(bucket.step), counts, flags, live_arguments)
 
 
 def _address(tensor: Optional[torch.Tensor]) -> int:
@@ -433,7 +440,7 @@ def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
             table_address = _captured_table(plan.table, device, torch_stream)
         else:
             table_address = _device_table(plan.table, device, torch_stream).data_ptr()
-            if prepared.flags & LIVE_BIT:  # (this launch may be captured next, with the group's others)
+            if prepared.is_live:  # (this launch may be captured next, with the group's others)
                 _capture_room(device, 8 * plan.table.size)
     counts = 0 if prepared.counts is None else prepared.counts.data_ptr()
     args = (np.uint64(table_address), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
@@ -476,7 +483,7 @@ def prepare(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch]
         device = bucket.params[0].device
         check_available(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        load_kernel(index, config.algorithm.name, kernel_name(config))
+        load_kernel(index, config.algorithm.name, kernel_name(config, bucket.live is not None))
 
     def launch() -> None:
         columns = len(config.algorithm.counters)

@@ -56,26 +56,30 @@ def symbol(kind: str, index: int) -> str:
     return f"bf16opt_emulated_{kind}_{index}"
 
 
+def _wrapper(kind: str, expression: str, symbol_name: str) -> str:
+    """An extern "C" function that runs ``expression``'s kernel over an emulated grid."""
+    scalars = ", ".join(f"s[{k}]" for k in range(scalar_count(kind)))
+    return (f'extern "C" void {symbol_name}(unsigned grid, unsigned block, '
+            f"const long long* table, int n_tensors, long long n_chunks, int chunk_size, "
+            f"unsigned long long seed, long long step, unsigned long long* counts, int flags, "
+            f"const void* live_lr, double lr_value, double decay_rate, const double* bias, "
+            f"long long bias_rows, const float* grad_scale, const float* found_inf, "
+            f"const float* s) {{\n"
+            f"  emulate_launch(grid, block, [&] {{ {expression}(table, n_tensors, "
+            f"n_chunks, chunk_size, seed, step, counts, flags, live_lr, lr_value, decay_rate, "
+            f"bias, bias_rows, grad_scale, found_inf, {scalars}); }});\n}}")
+
+
 def _translation_units() -> list:
     units = []
     for kind in ALGORITHMS:
         names = cuda_backend.all_kernel_names(kind)
-        scalars = ", ".join(f"s[{k}]" for k in range(scalar_count(kind)))
         parts = -(-len(names) // PER_UNIT)
         for part in range(parts):
             lines = [f'#include "{(HERE / "emulation.h").as_posix()}"',
                      kernel_source(kind)]
             for index in range(part, len(names), parts):
-                lines.append(
-                    f'extern "C" void {symbol(kind, index)}(unsigned grid, unsigned block, '
-                    f"const long long* table, int n_tensors, long long n_chunks, int chunk_size, "
-                    f"unsigned long long seed, long long step, unsigned long long* counts, int flags, "
-                    f"const void* live_lr, double lr_value, double decay_rate, const double* bias, "
-                    f"long long bias_rows, const float* grad_scale, const float* found_inf, "
-                    f"const float* s) {{\n"
-                    f"  emulate_launch(grid, block, [&] {{ {names[index]}(table, n_tensors, "
-                    f"n_chunks, chunk_size, seed, step, counts, flags, live_lr, lr_value, decay_rate, "
-                    f"bias, bias_rows, grad_scale, found_inf, {scalars}); }});\n}}")
+                lines.append(_wrapper(kind, names[index], symbol(kind, index)))
             units.append((f"{kind}_{part}.cpp", "\n".join(lines) + "\n"))
     units.append(("probe.cpp", f'#include "{(HERE / "emulation.h").as_posix()}"\n'
                   + kernel_source("lion") + PROBE_SOURCE))
@@ -136,15 +140,16 @@ def cache_dir() -> Path:
     return Path(root) if root else Path(tempfile.gettempdir()) / "bf16opt-cuda-emulation"
 
 
-def build_library() -> Path:
-    """Compile (or find in the cache) the emulation library; returns its path."""
-    units = _translation_units()
+def build_library(units: list = None, prefix: str = "kernels") -> Path:
+    """Compile (or find in the cache) the emulation library of ``units`` (default: every
+    instantiation the adapter can request); returns its path."""
+    units = _translation_units() if units is None else units
     digest = hashlib.sha256()
     for item in (CXX, _compiler_version(), " ".join(CXXFLAGS), (HERE / "emulation.h").read_text()):
         digest.update(item.encode())
     for filename, text in units:
         digest.update(filename.encode() + b"\0" + text.encode())
-    target = cache_dir() / f"kernels-{digest.hexdigest()[:24]}.so"
+    target = cache_dir() / f"{prefix}-{digest.hexdigest()[:24]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +181,10 @@ def library() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def _function(kind: str, expression: str):
     index = cuda_backend.all_kernel_names(kind).index(expression)
-    function = getattr(library(), symbol(kind, index))
+    return _typed(getattr(library(), symbol(kind, index)))
+
+
+def _typed(function):
     function.restype = None
     function.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
                          ctypes.c_longlong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_longlong,
@@ -184,6 +192,37 @@ def _function(kind: str, expression: str):
                          ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
                          ctypes.POINTER(ctypes.c_float)]
     return function
+
+
+# Live kernels (capturable=True's instantiations, ``kernel_name(config, live=True)``) are not in
+# the library of every instantiation: they are built on request, in batches (build_live).
+_live_functions: dict = {}  # (kind, expression) -> function
+
+
+def build_live(kernels) -> None:
+    """Build the live kernels ``kernels`` ((kind, expression) pairs) not built yet, in one
+    library (cached on disk like the other)."""
+    missing = sorted(set(kernels) - set(_live_functions))
+    if not missing:
+        return
+    units = []
+    for kind in ALGORITHMS:
+        names = [expression for k, expression in missing if k == kind]
+        if names:
+            wrappers = [_wrapper(kind, name, f"bf16opt_emulated_live_{kind}_{i}") for i, name in enumerate(names)]
+            units.append((f"live_{kind}.cpp", "\n".join([f'#include "{(HERE / "emulation.h").as_posix()}"',
+                                                           kernel_source(kind), *wrappers]) + "\n"))
+    built = ctypes.CDLL(str(build_library(units, "live")))
+    for kind in ALGORITHMS:
+        for i, name in enumerate(expression for k, expression in missing if k == kind):
+            _live_functions[(kind, name)] = _typed(getattr(built, f"bf16opt_emulated_live_{kind}_{i}"))
+
+
+def _kernel(kind: str, expression: str, live: bool):
+    if not live:
+        return _function(kind, expression)
+    build_live([(kind, expression)])  # (one by one unless build_live was given them together)
+    return _live_functions[(kind, expression)]
 
 
 def execute(prepared: cuda_backend.PreparedLaunch) -> None:
@@ -196,7 +235,7 @@ def execute(prepared: cuda_backend.PreparedLaunch) -> None:
     if counts is not None:
         assert counts.device.type == "cpu" and counts.dtype == torch.int64 and counts.is_contiguous()
     misaligned_before = misaligned_vector_accesses()
-    _function(prepared.kind, prepared.expression)(
+    _kernel(prepared.kind, prepared.expression, prepared.is_live)(
         plan.grid, plan.block, table.ctypes.data, plan.n_tensors, plan.n_chunks, plan.chunk_size,
         prepared.seed, prepared.step, None if counts is None else counts.data_ptr(), prepared.flags,
         *prepared.live, scalars.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
