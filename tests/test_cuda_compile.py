@@ -183,10 +183,8 @@ def test_every_instantiation_compiles(compiled_ptx):
         assert not facts["internal"], f"{facts['internal'][:3]}: {context}"
         if kind == "adam":
             assert facts["ieee_div_sqrt"], context
-        # 16-byte vector accesses are there (the aligned path); q8 kernels have none yet
-        # (one thread per block of 256: issue 40's GPU speed, unmeasured)
-        if not all("Q8<" in name for name in names):
-            assert facts["v4"], context
+        # 16-byte vector accesses are there (the aligned path; q8 kernels' lanes too)
+        assert facts["v4"], context
         tracked = names[0].endswith("true>")  # the last template argument is TRACK
         assert all(n.endswith("true>") == tracked for n in names)
         # telemetry is compiled in only when tracked: no atomics otherwise

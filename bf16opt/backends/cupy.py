@@ -299,8 +299,9 @@ def prepare_launch(bucket: Bucket, scalars, *, chunk_size: int = DEFAULT_CHUNK_S
     if not 0 <= bucket.seed < 2 ** 64:
         raise ValueError(f"bucket.seed must be in [0, 2**64), got {bucket.seed}")
     staged = stage(bucket, "cupy")
-    if config.quantized:  # chunks of whole q8 blocks (q8.cuh)
+    if config.quantized:  # chunks of whole q8 blocks, blocks of whole warps (q8.cuh)
         chunk_size = -(-chunk_size // Q8_BLOCK) * Q8_BLOCK
+        block = min(-(-block // 32) * 32, 1024)
     live = bucket.live
     launch_plan = build_launch_plan(staged.pointers.tolist(), staged.numels, indices=list(indices),
                                     offsets=list(bucket.offsets),

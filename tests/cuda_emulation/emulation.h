@@ -3,14 +3,21 @@
 // The kernel sources in cuda_src/ are compiled unchanged after this header:
 // __global__/__device__ become plain inline functions, blockIdx/threadIdx/blockDim/
 // gridDim are globals that the generated launch wrappers set while looping over every
-// block and thread of the grid, and the bit-cast intrinsics go through memcpy.
+// block and thread of the grid (as fibers for kernels whose warps exchange values, at the
+// end of this file), and the bit-cast intrinsics go through memcpy.
 // Compile with -ffp-contract=off (no -ffast-math), so every float operation is one
 // IEEE-rounded operation as with NVRTC's --fmad=false, and -fno-strict-aliasing (the
 // kernels reinterpret arrays as 16-byte packs, as CUDA code does); emulator.py's CXXFLAGS.
 #pragma once
 
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <ucontext.h>
+
+#include <memory>
+#include <vector>
 
 #define __global__
 #define __device__
@@ -82,4 +89,108 @@ inline void emulate_launch(unsigned int grid, unsigned int block, Kernel kernel)
       kernel();
     }
   }
+}
+
+// Warp-synchronous kernels (those that exchange values between the lanes of a warp with
+// __shfl_xor_sync: the q8 kernels) run each block's threads as fibers: every thread runs
+// until its next exchange, posts its value and yields; once every thread of the block has
+// posted (or finished), each resumes and reads its partner's value.  Two buffers by round
+// keep a fast lane's next post from overwriting a value a slower lane has yet to read.
+namespace emulation {
+
+struct Fiber {
+  ucontext_t context;
+  unsigned round = 0;
+  bool done = false;
+};
+
+inline ucontext_t scheduler;
+inline std::vector<Fiber>* fibers = nullptr;  // the running block's (nullptr: no fibers)
+inline unsigned current = 0;
+inline std::vector<unsigned> exchange[2];
+inline void (*fiber_body)(void*) = nullptr;
+inline void* fiber_kernel = nullptr;
+
+template <class Kernel>
+void call_kernel(void* kernel) { (*static_cast<Kernel*>(kernel))(); }
+
+inline void fiber_entry() {
+  fiber_body(fiber_kernel);
+  (*fibers)[current].done = true;  // (returns to the scheduler through uc_link)
+}
+
+[[noreturn]] inline void fail(const char* why) {
+  fprintf(stderr, "CUDA emulation: %s\n", why);
+  abort();
+}
+
+// After a pass: the lanes of each warp are all done, or all waiting at the same exchange.
+inline void check_warps(unsigned block) {
+  for (unsigned w = 0; w < block; w += 32) {
+    const unsigned end = w + 32 < block ? w + 32 : block;
+    for (unsigned t = w + 1; t < end; ++t) {
+      if ((*fibers)[t].done != (*fibers)[w].done || (*fibers)[t].round != (*fibers)[w].round)
+        fail("the lanes of a warp diverged at __shfl_xor_sync");
+    }
+  }
+}
+
+}  // namespace emulation
+
+// Run ``kernel()`` once per (block, thread) of a 1-D launch, each block's threads as fibers.
+template <class Kernel>
+inline void emulate_launch_warps(unsigned int grid, unsigned int block, Kernel kernel) {
+  using namespace emulation;
+  if (block % 32 != 0) fail("a warp-synchronous kernel needs whole warps (blockDim.x % 32 == 0)");
+  constexpr size_t kStack = 256 * 1024;
+  std::vector<Fiber> pool(block);
+  std::unique_ptr<char[]> stacks(new char[kStack * block]);
+  exchange[0].assign(block, 0u);
+  exchange[1].assign(block, 0u);
+  fibers = &pool;
+  fiber_body = call_kernel<Kernel>;
+  fiber_kernel = &kernel;
+  gridDim.x = grid;
+  blockDim.x = block;
+  for (unsigned int b = 0; b < grid; ++b) {
+    blockIdx.x = b;
+    for (unsigned int t = 0; t < block; ++t) {
+      pool[t] = Fiber();
+      getcontext(&pool[t].context);
+      pool[t].context.uc_stack.ss_sp = stacks.get() + kStack * t;
+      pool[t].context.uc_stack.ss_size = kStack;
+      pool[t].context.uc_link = &scheduler;
+      makecontext(&pool[t].context, fiber_entry, 0);
+    }
+    for (bool running = true; running;) {
+      running = false;
+      for (unsigned int t = 0; t < block; ++t) {
+        if (pool[t].done) continue;
+        current = t;
+        threadIdx.x = t;
+        swapcontext(&scheduler, &pool[t].context);
+        running = true;
+      }
+      check_warps(block);
+    }
+  }
+  fibers = nullptr;
+}
+
+// The value ``value`` of lane (this lane ^ lane_mask) of this warp (every lane must call it).
+inline unsigned int __shfl_xor_sync(unsigned int, unsigned int value, int lane_mask) {
+  using namespace emulation;
+  if (fibers == nullptr) fail("__shfl_xor_sync outside a warp-synchronous launch (emulate_launch_warps)");
+  Fiber& me = (*fibers)[current];
+  const unsigned thread = current;
+  const unsigned slot = me.round & 1u;
+  exchange[slot][thread] = value;
+  ++me.round;
+  swapcontext(&me.context, &scheduler);
+  threadIdx.x = thread;
+  return exchange[slot][(thread & ~31u) | ((thread & 31u) ^ static_cast<unsigned>(lane_mask))];
+}
+
+inline float __shfl_xor_sync(unsigned int mask, float value, int lane_mask) {
+  return __uint_as_float(__shfl_xor_sync(mask, __float_as_uint(value), lane_mask));
 }

@@ -5,7 +5,8 @@ compiled from the exact source the adapter's loader gives NVRTC (``kernel_source
 headers inlined with ``#line`` markers) after ``emulation.h``, into one shared
 library loaded with ctypes.  A launch runs every (block, thread) of the grid in turn
 with the chunk table that ``prepare_launch`` built for the bucket (CPU data pointers
-instead of device pointers).
+instead of device pointers); a q8 kernel's threads, whose warps exchange values, run as
+fibers in lockstep (``emulate_launch_warps`` in emulation.h).
 
 The library is cached by a hash of everything that goes into it, in
 ``$BF16OPT_EMULATION_CACHE`` or ``<tmp>/bf16opt-cuda-emulation``.
@@ -59,13 +60,14 @@ def symbol(kind: str, index: int) -> str:
 def _wrapper(kind: str, expression: str, symbol_name: str) -> str:
     """An extern "C" function that runs ``expression``'s kernel over an emulated grid."""
     scalars = ", ".join(f"s[{k}]" for k in range(scalar_count(kind)))
+    launch = "emulate_launch_warps" if "Q8<" in expression else "emulate_launch"  # (q8: warps in lockstep)
     return (f'extern "C" void {symbol_name}(unsigned grid, unsigned block, '
             f"const long long* table, int n_tensors, long long n_chunks, int chunk_size, "
             f"unsigned long long seed, long long step, unsigned long long* counts, int flags, "
             f"const void* live_lr, double lr_value, double decay_rate, const double* bias, "
             f"long long bias_rows, const float* grad_scale, const float* found_inf, "
             f"const float* s) {{\n"
-            f"  emulate_launch(grid, block, [&] {{ {expression}(table, n_tensors, "
+            f"  {launch}(grid, block, [&] {{ {expression}(table, n_tensors, "
             f"n_chunks, chunk_size, seed, step, counts, flags, live_lr, lr_value, decay_rate, "
             f"bias, bias_rows, grad_scale, found_inf, {scalars}); }});\n}}")
 
