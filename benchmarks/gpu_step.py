@@ -1,8 +1,8 @@
 """Step time of backend="cupy" per preset, against the memory limit and torch's fused step.
 
 Each row is an optimizer configuration (every precision preset of AdamW on bf16 params, the
-fp32 preset on fp32 params too, Lion bf16-sr, SGD with momentum bf16-kahan); each is timed on
-parameter lists of several shapes:
+q8 ones included, the fp32 preset on fp32 params too, Lion bf16-sr, SGD with momentum
+bf16-kahan); each is timed on parameter lists of several shapes:
 
 * ``one``: one tensor of 2^N elements (``--log2-params``, 27 by default);
 * ``64``: 64 tensors of 2^(N-6) elements (the same size in many tensors);
@@ -73,6 +73,8 @@ ROWS = [
     Row("AdamW bf16", "AdamW", torch.bfloat16, "bf16", {}, "AdamW", True),
     Row("AdamW bf16-sr", "AdamW", torch.bfloat16, "bf16-sr", {}, "AdamW", False),
     Row("AdamW bf16-kahan", "AdamW", torch.bfloat16, "bf16-kahan", {}, "AdamW", False),
+    Row("AdamW fp32-remainder-q8", "AdamW", torch.bfloat16, "fp32-remainder-q8", {}, "AdamW", False),
+    Row("AdamW bf16-sr-q8", "AdamW", torch.bfloat16, "bf16-sr-q8", {}, "AdamW", False),
     Row("Lion bf16-sr", "Lion", torch.bfloat16, "bf16-sr", {}, None, False),
     Row("SGD momentum bf16-kahan", "SGD", torch.bfloat16, "bf16-kahan", dict(momentum=0.9), "SGD", False),
 ]
@@ -113,9 +115,10 @@ def _numel(shape) -> int:
 
 LIMIT_SOURCE = r"""
 // Trivial math on the same arrays an optimizer step moves: 8 elements per thread per array.
-template <int WP, int WM, int WA, int WS>   // 16-byte words per 8 elements (0: no array)
+// Q: q8 moments (8 codes of 8 elements: one 8-byte word each; their scales, 1/64 of them, left out).
+template <int WP, int WM, int WA, int WS, int Q>   // 16-byte words per 8 elements (0: no array)
 __global__ void touch(const uint4* grad, uint4* param, uint4* master, uint4* exp_avg,
-                      uint4* exp_avg_sq, long long groups) {
+                      uint4* exp_avg_sq, uint2* q0, uint2* q1, long long groups) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < groups;
        i += (long long)gridDim.x * blockDim.x) {
     const uint4 g = grad[i * WP];
@@ -128,6 +131,8 @@ __global__ void touch(const uint4* grad, uint4* param, uint4* master, uint4* exp
     for (int k = 0; k < WA; ++k) { uint4 p = exp_avg[i * WA + k]; p.y += g.y; p.z += g.z; exp_avg[i * WA + k] = p; }
     #pragma unroll
     for (int k = 0; k < WS; ++k) { uint4 p = exp_avg_sq[i * WS + k]; p.z += g.z; p.w += g.w; exp_avg_sq[i * WS + k] = p; }
+    if (Q > 0) { uint2 c = q0[i]; c.x += g.x; q0[i] = c; }
+    if (Q > 1) { uint2 c = q1[i]; c.y += g.y; q1[i] = c; }
   }
 }
 """
@@ -164,14 +169,17 @@ def host_timer(fn: Callable, warmup: int, repeats: int) -> float:
 # ---------------------------------------------------------------- the limit kernel
 def limit_arrays(params: list, state: dict) -> list:
     """Flat arrays of the step's total size and dtypes: grad, param, then each per-element state
-    buffer (master / compensation / remainder, moments) of the first param's state."""
+    buffer (master / compensation / remainder, moments) of the first param's state, then its q8
+    moments as one byte per element (uint8)."""
     total = sum(p.numel() for p in params)
     device, first = params[0].device, params[0]
-    states = [v.dtype for k, v in state.items()
-              if k != "step" and isinstance(v, torch.Tensor) and v.numel() == first.numel() and v.dim() > 0]
-    if len(states) > 3:
-        raise ValueError(f"the limit kernel takes at most 3 state buffers, the state has {len(states)}")
-    dtypes = [first.dtype, first.dtype] + states
+    tensors = [v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0]
+    states = [v.dtype for v in tensors if v.numel() == first.numel()]
+    q8 = [v for v in tensors if v.dtype == torch.uint8 and v.dim() == 2 and v.shape[1] == 260]
+    if len(states) > 3 or len(q8) > 2:
+        raise ValueError(f"the limit kernel takes at most 3 state buffers and 2 q8 moments, the state has "
+                         f"{len(states)} and {len(q8)}")
+    dtypes = [first.dtype, first.dtype] + states + [torch.uint8] * len(q8)
     return [torch.zeros(total, dtype=dtype, device=device) for dtype in dtypes]
 
 
@@ -179,13 +187,15 @@ def cuda_limit(arrays: list) -> Callable:
     import cupy
     import numpy as np
 
-    grad, param, *states = arrays
+    grad, param, *rest = arrays
+    states = [t for t in rest if t.dtype != torch.uint8]
+    q8 = [t for t in rest if t.dtype == torch.uint8]
     states += [None] * (3 - len(states))
 
     def words(t):
         return 0 if t is None else t.element_size() * 8 // 16
 
-    name = f"touch<{words(param)}, {words(states[0])}, {words(states[1])}, {words(states[2])}>"
+    name = f"touch<{words(param)}, {words(states[0])}, {words(states[1])}, {words(states[2])}, {len(q8)}>"
     kernel = _limit_module(name).get_function(name)
     groups = param.numel() // 8  # (every shape here is a multiple of 8 elements)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
@@ -196,7 +206,8 @@ def cuda_limit(arrays: list) -> Callable:
     def run():
         with stream:
             kernel((min((groups + 255) // 256, 65535 * 8),), (256,),
-                   (ptr(grad), ptr(param), *(ptr(s) for s in states), np.int64(groups)))
+                   (ptr(grad), ptr(param), *(ptr(s) for s in states), *(ptr(q) for q in q8 + [None] * (2 - len(q8))),
+                    np.int64(groups)))
     return run
 
 
@@ -213,7 +224,7 @@ def host_limit(arrays: list) -> Callable:
 
     def run():
         for array in written:
-            array.add_(grad.to(array.dtype) if array.dtype != torch.int16 else 1)
+            array.add_(grad.to(array.dtype) if array.dtype not in (torch.int16, torch.uint8) else 1)
     return run
 
 
@@ -397,6 +408,49 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def row_kernels(row: Row) -> set:
+    """(kind, kernel name) of what a row launches: untracked, tracked and live (capturable), for
+    large params and small ones (a q8 preset keeps small params' moments in 16 or 32 bits)."""
+    import bf16opt
+    from bf16opt.algorithms import kernel_config
+    from bf16opt.backends import cupy as cupy_backend
+    from bf16opt.precision import as_precision, plan_for
+
+    algorithm = getattr(bf16opt, row.optimizer).algorithm
+    template = {"amsgrad": False, "momentum": row.options.get("momentum", 0.0) != 0.0}
+    flags = tuple((name, template[name]) for name in algorithm.template_flags)
+    kernels = set()
+    for numel in (1 << 20, 64):
+        plan = plan_for(as_precision(row.preset), row.param_dtype, numel)
+        for track, live in ((False, False), (True, False), (False, True)):
+            kernels.add((algorithm.name, cupy_backend.kernel_name(kernel_config(algorithm, plan, flags, track), live)))
+    return kernels
+
+
+def _compile_for_the_loader(kind: str, expression: str, arch: str) -> None:
+    from bf16opt.backends import cuda_compile
+
+    cuda_compile.cached_nvrtc_compile(cuda_compile.kernel_source(kind), [expression],
+                                      cuda_compile.compile_options(arch), filename=f"{kind}.cu")
+
+
+def precompile(rows: list) -> None:
+    """Compile the rows' kernels side by side in worker processes, into the on-disk NVRTC cache
+    the adapter's loader reads (one after the other in the measurements: minutes)."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    import cupy
+    from bf16opt.backends import cuda_compile
+
+    arch = cuda_compile.device_arch(int(cupy.cuda.Device(torch.cuda.current_device()).compute_capability))
+    jobs = sorted({kernel for row in rows for kernel in row_kernels(row)})
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_for_the_loader, *zip(*[(kind, expression, arch) for kind, expression in jobs])))
+
+
 def cuda_problem() -> Optional[str]:
     if not torch.cuda.is_available():
         return "needs a CUDA device (torch.cuda.is_available() is False)"
@@ -432,6 +486,8 @@ def main(argv=None) -> int:
         print(f"gpu_step: --rows {args.rows!r} matches no row", file=sys.stderr)
         return 2
     print(title, flush=True)
+    if not args.dry_run:
+        precompile(rows)
     results = []
     for shape_name in args.shapes:
         shapes = shapes_for(shape_name, args.log2_params, divisor)
