@@ -43,7 +43,7 @@ try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.offl
 except ImportError:  # pragma: no cover
     from benchmarks.machine import cpu_name
 
-PRESETS = "bf16,bf16-sr,fp32-remainder-bf16-states,fp32"
+PRESETS = "bf16,bf16-sr,fp32-remainder-bf16-states,fp32,fp32-remainder-q8"
 GiB = 1 << 30
 
 
