@@ -107,6 +107,12 @@ def live_inputs(optimizer, group: dict, number: int, device: torch.device, amp=N
         lr_tensor, lr_value = lr, 0.0
     else:
         lr_tensor, lr_value = None, float(lr)
+    for name, value in (("weight_decay", group.get("weight_decay")), *(
+            (f"betas[{i}]", beta) for i, beta in enumerate(group.get("betas", ())))):
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            raise ValueError(f"param group {number}: with capturable=True, {name} is read on the host (Adam's "
+                             f"bias corrections are a host table): give a number or a CPU tensor, got a tensor "
+                             f"on {value.device}")
     decay_rate, betas = optimizer._live_rates(group)
     bias = None if betas is None else bias_table(betas, device, number)
     if amp is None:

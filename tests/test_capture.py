@@ -354,3 +354,18 @@ def test_a_live_bucket_with_a_counter_the_kernels_cannot_read_is_refused():
         cuda_backend.prepare(bucket, adam_scalars(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                                        decoupled_weight_decay=True), 1), execute=emulator.execute)
     assert not param.any()
+
+
+def test_a_device_tensor_beta_is_refused_by_name(emulated, monkeypatch):
+    """Adam's betas make a host table, so a tensor beta on a device (here CPU tensors made to
+    say they are not, during the step) is refused, not read."""
+    params = make_params()
+    give_grads([params], torch.Generator().manual_seed(0))
+    opt = bf16opt.AdamW(params, capturable=True, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    opt.step()  # (CPU tensors: read on the host)
+    before = snapshot(opt)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("meta")))
+    with pytest.raises(ValueError, match=r"betas\[0\] is read on the host"):
+        opt.step()
+    monkeypatch.undo()
+    assert_unchanged(opt, before)
