@@ -110,8 +110,8 @@ def assert_same_bits(expected: list, actual: list, expected_opt, actual_opt) -> 
             assert same_bits(value, actual_state[key]), key
 
 
-@pytest.mark.parametrize("lr_kind", sorted(LRS))
-@pytest.mark.parametrize("optimizer, options", CASES)
+@pytest.mark.parametrize("optimizer, options, lr_kind",
+                         [(*case, sorted(LRS)[k % len(LRS)]) for k, case in enumerate(CASES)])
 def test_live_steps_have_the_bits_of_eager_steps(emulated, optimizer, options, lr_kind):
     """capturable=True on the emulated kernels (step and lr read from memory when the kernel
     runs) equals the reference backend's eager steps, across an lr schedule and a param that

@@ -16,9 +16,6 @@
 #include <string.h>
 #include <ucontext.h>
 
-#include <memory>
-#include <vector>
-
 #define __global__
 #define __device__
 #define __host__
@@ -105,9 +102,9 @@ struct Fiber {
 };
 
 inline ucontext_t scheduler;
-inline std::vector<Fiber>* fibers = nullptr;  // the running block's (nullptr: no fibers)
+inline Fiber* fibers = nullptr;  // the running block's (nullptr: no fibers)
 inline unsigned current = 0;
-inline std::vector<unsigned> exchange[2];
+inline unsigned* exchange[2] = {nullptr, nullptr};  // a value per thread, by round parity
 inline void (*fiber_body)(void*) = nullptr;
 inline void* fiber_kernel = nullptr;
 
@@ -116,7 +113,7 @@ void call_kernel(void* kernel) { (*static_cast<Kernel*>(kernel))(); }
 
 inline void fiber_entry() {
   fiber_body(fiber_kernel);
-  (*fibers)[current].done = true;  // (returns to the scheduler through uc_link)
+  fibers[current].done = true;  // (returns to the scheduler through uc_link)
 }
 
 [[noreturn]] inline void fail(const char* why) {
@@ -129,7 +126,7 @@ inline void check_warps(unsigned block) {
   for (unsigned w = 0; w < block; w += 32) {
     const unsigned end = w + 32 < block ? w + 32 : block;
     for (unsigned t = w + 1; t < end; ++t) {
-      if ((*fibers)[t].done != (*fibers)[w].done || (*fibers)[t].round != (*fibers)[w].round)
+      if (fibers[t].done != fibers[w].done || fibers[t].round != fibers[w].round)
         fail("the lanes of a warp diverged at __shfl_xor_sync");
     }
   }
@@ -143,11 +140,11 @@ inline void emulate_launch_warps(unsigned int grid, unsigned int block, Kernel k
   using namespace emulation;
   if (block % 32 != 0) fail("a warp-synchronous kernel needs whole warps (blockDim.x % 32 == 0)");
   constexpr size_t kStack = 256 * 1024;
-  std::vector<Fiber> pool(block);
-  std::unique_ptr<char[]> stacks(new char[kStack * block]);
-  exchange[0].assign(block, 0u);
-  exchange[1].assign(block, 0u);
-  fibers = &pool;
+  Fiber* pool = new Fiber[block];
+  char* stacks = static_cast<char*>(malloc(kStack * block));
+  exchange[0] = static_cast<unsigned*>(calloc(block, sizeof(unsigned)));
+  exchange[1] = static_cast<unsigned*>(calloc(block, sizeof(unsigned)));
+  fibers = pool;
   fiber_body = call_kernel<Kernel>;
   fiber_kernel = &kernel;
   gridDim.x = grid;
@@ -157,7 +154,7 @@ inline void emulate_launch_warps(unsigned int grid, unsigned int block, Kernel k
     for (unsigned int t = 0; t < block; ++t) {
       pool[t] = Fiber();
       getcontext(&pool[t].context);
-      pool[t].context.uc_stack.ss_sp = stacks.get() + kStack * t;
+      pool[t].context.uc_stack.ss_sp = stacks + kStack * t;
       pool[t].context.uc_stack.ss_size = kStack;
       pool[t].context.uc_link = &scheduler;
       makecontext(&pool[t].context, fiber_entry, 0);
@@ -175,13 +172,17 @@ inline void emulate_launch_warps(unsigned int grid, unsigned int block, Kernel k
     }
   }
   fibers = nullptr;
+  free(exchange[0]);
+  free(exchange[1]);
+  free(stacks);
+  delete[] pool;
 }
 
 // The value ``value`` of lane (this lane ^ lane_mask) of this warp (every lane must call it).
 inline unsigned int __shfl_xor_sync(unsigned int, unsigned int value, int lane_mask) {
   using namespace emulation;
   if (fibers == nullptr) fail("__shfl_xor_sync outside a warp-synchronous launch (emulate_launch_warps)");
-  Fiber& me = (*fibers)[current];
+  Fiber& me = fibers[current];
   const unsigned thread = current;
   const unsigned slot = me.round & 1u;
   exchange[slot][thread] = value;
