@@ -96,17 +96,12 @@ def placeholder_lr(group: dict) -> dict:
 
 
 def live_inputs(optimizer, group: dict, number: int, device: torch.device, amp=None) -> LiveInputs:
-    """What the kernels of ``group``'s live steps on ``device`` read (ValueError on a bad lr);
-    ``amp``: GradScaler's tensors of a captured step (``amp.captured_amp``), or None."""
+    """What the kernels of ``group``'s live steps on ``device`` read (ValueError on betas or a
+    weight decay it cannot read on the host; the backend checks what it reads itself, a tensor
+    lr's form included: ``cupy.check_live``); ``amp``: GradScaler's tensors of a captured step
+    (``amp.captured_amp``), or None."""
     lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if lr.device != device or lr.dtype not in (torch.float32, torch.float64) or lr.numel() != 1:
-            raise ValueError(f"param group {number}: with capturable=True, lr must be a number or a one-element "
-                             f"float32/float64 tensor on the params' device {device}, got a {lr.dtype} tensor "
-                             f"of shape {tuple(lr.shape)} on {lr.device}")
-        lr_tensor, lr_value = lr, 0.0
-    else:
-        lr_tensor, lr_value = None, float(lr)
+    lr_tensor, lr_value = (lr, 0.0) if isinstance(lr, torch.Tensor) else (None, float(lr))
     for name, value in (("weight_decay", group.get("weight_decay")), *(
             (f"betas[{i}]", beta) for i, beta in enumerate(group.get("betas", ())))):
         if isinstance(value, torch.Tensor) and value.device.type != "cpu":
@@ -153,9 +148,3 @@ def bias_rows(beta1: float, beta2: float) -> np.ndarray:
                              f"use capturable=False")
     return np.array(rows, dtype=np.float64)
 
-
-def host_steps(entries: list) -> Optional[list]:
-    """The step each entry runs (its counter + 1), read from the device: None while capturing."""
-    if capturing():
-        return None
-    return [int(s) + 1 for s in torch.stack([e.counter.double() for e in entries]).tolist()]

@@ -380,9 +380,16 @@ def _device_table(table: np.ndarray, device: torch.device, stream) -> torch.Tens
 
 
 def _live_arguments(live: tuple) -> tuple:
+    """The kernel arguments of ``live`` (a PreparedLaunch's ``live``), typed for CuPy."""
+    if live is NO_LIVE:
+        return _NO_LIVE_ARGUMENTS
     lr, lr_value, decay_rate, bias, rows, grad_scale, found_inf = live
     return (np.uint64(lr), np.float64(lr_value), np.float64(decay_rate), np.uint64(bias), np.int64(rows),
             np.uint64(grad_scale), np.uint64(found_inf))
+
+
+_NO_LIVE_ARGUMENTS = (np.uint64(0), np.float64(0.0), np.float64(0.0), np.uint64(0), np.int64(0), np.uint64(0),
+                      np.uint64(0))
 
 
 # Chunk tables of captured launches (CUDA graphs): a graph's copy node reads its host table at
@@ -436,6 +443,7 @@ def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
     kernel = load_kernel(device_index, prepared.kind, prepared.expression)
     torch_stream = torch.cuda.current_stream(device)
     plan = prepared.plan
+    counts = 0 if prepared.counts is None else prepared.counts.data_ptr()
     with cupy.cuda.Device(device_index):
         if torch.cuda.is_current_stream_capturing():
             table_address = _captured_table(plan.table, device, torch_stream)
@@ -443,11 +451,9 @@ def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
             table_address = _device_table(plan.table, device, torch_stream).data_ptr()
             if prepared.is_live:  # (this launch may be captured next, with the group's others)
                 _capture_room(device, 8 * plan.table.size)
-    counts = 0 if prepared.counts is None else prepared.counts.data_ptr()
-    args = (np.uint64(table_address), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
-            np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step),
-            np.uint64(counts), np.int32(prepared.flags)) + _live_arguments(prepared.live) + prepared.scalars
-    with cupy.cuda.Device(device_index):
+        args = (np.uint64(table_address), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
+                np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step),
+                np.uint64(counts), np.int32(prepared.flags)) + _live_arguments(prepared.live) + prepared.scalars
         with cupy.cuda.ExternalStream(torch_stream.cuda_stream):
             kernel((plan.grid,), (plan.block,), args)
 
@@ -584,7 +590,7 @@ class Relaunch:
         plan = prepared.plan
         args = (np.uint64(self.device_table.data_ptr()), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
                 np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step), np.uint64(0),
-                np.int32(prepared.flags)) + _live_arguments(NO_LIVE) + prepared.scalars
+                np.int32(prepared.flags)) + _NO_LIVE_ARGUMENTS + prepared.scalars
         with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
             self.kernel((plan.grid,), (plan.block,), args)
 
