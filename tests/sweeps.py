@@ -11,9 +11,10 @@ on every run would keep the suite over its ten minutes on two cores, so a run ta
   set), so the runs of consecutive days take the parts in turn, and a failing run repeats with
   its seed;
 * plus the items every run must check (``always``): the plans of the named presets on
-  bfloat16 and float32 params, which are what most users run (their float16-param plans take
-  their turn with the rest; every run still checks each preset on float16 params end to end,
-  in ``test_numba_backend.py`` and ``test_numba_quality.py``);
+  bfloat16 params and of the fp32 preset on float32 params, which are what most users run
+  (the presets' other float32- and float16-param plans take their turn with the rest; every
+  run still checks each preset on float16 params end to end, in ``test_numba_backend.py``
+  and ``test_numba_quality.py``);
 * ``$BF16OPT_SWEEP=all`` runs every item (do so after changing a kernel or ``storage.py``).
 
 ``conftest.py`` pins the seed for the run's workers and names the part in the report header.
@@ -57,21 +58,16 @@ def todays_part(items, key=str, always=lambda item: False, environ=os.environ) -
     return [item for item in items if always(item) or zlib.crc32(key(item).encode()) % PARTS == part]
 
 
-#: the param dtypes whose preset plans every run sweeps
-ALWAYS_PARAM_DTYPES = (torch.bfloat16, torch.float32)
+#: the param dtype whose preset plans every run sweeps; on float32 params only the fp32 preset's
+#: plan is kept (what users of float32 params run), the other presets' take their turn
+ALWAYS_PARAM_DTYPE = torch.bfloat16
 
 
 def preset_plans() -> set:
-    """The plans of every named preset on each param dtype of :data:`ALWAYS_PARAM_DTYPES` it
-    accepts."""
-    plans = set()
-    for precision in PRESETS.values():
-        for dtype in ALWAYS_PARAM_DTYPES:
-            try:
-                plans.add(plan_for(precision, dtype))
-            except (TypeError, ValueError):
-                continue
-    return plans
+    """The plans of every named preset on :data:`ALWAYS_PARAM_DTYPE` params (each accepts
+    them), and the fp32 preset's on float32 params."""
+    return {plan_for(precision, ALWAYS_PARAM_DTYPE) for precision in PRESETS.values()} \
+        | {plan_for(PRESETS["fp32"], torch.float32)}
 
 
 def todays_plans(plans, plan_id) -> list:

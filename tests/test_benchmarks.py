@@ -46,16 +46,16 @@ def limit_adam_bits(size: int) -> tuple:
 
 
 def test_cpu_benchmark_prints_its_table():
-    """Three presets (stochastic, Kahan, remainder: the compute-limit kernels the next test
-    compiles too) keep the table code running; the full table is run by hand."""
+    """Two presets (stochastic rounding, remainder) keep the table code running; the full
+    table is run by hand."""
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     result = subprocess.run([sys.executable, str(BENCHMARK), "--log2-params", "16", "--repeats", "1",
-                             "--algorithms", "AdamW", "--presets", "bf16-sr,bf16-kahan,fp32-remainder",
+                             "--algorithms", "AdamW", "--presets", "bf16-sr,fp32-remainder",
                              "--skip-multi-tensor"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("AdamW ")]
-    assert len(rows) == 3, result.stdout
+    assert len(rows) == 2, result.stdout
     for row in rows:
         # bf16opt, memory limit, compute limit, share of the ceiling, in-cache time, the
         # streamed compute limit, the step's share of it and its own share of the ceiling,

@@ -31,13 +31,15 @@ def gpu_step_module():
     return gpu_step
 
 
-def test_help():
-    done = run("--help")
-    assert done.returncode == 0
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_step_module().parse(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
     for option in ("--log2-params", "--shapes", "--rows", "--repeats", "--warmup", "--no-track", "--out",
                    "--dry-run"):
-        assert option in done.stdout
-    assert "GPT-2 small" in done.stdout and "torch.optim.AdamW(fused=True)" in done.stdout
+        assert option in out
+    assert "GPT-2 small" in out and "torch.optim.AdamW(fused=True)" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
@@ -52,9 +54,10 @@ def test_without_cuda_it_fails_clearly():
     (("--log2-params", "40"), "--log2-params must be in [6, 32]"),
     (("--repeats", "0"), "--repeats must be >= 1"),
 ])
-def test_bad_options_are_refused(args, message):
-    done = run("--dry-run", *args)
-    assert done.returncode == 2 and message in done.stderr
+def test_bad_options_are_refused(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_step_module().parse(["--dry-run", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_gpt2_small_shapes():
