@@ -921,6 +921,29 @@ def test_results_independent_of_thread_count():
     assert len(digests[1]) == 64 and digests[1] == digests[2]
 
 
+def test_a_one_row_call_runs_on_the_calling_thread(monkeypatch):
+    """A kernel call over one chunk row takes the serial driver (one thread would run it
+    anyway), over two rows the parallel one; the bits are the reference's either way."""
+    from bf16opt._cpu import chunks as compiled_chunks
+    from bf16opt.backends import numba as numba_backend
+
+    calls = []
+    for name in ("run_chunks", "run_chunks_serial"):
+        driver = getattr(compiled_chunks, name)
+        monkeypatch.setattr(compiled_chunks, name,
+                            lambda *args, _driver=driver, _name=name: (calls.append(_name), _driver(*args)))
+    for numel, driver in ((compiled_chunks.CHUNK, "run_chunks_serial"), (compiled_chunks.CHUNK + 1, "run_chunks")):
+        params = {}
+        for backend in ("numba", "reference"):
+            torch.manual_seed(0)
+            param = torch.nn.Parameter(torch.randn(numel).bfloat16())
+            param.grad = torch.randn(numel).bfloat16()
+            bf16opt.AdamW([param], precision="bf16-sr", backend=backend, seed=3).step()
+            params[backend] = param
+        assert calls[-1] == driver and not numba_backend._FORKED
+        assert torch.equal(bits(params["numba"].detach()), bits(params["reference"].detach()))
+
+
 def test_second_process_loads_kernels_from_disk_cache(tmp_path):
     script = """
         import torch, bf16opt
@@ -928,8 +951,9 @@ def test_second_process_loads_kernels_from_disk_cache(tmp_path):
         from bf16opt.algorithms import LION, kernel_config
         from bf16opt.backends import numba as numba_backend
         from bf16opt.precision import PRESETS, plan_for
-        p = torch.nn.Parameter(torch.randn(100).bfloat16())
-        p.grad = torch.randn(100).bfloat16()
+        from bf16opt._cpu.chunks import CHUNK
+        p = torch.nn.Parameter(torch.randn(2 * CHUNK).bfloat16())  # (two rows: the parallel driver)
+        p.grad = torch.randn(2 * CHUNK).bfloat16()
         bf16opt.Lion([p], precision="bf16", backend="numba", maximize=True).step()
         config = kernel_config(LION, plan_for(PRESETS["bf16"], torch.bfloat16), (("maximize", True),))
         chunk = numba_backend.chunk_function(config)  # memoised: the one the step used

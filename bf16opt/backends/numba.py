@@ -226,11 +226,20 @@ def _itemsizes(config: KernelConfig) -> np.ndarray:
 
 def _call(address: int, table: np.ndarray, values: np.ndarray, keys: np.ndarray, row_counts: np.ndarray,
           bounds: np.ndarray) -> None:
-    """The one parallel kernel call (serial in a fork child), under the process-wide lock."""
+    """The one kernel call, under the process-wide lock: parallel, or serial where
+    :func:`_serial` says so."""
     chunks = _chunks()
     with _KERNEL_LOCK:
-        driver = chunks.run_chunks_serial if _FORKED else chunks.run_chunks
+        driver = chunks.run_chunks_serial if _serial(table) else chunks.run_chunks
         driver(address, table, values, keys, row_counts, bounds)
+
+
+def _serial(table: np.ndarray) -> bool:
+    """Whether a kernel call over ``table`` runs on the calling thread: in a fork child (the
+    parent's thread pool is not usable there), or when the table has one row, which one
+    thread runs anyway (waking the others would cost more than the row: a small param updated
+    alone in backward).  The same rows either way, so the same bits."""
+    return _FORKED or table.shape[0] <= 1
 
 
 def _checked(bucket: Bucket, scalars) -> tuple:
@@ -372,7 +381,7 @@ class Relaunch:
         version counters of the tensor objects whose ids are ``written`` bumped
         (``step_helpers.bump_versions`` with ``places``, likewise)."""
         with _KERNEL_LOCK:
-            helpers().relaunch(_FORKED, address, self.table, values, self.step_keys, self.row_counts, self.bounds,
+            helpers().relaunch(_serial(self.table), address, self.table, values, self.step_keys, self.row_counts, self.bounds,
                                _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
                                self.seed_words, step, self.key_streams, counters, steps, written, places)
 
@@ -402,7 +411,7 @@ class Relaunch:
         for _ in range(2):
             with _KERNEL_LOCK:
                 answer = compiled.checked_relaunch(checks, launch, grad_ids, step, tuple(scalars), inv_grad_scale,
-                                                   self.sign, _FORKED, self.bounds)
+                                                   self.sign, _serial(self.table), self.bounds)
             if answer < compiled.UNCOMPILED:
                 return answer == compiled.RAN
             self.address(bool(answer - compiled.UNCOMPILED))
