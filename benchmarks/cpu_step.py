@@ -285,28 +285,38 @@ def driver_users() -> None:
 
 
 def captured_kernel_call(opt) -> tuple:
-    """The arguments of the parallel kernel call one step of ``opt`` makes (the step runs
-    without it: its counters advance, its tensors stay).  A full step (the launches the
-    optimizer kept are dropped first: a reused step makes the same call from compiled code)."""
+    """The arguments of the kernel call one step of ``opt`` makes (the step runs without it:
+    its counters advance, its tensors stay); :func:`kernel_driver` runs them as the step does.
+    A full step (the launches the optimizer kept are dropped first: a reused step makes the
+    same call from compiled code)."""
     calls = []
     driver_users()
-    run = _cpu.chunks.run_chunks
-    _cpu.chunks.run_chunks = lambda *args: calls.append(args)
+    drivers = _cpu.chunks.run_chunks, _cpu.chunks.run_chunks_serial
+    _cpu.chunks.run_chunks = _cpu.chunks.run_chunks_serial = lambda *args: calls.append(args)
     opt._group_launches.clear()
     try:
         opt.step()
     finally:
-        _cpu.chunks.run_chunks = run
+        _cpu.chunks.run_chunks, _cpu.chunks.run_chunks_serial = drivers
     if len(calls) != 1:
         raise RuntimeError(f"expected one kernel call per step, got {len(calls)}")
     return calls[0]
+
+
+def kernel_driver(table: np.ndarray):
+    """The chunk driver a step runs ``table`` with: the calling thread's for one row, else the
+    parallel one (the numba backend's rule)."""
+    from bf16opt.backends import numba as backend  # noqa: PLC0415
+
+    return _cpu.chunks.run_chunks_serial if backend._serial(table) else _cpu.chunks.run_chunks
 
 
 def kernel_step(opt):
     """``opt``'s step's kernel call alone, replayed with the arguments a step gave it: the
     step without its Python bookkeeping (which runs with cold caches after a stream)."""
     args = captured_kernel_call(opt)
-    return lambda: _cpu.chunks.run_chunks(*args)
+    driver = kernel_driver(args[1])
+    return lambda: driver(*args)
 
 
 def in_cache_call(n: int, dtype: torch.dtype, preset: str, block: int = 1 << 13,
@@ -837,8 +847,8 @@ def _prefetch_cell(n: int, repeats: int, algorithm: str, dtype: torch.dtype, pre
         calls[on] = args
         alive.append(opt)
     on_address, args = calls[True][0], calls[False]  # the same table (arrays) for both
-    runs = timings({"off": lambda: _cpu.chunks.run_chunks(*args),
-                    "on": lambda: _cpu.chunks.run_chunks(on_address, *args[1:])}, repeats)
+    driver = kernel_driver(args[1])
+    runs = timings({"off": lambda: driver(*args), "on": lambda: driver(on_address, *args[1:])}, repeats)
     ratio = statistics.median(b / a for a, b in zip(runs["off"], runs["on"]))
     del calls, alive
     gc.collect()

@@ -58,11 +58,11 @@ import bf16opt
 from bf16opt import _cpu
 
 try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.step_overhead
-    from cpu_step import (ProtocolStep, captured_kernel_call, driver_users, gpt2_small_shapes, kernel_step,
-                          state_buffers)
+    from cpu_step import (ProtocolStep, captured_kernel_call, driver_users, gpt2_small_shapes, kernel_driver,
+                          kernel_step, state_buffers)
     from machine import cpu_name
 except ImportError:  # pragma: no cover
-    from benchmarks.cpu_step import (ProtocolStep, captured_kernel_call, driver_users, gpt2_small_shapes,
+    from benchmarks.cpu_step import (ProtocolStep, captured_kernel_call, driver_users, gpt2_small_shapes, kernel_driver,
                                      kernel_step, state_buffers)
     from benchmarks.machine import cpu_name
 
@@ -101,8 +101,8 @@ _NO_PARTS = np.zeros(1, dtype=np.int64)  # chunk bounds of no thread: the driver
 
 
 def without_kernel(step):
-    """``step`` with its kernel call a no-op (the Python around it alone): the parallel
-    driver of a full step; a kept launch's compiled call (``Relaunch.run``) of a reused one
+    """``step`` with its kernel call a no-op (the Python around it alone): the chunk
+    drivers of a full step; a kept launch's compiled call (``Relaunch.run``) of a reused one
     runs, over no chunk rows on this thread: the bookkeeping it holds (the step counters
     advanced, autograd's version counters bumped, the grads pointed) is the step's, not its
     kernel's."""
@@ -122,13 +122,14 @@ def without_kernel(step):
         return over_no_rows
 
     def run():
-        driver, _cpu.chunks.run_chunks = _cpu.chunks.run_chunks, _no_kernel
+        drivers = _cpu.chunks.run_chunks, _cpu.chunks.run_chunks_serial
+        _cpu.chunks.run_chunks = _cpu.chunks.run_chunks_serial = _no_kernel
         backend.Relaunch.run = bookkeeping_only(rerun)
         backend.Relaunch.run_in_one_call = bookkeeping_only(run_in_one_call)
         try:
             step()
         finally:
-            _cpu.chunks.run_chunks = driver
+            _cpu.chunks.run_chunks, _cpu.chunks.run_chunks_serial = drivers
             backend.Relaunch.run, backend.Relaunch.run_in_one_call = rerun, run_in_one_call
     return run
 
@@ -171,8 +172,9 @@ def overhead_table(repeats: int, steps: int) -> None:
             empty = empty_kernel_call(args)
             row = (list_name, preset)
             contenders[row + ("step",)] = repeated(opt.step, steps)
-            contenders[row + ("kernel",)] = repeated(lambda a=args: _cpu.chunks.run_chunks(*a), steps)
-            contenders[row + ("empty",)] = repeated(lambda a=empty: _cpu.chunks.run_chunks(*a), steps)
+            driver = kernel_driver(args[1])  # (the empty call through the same driver)
+            contenders[row + ("kernel",)] = repeated(lambda a=args, d=driver: d(*a), steps)
+            contenders[row + ("empty",)] = repeated(lambda a=empty, d=driver: d(*a), steps)
             contenders[row + ("Python",)] = without_kernel(repeated(opt.step, steps))
             clocks[row + ("Python",)] = time.thread_time
             # the floor: the least Python a drop-in step runs, around the same no-op kernel
