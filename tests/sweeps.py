@@ -43,19 +43,19 @@ def sweeps_everything(environ=os.environ) -> bool:
     return value == "all"
 
 
-def run_part(environ=os.environ) -> int:
-    """Which part (0 to PARTS - 1) this run sweeps: the run seed modulo :data:`PARTS`."""
-    return gpu_sample.sample_seed(environ) % PARTS
+def run_part(environ=os.environ, parts: int = PARTS) -> int:
+    """Which part (0 to ``parts`` - 1) this run sweeps: the run seed modulo ``parts``."""
+    return gpu_sample.sample_seed(environ) % parts
 
 
-def todays_part(items, key=str, always=lambda item: False, environ=os.environ) -> list:
+def todays_part(items, key=str, always=lambda item: False, environ=os.environ, parts: int = PARTS) -> list:
     """The ``items`` this run sweeps, in their order: those ``always`` keeps, and those whose
-    ``key`` (a string, stable from run to run) hashes to :func:`run_part`."""
+    ``key`` (a string, stable from run to run) hashes to :func:`run_part` (of ``parts``)."""
     items = list(items)
     if sweeps_everything(environ):
         return items
-    part = run_part(environ)
-    return [item for item in items if always(item) or zlib.crc32(key(item).encode()) % PARTS == part]
+    part = run_part(environ, parts)
+    return [item for item in items if always(item) or zlib.crc32(key(item).encode()) % parts == part]
 
 
 #: the param dtype whose preset plans every run sweeps; on float32 params only the fp32 preset's

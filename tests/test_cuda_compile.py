@@ -68,6 +68,9 @@ if PROBLEM is not None:
 
 BATCH = 16
 SAMPLE = 6  # names compiled for each arch after the first, per (kind, telemetry)
+#: parts of the first arch's sweep: more than the Numba sweeps' (tests/sweeps.py), as it has
+#: no names every run must keep and its set-up is the suite's longest item
+PARTS = 2 * sweeps.PARTS
 
 
 def compile_all(kind: str, arch: str, names=None):
@@ -101,7 +104,7 @@ def ptx_facts(kind: str, arch: str, names: list) -> dict:
 def first_arch_names(names: list, environ=os.environ) -> list:
     """The names of one (kind, telemetry) compiled for the first arch on this run: this run's
     part (``tests/sweeps.py``), or all with ``$BF16OPT_SWEEP=all``."""
-    return sweeps.todays_part(names, environ=environ)
+    return sweeps.todays_part(names, environ=environ, parts=PARTS)
 
 
 def jobs() -> list:
@@ -225,7 +228,7 @@ def test_consecutive_runs_sweep_every_name():
     """The first arch's part-sweeps of consecutive days are disjoint and cover every name."""
     names = cuda_backend.all_kernel_names("sgd")
     days = [first_arch_names(names, {"BF16OPT_GPU_SAMPLE_SEED": str(20261128 + k)})
-            for k in range(sweeps.PARTS)]
+            for k in range(PARTS)]
     assert sorted(name for day in days for name in day) == sorted(names)
     assert first_arch_names(names, {sweeps.SWEEP_VARIABLE: "all"}) == names
 
