@@ -308,7 +308,7 @@ def kernel_driver(table: np.ndarray):
     parallel one (the numba backend's rule)."""
     from bf16opt.backends import numba as backend  # noqa: PLC0415
 
-    return _cpu.chunks.run_chunks_serial if backend._serial(table) else _cpu.chunks.run_chunks
+    return _cpu.chunks.run_chunks_serial if backend.on_calling_thread(table) else _cpu.chunks.run_chunks
 
 
 def kernel_step(opt):

@@ -19,7 +19,8 @@ Numba's on-disk cache.
 Kernel calls are serialised by one process-wide lock: Numba's ``workqueue`` threading
 layer (the one left when neither TBB nor OpenMP is installed) aborts the process when two
 Python threads enter parallel code at once, and two parallel calls would only
-oversubscribe the cores anyway.
+oversubscribe the cores anyway.  A call over one chunk row runs on the calling thread
+(:func:`on_calling_thread`): one thread runs it anyway.
 
 Processes: in a child made by ``fork()`` (a DataLoader worker with the fork start method,
 a multiprocessing pool) the kernels run on the calling thread (``run_chunks_serial``): the
@@ -227,14 +228,14 @@ def _itemsizes(config: KernelConfig) -> np.ndarray:
 def _call(address: int, table: np.ndarray, values: np.ndarray, keys: np.ndarray, row_counts: np.ndarray,
           bounds: np.ndarray) -> None:
     """The one kernel call, under the process-wide lock: parallel, or serial where
-    :func:`_serial` says so."""
+    :func:`on_calling_thread` says so."""
     chunks = _chunks()
     with _KERNEL_LOCK:
-        driver = chunks.run_chunks_serial if _serial(table) else chunks.run_chunks
+        driver = chunks.run_chunks_serial if on_calling_thread(table) else chunks.run_chunks
         driver(address, table, values, keys, row_counts, bounds)
 
 
-def _serial(table: np.ndarray) -> bool:
+def on_calling_thread(table: np.ndarray) -> bool:
     """Whether a kernel call over ``table`` runs on the calling thread: in a fork child (the
     parent's thread pool is not usable there), or when the table has one row, which one
     thread runs anyway (waking the others would cost more than the row: a small param updated
@@ -381,9 +382,10 @@ class Relaunch:
         version counters of the tensor objects whose ids are ``written`` bumped
         (``step_helpers.bump_versions`` with ``places``, likewise)."""
         with _KERNEL_LOCK:
-            helpers().relaunch(_serial(self.table), address, self.table, values, self.step_keys, self.row_counts, self.bounds,
-                               _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes, grad_addresses,
-                               self.seed_words, step, self.key_streams, counters, steps, written, places)
+            helpers().relaunch(on_calling_thread(self.table), address, self.table, values, self.step_keys,
+                               self.row_counts, self.bounds, _GRAD_COLUMN, self.grad_of_row, self.grad_row_bytes,
+                               grad_addresses, self.seed_words, step, self.key_streams, counters, steps, written,
+                               places)
 
     def launch_record(self, *, written: np.ndarray, places: np.ndarray, first: int) -> np.ndarray:
         """The ``"launch"`` record ``step_helpers.checked_relaunch`` takes (``step_helpers.pack_record``):
@@ -411,7 +413,7 @@ class Relaunch:
         for _ in range(2):
             with _KERNEL_LOCK:
                 answer = compiled.checked_relaunch(checks, launch, grad_ids, step, tuple(scalars), inv_grad_scale,
-                                                   self.sign, _serial(self.table), self.bounds)
+                                                   self.sign, on_calling_thread(self.table), self.bounds)
             if answer < compiled.UNCOMPILED:
                 return answer == compiled.RAN
             self.address(bool(answer - compiled.UNCOMPILED))
