@@ -317,3 +317,25 @@ def test_channels_last_buffers_in_place_unless_stochastic(rounding, staged):
     alive = {t.data_ptr() for t in (like, *bucket["grad"], *bucket["exp_avg"], *bucket["exp_avg_sq"],
                                     *copies)}
     assert pointers <= alive and len(copies) == (4 if staged else 0)
+
+
+def test_kernel_arguments_follow_the_kernels_signature():
+    """What a GPU launch passes (eager, kept and captured alike): the table's address, the
+    plan's sizes, seed, step, counts' address and flags, then the live step's seven (zero for
+    an eager step), then every scalar, each as the kernel's C type."""
+    plan = plan_for(PRESETS["bf16-sr"], torch.bfloat16)
+    param = torch.zeros(300, dtype=torch.bfloat16)
+    bucket = Bucket.of(kernel_config(ADAM, plan), {
+        "param": [param], "grad": [torch.zeros_like(param)], "exp_avg": [torch.zeros_like(param)],
+        "exp_avg_sq": [torch.zeros_like(param)]}, indices=[0], seed=5, step=3)
+    prepared = cuda_backend.prepare_launch(bucket, adam_scalars(ADAM_GROUP, step=3))
+    arguments = cuda_backend.kernel_arguments(prepared, 0x1234, counts=0x50)
+    head, live, scalars = arguments[:8], arguments[8:15], arguments[15:]
+    assert [type(a) for a in head] == [np.uint64, np.int32, np.int64, np.int32, np.uint64, np.int64, np.uint64,
+                                       np.int32]
+    assert [int(a) for a in head] == [0x1234, prepared.plan.n_tensors, prepared.plan.n_chunks,
+                                      prepared.plan.chunk_size, 5, 3, 0x50, prepared.flags]
+    assert [type(a) for a in live] == [np.uint64, np.float64, np.float64, np.uint64, np.int64, np.uint64, np.uint64]
+    assert all(a == 0 for a in live)
+    assert scalars == prepared.scalars and len(scalars) == emulator.scalar_count("adam")
+    assert all(type(s) is np.float32 for s in scalars)

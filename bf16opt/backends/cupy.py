@@ -451,11 +451,18 @@ def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
             table_address = _device_table(plan.table, device, torch_stream).data_ptr()
             if prepared.is_live:  # (this launch may be captured next, with the group's others)
                 _capture_room(device, 8 * plan.table.size)
-        args = (np.uint64(table_address), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
-                np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step),
-                np.uint64(counts), np.int32(prepared.flags)) + _live_arguments(prepared.live) + prepared.scalars
         with cupy.cuda.ExternalStream(torch_stream.cuda_stream):
-            kernel((plan.grid,), (plan.block,), args)
+            kernel((plan.grid,), (plan.block,), kernel_arguments(prepared, table_address, counts))
+
+
+def kernel_arguments(prepared: PreparedLaunch, table_address: int, counts: int = 0) -> tuple:
+    """A kernel's arguments, typed for CuPy, in the order of its signature (cuda_src/<kind>.cu):
+    the chunk table on the device at ``table_address``, the counts' address (0: untracked), the
+    live step's, then the scalars."""
+    plan = prepared.plan
+    return (np.uint64(table_address), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
+            np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step),
+            np.uint64(counts), np.int32(prepared.flags)) + _live_arguments(prepared.live) + prepared.scalars
 
 
 def prepare(bucket: Bucket, scalars, execute: Optional[Callable[[PreparedLaunch], None]] = None,
@@ -588,11 +595,8 @@ class Relaunch:
             self.device_table = torch.from_numpy(self.table).pin_memory().to(self.device, non_blocking=True)
             self.table_stale = False
         plan = prepared.plan
-        args = (np.uint64(self.device_table.data_ptr()), np.int32(plan.n_tensors), np.int64(plan.n_chunks),
-                np.int32(plan.chunk_size), np.uint64(prepared.seed), np.int64(prepared.step), np.uint64(0),
-                np.int32(prepared.flags)) + _NO_LIVE_ARGUMENTS + prepared.scalars
         with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-            self.kernel((plan.grid,), (plan.block,), args)
+            self.kernel((plan.grid,), (plan.block,), kernel_arguments(prepared, self.device_table.data_ptr()))
 
 
 def relaunch(bucket: Bucket, grad_positions: list, execute: Optional[Callable[[PreparedLaunch], None]] = None,
