@@ -53,8 +53,8 @@ class Adam(MixedPrecisionOptimizer):
       (``bf16opt/offload.py``); also per param group.  ``offload_threads``: host threads of
       the offloaded update (default: the cores of the process's affinity, less one for CUDA
       params).
-    * ``update_in_backward``: update each param from its post-accumulate-grad hook as soon as
-      its grad is final in backward, and free the grad (``bf16opt/release.py``; README,
+    * ``update_in_backward``: update each param in backward once its grad is final (small
+      adjacent params together, in buckets), and free the grad (``bf16opt/release.py``; README,
       "Update in backward"); also per param group.  ``step()`` then completes the step.
     * ``max_grad_norm_per_param``: scale each param's grad to at most this L2 norm, on its
       own, as its update reads it (``bf16opt/clipping.py``): the clipping that works with

@@ -405,10 +405,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._release.checked = False
         return loss
 
-    def _update_in_backward(self, number: int, first_index: int, position: int) -> None:
-        """Update the param at ``position`` of group ``number`` (the optimizer's param number
-        ``first_index + position``) from its grad, then free the grad: its hook, in backward.
-        Raises before anything changes."""
+    def _update_in_backward(self, number: int, first_index: int, start: int, stop: int) -> None:
+        """Update the params at ``start:stop`` of group ``number`` (the optimizer's param numbers
+        from ``first_index + start``) from their grads, then free the grads: a bucket of the
+        hooks, in backward.  Raises before anything changes."""
         grad_enabled = torch.is_grad_enabled()
         _set_grad_mode(False)
         try:
@@ -419,8 +419,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         self._group_precision(other, group)
                 hooks.checked = True
             group = self.param_groups[number]
-            with phase(release.PHASES["update"], group["params"][position].is_cuda):
-                release.update(self, number, group, first_index, position)
+            with phase(release.PHASES["update"], group["params"][start].is_cuda):
+                release.update(self, number, group, first_index, start, stop)
         finally:
             _set_grad_mode(grad_enabled)
 
@@ -558,6 +558,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._group_launches.clear()  # (they would be rebuilt anyway; this releases the old state now)
         if "_release_hooks" in self.__dict__:
             self._release.launches.clear()
+            self._release.pending.clear()
         with torch.no_grad():
             for param, new_param in plan.param_writes:
                 param.copy_(new_param)

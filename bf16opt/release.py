@@ -1,10 +1,14 @@
 """Update in backward (gradient release): ``update_in_backward=True`` per param group.
 
-A param of such a group is updated from its post-accumulate-grad hook, as soon as autograd has
-accumulated its grad for this backward, and its grad is freed right after the update read it:
-the model's grads never all exist at once.  The update is the normal step's for that param
-alone (``step_plan.plan_update``): its own state, step counter, scalars and stochastic-rounding
-stream, so its bits are the normal step's for the same grad.
+A param of such a group is updated once autograd has accumulated its grad for this backward
+(its post-accumulate-grad hook), and its grad is freed right after the update read it: the
+model's grads never all exist at once.  Params whose hooks fire one after another at adjacent
+places of their group wait for one update together until their grads reach
+:data:`BUCKET_ELEMENTS` elements, or backward ends (:class:`_Bucket`): one launch for a run of
+small params, not one each, and one bucket of grads alive at most.  A larger param is updated
+from its own hook.  The update is the normal step's for those params (``step_plan.plan_update``):
+each with its own state, step counter, scalars and stochastic-rounding stream, so its bits are
+the normal step's for the same grad.
 
 * :class:`ReleaseHooks` keeps one hook per param of a release group: installed at construction,
   ``add_param_group``, ``zero_grad`` and ``step``; removed there when the group leaves the mode,
@@ -15,12 +19,13 @@ stream, so its bits are the normal step's for the same grad.
   backward outside ``accumulating()``), and returns; ``zero_grad()`` has nothing left to free.
 * What cannot work refuses by name (``check_step``): a closure, GradScaler.  Sparse grads are
   refused by the update's own checks, in the hook.
-* Offloaded groups (``offload="cpu"``): the hook plans the update (its checks, the grad's copy to
-  the host already started by the offload hook) and frees the device grad (the copy engine keeps
-  it alive until copied); the host update and the upload of the new param run on a
-  :class:`Background` thread while backward goes on.  Backward waits for them at its end
-  (re-raising an error of theirs), so it returns with every param updated, as without offload;
-  ``step()``, ``state_dict()`` and ``load_state_dict()`` wait too, where it could not.
+* Offloaded groups (``offload="cpu"``): the update plans itself (its checks, the grads' copies to
+  the host already started by the offload hook) and frees the device grads (the copy engine
+  keeps them alive until copied); the host update and the upload of the new params run on a
+  :class:`Background` thread while backward goes on.
+* At its end, backward updates the buckets still waiting and waits for the background
+  updates (re-raising an error of theirs), so it returns with every param updated, as without
+  offload; ``step()``, ``state_dict()`` and ``load_state_dict()`` wait too, where it could not.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ import torch
 
 from . import step_cache
 from .offload_copies import phase
-from .step_plan import plan_update, single_param_group
+from .step_plan import narrowed_group, plan_update
 
-__all__ = ["Background", "PHASES", "ReleaseHooks", "check_step", "update", "wanted"]
+__all__ = ["BUCKET_ELEMENTS", "Background", "PHASES", "ReleaseHooks", "check_step", "update", "wanted"]
 
 KEY = "update_in_backward"
+#: params of a group updated together in backward until their grads have this many elements
+BUCKET_ELEMENTS = 1 << 20
 #: update in backward's ranges on the profiler timeline (NVTX too for CUDA params)
 PHASES = {
     "update": "bf16opt.release.update",                # a hook's update (offloaded: its plan and install)
@@ -83,13 +90,16 @@ class ReleaseHooks:
         self.accumulating = 0           # depth of accumulating() blocks
         self.checked = False            # every release group's settings checked since the last step
         self.lock = threading.Lock()    # one update at a time (CUDA backward runs a thread per device)
-        self.launches: dict = {}        # param -> its update's launch kept (step_cache.GroupLaunch)
+        self.launches: dict = {}        # first param -> its bucket's update's launch (step_cache.GroupLaunch)
+        self.pending: dict = {}         # group number -> its params waiting for one update (_Bucket)
+        self._ends_task = None          # the backward whose end updates the rest (its graph task id)
         weakref.finalize(optimizer, ReleaseHooks._remove_all, self._handles)
 
     def sync(self, groups: list) -> None:
         """Hooks on exactly the params of the groups in the mode that require grads."""
         keep = {param for group in groups if group.get(KEY) is True
                 for param in group["params"] if param.requires_grad}
+        self.pending.clear()  # (a step or zero_grad: the grads left are the step's, or gone)
         for param in [param for param in self._handles if param not in keep]:
             self._handles.pop(param).remove()
         for param in [param for param in self.launches if param not in keep]:
@@ -148,7 +158,72 @@ class ReleaseHooks:
             if place is None or groups[place[0]].get(KEY) is not True:
                 return
             number, first_index, position = place
-            optimizer._update_in_backward(number, first_index, position)
+            bucket = self.pending.get(number)
+            if bucket is not None and not bucket.takes(first_index, position):
+                self._flush(optimizer, number)
+                bucket = None
+            if bucket is None:
+                bucket = self.pending[number] = _Bucket(first_index, position)
+            bucket.add(position, param.numel())
+            if bucket.elements >= BUCKET_ELEMENTS or not self.end_backward_here():
+                self._flush(optimizer, number)
+
+    def _flush(self, optimizer, number: int) -> None:
+        """Update the params of group ``number``'s bucket (it is emptied first: after an error
+        their grads stay for ``step()``, as a normal step's would)."""
+        bucket = self.pending.pop(number)
+        optimizer._update_in_backward(number, bucket.first_index, bucket.start, bucket.stop)
+
+    def end_backward_here(self) -> bool:
+        """Have the running backward call :meth:`_at_backward_end` at its end, once; False where
+        it cannot (no backward runs on this thread, or a torch without the callbacks)."""
+        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+        queue_callback = getattr(engine, "queue_callback", None)  # (what FSDP uses, private)
+        if task == -1 or queue_callback is None:
+            return False
+        if task != self._ends_task:
+            self._ends_task = task
+            queue_callback(self._at_backward_end)
+        return True
+
+    def _at_backward_end(self) -> None:
+        """The buckets still waiting updated, then the background's updates waited for."""
+        optimizer = self._owner()
+        if optimizer is None:
+            return
+        try:
+            with self.lock:
+                for number in list(self.pending):
+                    self._flush(optimizer, number)
+        finally:
+            background = optimizer.__dict__.get("_background_instance")
+            if background is not None:
+                with phase(PHASES["backward_wait"], background.cuda):
+                    background.finish()
+
+
+class _Bucket:
+    """Params of one group whose grads wait for one update: adjacent places of the group, as
+    backward reaches a model's params one module after another (in either direction)."""
+
+    __slots__ = ("first_index", "start", "stop", "elements")
+
+    def __init__(self, first_index: int, position: int):
+        self.first_index = first_index  # the group's first optimizer index, when placed
+        self.start = self.stop = position
+        self.elements = 0
+
+    def takes(self, first_index: int, position: int) -> bool:
+        """Whether the param at ``position`` adjoins the bucket (or is in it: a hook of a
+        backward that failed before its end, whose bucket was not updated)."""
+        return first_index == self.first_index and self.start - 1 <= position <= self.stop
+
+    def add(self, position: int, elements: int) -> None:
+        if self.start <= position < self.stop:
+            return
+        self.start, self.stop = min(self.start, position), max(self.stop, position + 1)
+        self.elements += elements
 
 
 def _grad_ready(owner_ref, param: torch.Tensor) -> None:
@@ -157,65 +232,48 @@ def _grad_ready(owner_ref, param: torch.Tensor) -> None:
         hooks.on_grad(param)
 
 
-def update(optimizer, number: int, group: dict, first_index: int, position: int) -> None:
-    """Update the param at ``position`` of group ``number`` (the optimizer's param number
-    ``first_index + position``) from its grad and free the grad; raises before anything changes.
-    The param's launch is kept between updates (a one-param group's ``step_cache.GroupLaunch``)."""
+def update(optimizer, number: int, group: dict, first_index: int, start: int, stop: int) -> None:
+    """Update the params at ``start:stop`` of group ``number`` (the optimizer's param numbers
+    from ``first_index + start``) from their grads and free the grads; raises before anything
+    changes.  The launch is kept between updates (the narrowed group's ``step_cache.GroupLaunch``,
+    under its first param)."""
     hooks = optimizer._release
     precision = optimizer._group_precision(number, group)
-    narrowed = single_param_group(group, position)
-    param = narrowed["params"][0]
-    kept = hooks.launches.get(param)
-    run = kept and kept.prepare(optimizer, narrowed, first_index + position, precision, 1.0)
-    if run:  # nothing the param's launch was built from changed since its last update
+    narrowed = narrowed_group(group, start, stop)
+    params = narrowed["params"]
+    kept = hooks.launches.get(params[0])
+    run = kept and kept.prepare(optimizer, narrowed, first_index + start, precision, 1.0)
+    if run:  # nothing the launch was built from changed since these params' last update
         group["precision"] = precision
         run()
     elif group.get("offload") == "cpu":
-        _offloaded_update(optimizer, number, narrowed, first_index + position, precision)
+        _offloaded_update(optimizer, number, narrowed, first_index + start, precision)
     else:
-        plan = plan_update(optimizer, number, narrowed, first_index + position, precision)
+        plan = plan_update(optimizer, number, narrowed, first_index + start, precision)
         optimizer._group_launches.pop(number, None)  # (kept for full steps of the whole group)
         optimizer._install_and_run(plan)
         group["precision"] = precision
         material = plan.built[0][1] if plan.built else None
-        hooks.keep_launch(param, None if material is None else step_cache.build(optimizer, material))
-    param.grad = None  # (an offloaded grad: the copy engine keeps it until copied)
+        hooks.keep_launch(params[0], None if material is None else step_cache.build(optimizer, material))
+    for param in params:
+        param.grad = None  # (an offloaded grad: the copy engine keeps it until copied)
 
 
 def _offloaded_update(optimizer, number: int, narrowed: dict, index: int, precision) -> None:
-    """Plan and install an offloaded param's update; its host update and upload go on beside
+    """Plan and install an offloaded bucket's update; its host update and upload go on beside
     backward, which waits for them at its end."""
     background = optimizer._background
-    param = narrowed["params"][0]
-    if id(param) in background.params:
-        background.finish()  # (its last update still reads its host buffers)
+    params = narrowed["params"]
+    if not background.params.isdisjoint(map(id, params)):
+        background.finish()  # (a param's last update still reads its host buffers)
     plan = plan_update(optimizer, number, narrowed, index, precision)
     optimizer._group_launches.pop(number, None)
     clips, launches = plan.clips, plan.launches
     plan.clips, plan.launches = [], []
     optimizer._install_and_run(plan)
     optimizer.param_groups[number]["precision"] = precision
-    background.submit(functools.partial(optimizer._run_launches, clips, launches), [param])
-    finish_with_backward(background)
-
-
-def finish_with_backward(background: "Background") -> None:
-    """Make the running backward wait, at its end, for the updates ``background`` runs, so that
-    it returns with every param updated (the next forward must not read a param whose upload is
-    under way); without torch's end-of-backward callbacks, ``step()`` waits instead."""
-    if background.waited_by_backward:
-        return
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    queue_callback = getattr(engine, "queue_callback", None)  # (what FSDP uses, private)
-    if queue_callback is None:
-        return
-    background.waited_by_backward = True
-
-    def at_backward_end() -> None:
-        background.waited_by_backward = False
-        with phase(PHASES["backward_wait"], background.cuda):
-            background.finish()
-    queue_callback(at_backward_end)
+    background.submit(functools.partial(optimizer._run_launches, clips, launches), params)
+    optimizer._release.end_backward_here()  # (else step() waits)
 
 
 class Background:
@@ -227,7 +285,6 @@ class Background:
         self._queued = 0                # jobs submitted and not finished
         self._error = None              # the first error of a job, re-raised by finish()
         self.params: set = set()        # ids of the params whose updates are queued
-        self.waited_by_backward = False  # the running backward waits for them at its end
         self.cuda = False               # (NVTX ranges too)
         self._thread = threading.Thread(target=Background._serve, args=(self._jobs, weakref.ref(self)),
                                         name="bf16opt-update-in-backward", daemon=True)

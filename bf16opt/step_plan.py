@@ -32,7 +32,7 @@ from .precision import plan_for
 from .storage import Q8, q8_shape, stream_id
 from .tensors import HOST, layout_name, real_view, shards, state_is_on, state_moved, wrapped
 
-__all__ = ["ParamEntry", "StepPlan", "float64_backend", "plan_step", "plan_update", "single_param_group"]
+__all__ = ["ParamEntry", "StepPlan", "float64_backend", "narrowed_group", "plan_step", "plan_update"]
 
 
 class ParamEntry(NamedTuple):
@@ -126,23 +126,23 @@ def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=(), amp=None) -> 
     return plan
 
 
-def single_param_group(group: dict, position: int) -> dict:
-    """``group`` narrowed to its param at ``position`` (and that param's name): the same
+def narrowed_group(group: dict, start: int, stop: int) -> dict:
+    """``group`` narrowed to its params at positions ``start:stop`` (and their names): the same
     settings and hyper-parameters (update in backward, ``release.py``)."""
     narrowed = dict(group)
-    narrowed["params"] = [group["params"][position]]
+    narrowed["params"] = group["params"][start:stop]
     names = group.get("param_names")
     if names is not None:
-        narrowed["param_names"] = [names[position]]
+        narrowed["param_names"] = names[start:stop]
     return narrowed
 
 
 def plan_update(optimizer, number: int, narrowed: dict, first_index: int, precision) -> StepPlan:
-    """Phase one of the update of one param alone (update in backward): the full step's plan
-    of ``narrowed`` (group ``number`` narrowed to the param, :func:`single_param_group`),
-    whose param is the optimizer's number ``first_index``.  The param keeps its state, step
+    """Phase one of the update of some params of a group (update in backward): the full step's
+    plan of ``narrowed`` (group ``number`` narrowed to them, :func:`narrowed_group`), whose
+    first param is the optimizer's number ``first_index``.  Each param keeps its state, step
     counter, scalars and random stream, so its bits are the full step's.  The launch built
-    (``plan.built``) is the narrowed group's, kept by the caller for this param."""
+    (``plan.built``) is the narrowed group's, kept by the caller for these params."""
     plan = StepPlan()
     _plan_group(optimizer, plan, number, narrowed, first_index, precision, 1.0)
     return plan

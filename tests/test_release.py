@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import bf16opt
+from bf16opt import release
 from bf16opt.precision import PRESETS
 from snapshots import assert_unchanged, same_bits, snapshot
 
@@ -93,6 +94,12 @@ def hooks_on(param):
     return len(param._post_accumulate_grad_hooks or {})
 
 
+@pytest.fixture
+def bucket_elements(monkeypatch):
+    """Sets release.BUCKET_ELEMENTS for the test (0: each param updated from its own hook)."""
+    return lambda elements: monkeypatch.setattr(release, "BUCKET_ELEMENTS", elements)
+
+
 # ---------------------------------------------------------------- the bits are the normal step's
 
 
@@ -118,7 +125,8 @@ def test_other_param_dtypes_give_the_normal_steps_bits(dtype):
     assert_same_run(*runs[0], *runs[1])
 
 
-def test_grads_are_freed_as_soon_as_each_param_is_updated():
+def test_grads_are_freed_as_soon_as_each_param_is_updated(bucket_elements):
+    bucket_elements(0)
     model, opt = make(update_in_backward=True, backend="reference")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     seen = []
@@ -134,6 +142,49 @@ def test_grads_are_freed_as_soon_as_each_param_is_updated():
     opt.step()  # nothing pending: the step changes nothing
     opt.zero_grad()
     assert all(int(s["step"]) == 1 for s in opt.state.values())
+
+
+def spy_on_updates(opt) -> list:
+    """The (group, first index, start, stop) of each update in backward ``opt`` runs."""
+    calls, update = [], opt._update_in_backward
+
+    def spied(*place):
+        calls.append(place)
+        update(*place)
+    opt._update_in_backward = spied
+    return calls
+
+
+def test_a_bucket_gathers_adjacent_params_up_to_its_size(bucket_elements):
+    bucket_elements(150)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]).to(torch.bfloat16)  # 64 + 8 a layer
+    opt = bf16opt.AdamW(model.parameters(), backend="reference", update_in_backward=True)
+    calls, alive = spy_on_updates(opt), []
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p: alive.append(sum(q.grad.numel() for q in model.parameters() if q.grad is not None)))
+    model(torch.randn(3, 8, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(int(s["step"]) == 1 for s in opt.state.values())
+    params = list(model.parameters())
+    ranges = sorted((start, stop) for _, _, start, stop in calls)
+    assert [start for start, _ in ranges] == [0] + [stop for _, stop in ranges[:-1]] and ranges[-1][1] == 12
+    assert 2 <= len(ranges) < 12  # (buckets of several params, none over its size but by its last param)
+    assert all(sum(p.numel() for p in params[start:stop]) < 150 + 64 for start, stop in ranges)
+    assert 64 < max(alive) < 150 + 64
+
+
+@pytest.mark.parametrize("elements", [0, 60, 1 << 20])
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_buckets_of_any_size_give_the_normal_steps_bits(elements, backend, bucket_elements):
+    bucket_elements(elements)
+    runs = []
+    for release_mode in (False, True):
+        model, opt = make("Adam-amsgrad-L2", precision="bf16-sr", backend=backend, update_in_backward=release_mode)
+        train(model, opt, batches())
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
 
 
 def test_switching_modes_between_steps_gives_the_normal_steps_bits():
