@@ -99,14 +99,15 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     if real.is_contiguous() and real.numel():
         # summed as 64-bit words, one vectorised pass rather than widening each element
         # (docs/performance.md); the tail bytes on their own; wrapping is fine here
-        raw = real.reshape(-1).view(torch.uint8)
-        words = raw.numel() // 8
+        # (as_strided: a one-element view may keep a stride other than 1, which view refuses)
+        raw = real.as_strided((real.numel(),), (1,)).view(torch.uint8)
+        words, tail = divmod(raw.numel(), 8)
         try:
-            head = raw[:words * 8].view(torch.int64).sum()
+            head = (raw[:words * 8] if tail else raw).view(torch.int64).sum()
         except RuntimeError:  # a storage offset that is not a multiple of 8 bytes
             head = None
-        if head is not None:
-            return head + raw[words * 8:].to(torch.int64).sum()
+        if head is not None:  # (no tail: one kernel launch on a GPU, not four)
+            return head + raw[words * 8:].to(torch.int64).sum() if tail else head
     return real.view(_BITS[real.element_size()]).sum(dtype=torch.int64)
 
 

@@ -362,6 +362,34 @@ def test_uploads_are_complete_when_step_returns():
     engine.close()
 
 
+def fingerprint_by_hand(tensor: torch.Tensor) -> int:
+    """The fingerprint's definition, in Python: a contiguous tensor starting 8-byte aligned in
+    its storage has its bytes summed as little-endian int64 words, then its last bytes (under a
+    word) as unsigned bytes; other tensors, their elements' bit patterns as signed ints of their
+    size; all sums wrapping at 2**64."""
+    real = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    size = real.element_size()
+    patterns = real.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[size]).reshape(-1).tolist()
+    if real.is_contiguous() and real.numel() and real.storage_offset() * size % 8 == 0:
+        data = b"".join(pattern.to_bytes(size, "little", signed=True) for pattern in patterns)
+        words = len(data) // 8
+        total = sum(int.from_bytes(data[8 * k:8 * k + 8], "little", signed=True) for k in range(words))
+        total += sum(data[8 * words:])
+    else:
+        total = sum(patterns)
+    return (total + 2 ** 63) % 2 ** 64 - 2 ** 63
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.complex64, torch.int8])
+@pytest.mark.parametrize("numel", [0, 1, 3, 4, 8, 13, 64])
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_a_fingerprint_sums_the_bit_patterns(dtype, numel, offset):
+    base = torch.randn(numel + offset + 2, 3).mul(1e4).to(dtype)
+    for tensor in (base[offset:offset + numel, 0], base.view(-1)[offset * 3:offset * 3 + numel],
+                   base[offset:offset + numel].t()):
+        assert fingerprint(tensor).item() == fingerprint_by_hand(tensor), (tuple(tensor.shape), tensor.stride())
+
+
 @pytest.mark.parametrize("chunk", [3, 4, 40, DEFAULT_CHUNK_ELEMENTS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.complex64])
 def test_recorded_param_fingerprint_is_the_uploaded_params(chunk, dtype):
