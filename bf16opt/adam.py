@@ -12,6 +12,7 @@ from .backends import f32
 from .checks import check_betas, check_flag, check_number, check_tensor_hyperparameters_without_foreach
 from .optimizer import MixedPrecisionOptimizer
 from .precision import Precision
+from .release import BUCKET_ELEMENTS
 
 __all__ = ["Adam", "AdamW", "adam_scalars"]
 
@@ -53,9 +54,11 @@ class Adam(MixedPrecisionOptimizer):
       (``bf16opt/offload.py``); also per param group.  ``offload_threads``: host threads of
       the offloaded update (default: the cores of the process's affinity, less one for CUDA
       params).
-    * ``update_in_backward``: update each param in backward once its grad is final (small
-      adjacent params together, in buckets), and free the grad (``bf16opt/release.py``; README,
-      "Update in backward"); also per param group.  ``step()`` then completes the step.
+    * ``update_in_backward``: update each param in backward once its grad is final, and free
+      the grad (``bf16opt/release.py``; README, "Update in backward"); also per param group.
+      ``step()`` then completes the step.  ``update_in_backward_bucket``: small params that
+      backward reaches one after another are updated together once their grads have this many
+      elements (or backward ends); 0: each param alone.
     * ``max_grad_norm_per_param``: scale each param's grad to at most this L2 norm, on its
       own, as its update reads it (``bf16opt/clipping.py``): the clipping that works with
       ``update_in_backward``; also per param group.  Default None: no clipping.
@@ -94,6 +97,7 @@ class Adam(MixedPrecisionOptimizer):
                  precision: str | Precision = "fp32", backend: str = "auto", seed: int | None = None,
                  track_precision: bool = False, offload: str | None = None,
                  offload_threads: int | None = None, update_in_backward: bool = False,
+                 update_in_backward_bucket: int = BUCKET_ELEMENTS,
                  max_grad_norm_per_param: float | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         foreach=foreach, maximize=maximize, capturable=capturable,
@@ -103,6 +107,7 @@ class Adam(MixedPrecisionOptimizer):
                         seed=seed, track_precision=track_precision,
                         offload=offload, offload_threads=offload_threads,
                         update_in_backward=update_in_backward,
+                        update_in_backward_bucket=update_in_backward_bucket,
                         max_grad_norm_per_param=max_grad_norm_per_param)
         super().__init__(params, defaults)
 
@@ -141,13 +146,15 @@ class AdamW(Adam):
                  fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
                  offload_threads: int | None = None, update_in_backward: bool = False,
+                 update_in_backward_bucket: int = BUCKET_ELEMENTS,
                  max_grad_norm_per_param: float | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, precision=precision,
                          backend=backend, seed=seed, track_precision=track_precision, offload=offload,
                          offload_threads=offload_threads, update_in_backward=update_in_backward,
-                        max_grad_norm_per_param=max_grad_norm_per_param)
+                         update_in_backward_bucket=update_in_backward_bucket,
+                         max_grad_norm_per_param=max_grad_norm_per_param)
 
     def _force_group_entries(self, group: dict) -> None:
         group["decoupled_weight_decay"] = True

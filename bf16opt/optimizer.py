@@ -198,6 +198,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         capture.check_group(group)
         check_flag(group.get("track_precision", False), "track_precision")
         check_flag(group.get(release.KEY, False), release.KEY)
+        if release.BUCKET_KEY in group:
+            group[release.BUCKET_KEY] = release.check_bucket(group[release.BUCKET_KEY])  # (numpy ints: ints)
         clipping.check_max_norm(group.get(clipping.KEY))
         if "seed" in group:
             group["seed"] = check_seed(group["seed"])  # numpy integers become ints

@@ -3,10 +3,10 @@
 A param of such a group is updated once autograd has accumulated its grad for this backward
 (its post-accumulate-grad hook), and its grad is freed right after the update read it: the
 model's grads never all exist at once.  Params whose hooks fire one after another at adjacent
-places of their group wait for one update together until their grads reach
-:data:`BUCKET_ELEMENTS` elements, or backward ends (:class:`_Bucket`): one launch for a run of
-small params, not one each, and one bucket of grads alive at most.  A larger param is updated
-from its own hook.  The update is the normal step's for those params (``step_plan.plan_update``):
+places of their group wait for one update together until their grads reach the group's
+``update_in_backward_bucket`` elements (:data:`BUCKET_ELEMENTS` by default), or backward ends
+(:class:`_Bucket`): one launch for a run of small params, not one each, and one bucket of grads
+alive at most.  A larger param is updated from its own hook.  The update is the normal step's for those params (``step_plan.plan_update``):
 each with its own state, step counter, scalars and stochastic-rounding stream, so its bits are
 the normal step's for the same grad.
 
@@ -31,6 +31,7 @@ the normal step's for the same grad.
 from __future__ import annotations
 
 import functools
+import numbers
 import queue
 import threading
 import weakref
@@ -42,11 +43,14 @@ from . import step_cache
 from .offload_copies import phase
 from .step_plan import narrowed_group, plan_update
 
-__all__ = ["BUCKET_ELEMENTS", "Background", "PHASES", "ReleaseHooks", "check_step", "update", "wanted"]
+__all__ = ["BUCKET_ELEMENTS", "BUCKET_KEY", "Background", "PHASES", "ReleaseHooks", "check_bucket", "check_step",
+           "update", "wanted"]
 
 KEY = "update_in_backward"
-#: params of a group updated together in backward until their grads have this many elements
-BUCKET_ELEMENTS = 1 << 20
+#: a group's bucket: its small params updated together in backward until their grads have this
+#: many elements (0: each param from its own hook)
+BUCKET_KEY = "update_in_backward_bucket"
+BUCKET_ELEMENTS = 1 << 20  # (its default)
 #: update in backward's ranges on the profiler timeline (NVTX too for CUDA params)
 PHASES = {
     "update": "bf16opt.release.update",                # a hook's update (offloaded: its plan and install)
@@ -58,6 +62,16 @@ PHASES = {
 def wanted(groups: list) -> bool:
     """Whether any group asks for updates in backward."""
     return any(group.get(KEY) for group in groups)
+
+
+def check_bucket(value) -> int:
+    """``value`` as a bucket size (int >= 0), else TypeError or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{BUCKET_KEY} must be an int (grad elements a bucket of small params waits for "
+                        f"in backward; 0: each param alone), got {value!r}")
+    if value < 0:
+        raise ValueError(f"{BUCKET_KEY} must be >= 0 (0: each param updated alone), got {value}")
+    return int(value)
 
 
 def check_step(groups: list, closure, grad_scale, found_inf, scaler_attributes: bool) -> None:
@@ -165,7 +179,8 @@ class ReleaseHooks:
             if bucket is None:
                 bucket = self.pending[number] = _Bucket(first_index, position)
             bucket.add(position, param.numel())
-            if bucket.elements >= BUCKET_ELEMENTS or not self.end_backward_here():
+            full = bucket.elements >= groups[number].get(BUCKET_KEY, BUCKET_ELEMENTS)
+            if full or not self.end_backward_here():
                 self._flush(optimizer, number)
 
     def _flush(self, optimizer, number: int) -> None:

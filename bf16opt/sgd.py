@@ -13,6 +13,7 @@ from .backends import f32
 from .checks import check_flag, check_number
 from .optimizer import MixedPrecisionOptimizer
 from .precision import Precision
+from .release import BUCKET_ELEMENTS
 
 __all__ = ["SGD", "sgd_scalars"]
 
@@ -58,6 +59,7 @@ class SGD(MixedPrecisionOptimizer):
                  fused: bool | None = None, precision: str | Precision = "fp32", backend: str = "auto",
                  seed: int | None = None, track_precision: bool = False, offload: str | None = None,
                  offload_threads: int | None = None, update_in_backward: bool = False,
+                 update_in_backward_bucket: int = BUCKET_ELEMENTS,
                  max_grad_norm_per_param: float | None = None, capturable: bool = False) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
@@ -65,6 +67,7 @@ class SGD(MixedPrecisionOptimizer):
                         backend=backend, seed=seed,
                         track_precision=track_precision, offload=offload,
                         offload_threads=offload_threads, update_in_backward=update_in_backward,
+                        update_in_backward_bucket=update_in_backward_bucket,
                         max_grad_norm_per_param=max_grad_norm_per_param, capturable=capturable)
         super().__init__(params, defaults)
 

@@ -55,10 +55,10 @@ STATE_DICT_FORMAT = 3
 # Group entries that describe this optimizer object, not the training run: when a
 # state dict is loaded, the live optimizer keeps its own values for these.
 IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "offload_threads", "foreach", "fused", "capturable",
-                       "differentiable", "track_precision", "update_in_backward")
+                       "differentiable", "track_precision", "update_in_backward", "update_in_backward_bucket")
 #: implementation keys left out of saved groups, so a run saves the same state dict whichever
 #: way it updates
-UNSAVED_KEYS = ("update_in_backward",)
+UNSAVED_KEYS = ("update_in_backward", "update_in_backward_bucket")
 COMPANION_KEYS = ("master", "compensation", "remainder")
 
 

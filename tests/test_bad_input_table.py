@@ -151,6 +151,8 @@ for row_id, opt_class, kwargs in [
     ("backend-unknown", bf16opt.AdamW, dict(backend="tpu")),
     ("seed-negative", bf16opt.AdamW, dict(seed=-1)),
     ("update-in-backward-string", bf16opt.AdamW, dict(update_in_backward="yes")),
+    ("update-in-backward-bucket-negative", bf16opt.AdamW, dict(update_in_backward_bucket=-1)),
+    ("update-in-backward-bucket-float", bf16opt.AdamW, dict(update_in_backward_bucket=1e6)),
     ("max-grad-norm-per-param-zero", bf16opt.AdamW, dict(max_grad_norm_per_param=0.0)),
 ]:
     case(row_id)(construct(opt_class, **kwargs))

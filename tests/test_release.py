@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 import bf16opt
-from bf16opt import release
 from bf16opt.precision import PRESETS
 from snapshots import assert_unchanged, same_bits, snapshot
 
@@ -94,12 +93,6 @@ def hooks_on(param):
     return len(param._post_accumulate_grad_hooks or {})
 
 
-@pytest.fixture
-def bucket_elements(monkeypatch):
-    """Sets release.BUCKET_ELEMENTS for the test (0: each param updated from its own hook)."""
-    return lambda elements: monkeypatch.setattr(release, "BUCKET_ELEMENTS", elements)
-
-
 # ---------------------------------------------------------------- the bits are the normal step's
 
 
@@ -125,9 +118,8 @@ def test_other_param_dtypes_give_the_normal_steps_bits(dtype):
     assert_same_run(*runs[0], *runs[1])
 
 
-def test_grads_are_freed_as_soon_as_each_param_is_updated(bucket_elements):
-    bucket_elements(0)
-    model, opt = make(update_in_backward=True, backend="reference")
+def test_grads_are_freed_as_soon_as_each_param_is_updated():
+    model, opt = make(update_in_backward=True, update_in_backward_bucket=0, backend="reference")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     seen = []
     # hooks registered after the optimizer's run after its update: the param is updated, its grad gone
@@ -155,11 +147,11 @@ def spy_on_updates(opt) -> list:
     return calls
 
 
-def test_a_bucket_gathers_adjacent_params_up_to_its_size(bucket_elements):
-    bucket_elements(150)
+def test_a_bucket_gathers_adjacent_params_up_to_its_size():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]).to(torch.bfloat16)  # 64 + 8 a layer
-    opt = bf16opt.AdamW(model.parameters(), backend="reference", update_in_backward=True)
+    opt = bf16opt.AdamW(model.parameters(), backend="reference", update_in_backward=True,
+                        update_in_backward_bucket=150)
     calls, alive = spy_on_updates(opt), []
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(
@@ -175,13 +167,28 @@ def test_a_bucket_gathers_adjacent_params_up_to_its_size(bucket_elements):
     assert 64 < max(alive) < 150 + 64
 
 
+def test_the_bucket_size_is_a_group_setting_left_out_of_state_dicts():
+    model, opt = make(update_in_backward=True, backend="reference", update_in_backward_bucket=0)
+    opt.param_groups[0]["params"] = [model.w1, model.b1]
+    opt.add_param_group({"params": [model.w2, model.empty],
+                         "update_in_backward_bucket": __import__("numpy").int64(1 << 30)})
+    assert [type(g["update_in_backward_bucket"]) for g in opt.param_groups] == [int, int]
+    calls = spy_on_updates(opt)
+    loss_of(model, batches()[0]).backward()
+    assert sorted((number, stop - start) for number, _, start, stop in calls) == [(0, 1), (0, 1), (1, 2)]
+    saved = opt.state_dict()
+    assert all("update_in_backward_bucket" not in group for group in saved["param_groups"])
+    opt.load_state_dict(saved)
+    assert [g["update_in_backward_bucket"] for g in opt.param_groups] == [0, 1 << 30]
+
+
 @pytest.mark.parametrize("elements", [0, 60, 1 << 20])
 @pytest.mark.parametrize("backend", ["numba", "reference"])
-def test_buckets_of_any_size_give_the_normal_steps_bits(elements, backend, bucket_elements):
-    bucket_elements(elements)
+def test_buckets_of_any_size_give_the_normal_steps_bits(elements, backend):
     runs = []
-    for release_mode in (False, True):
-        model, opt = make("Adam-amsgrad-L2", precision="bf16-sr", backend=backend, update_in_backward=release_mode)
+    for release in (False, True):
+        model, opt = make("Adam-amsgrad-L2", precision="bf16-sr", backend=backend, update_in_backward=release,
+                          update_in_backward_bucket=elements)
         train(model, opt, batches())
         runs.append((model, opt))
     assert_same_run(*runs[0], *runs[1])
