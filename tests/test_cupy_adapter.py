@@ -225,6 +225,28 @@ def test_optimizer_with_emulated_kernels_matches_reference(monkeypatch, optimize
                 assert torch.equal(value.view(torch.int16), other.view(torch.int16)), key
 
 
+def test_a_kept_launch_holds_no_grad(monkeypatch):
+    """Grads are new tensors every step: the CuPy adapter's kept launch must not keep the ones of
+    the step that built it alive (a set of grads in GPU memory), as the Numba one does not."""
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    import bf16opt.step_plan as step_plan  # noqa: PLC0415
+    monkeypatch.setattr(step_plan, "resolve_backend", lambda name, device: emulator.backend(lambda prepared: None))
+    params = [torch.nn.Parameter(torch.randn(8 + k, dtype=torch.bfloat16)) for k in range(3)]
+    opt = bf16opt.AdamW(params, precision="bf16", backend="reference")
+    built = []
+    for step in range(4):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        built.append([weakref.ref(param.grad) for param in params])
+        opt.step()
+    assert isinstance(opt._group_launches[0].relaunches[0][0], cuda_backend.Relaunch)
+    opt.zero_grad()
+    gc.collect()
+    assert [grad() for grads in built for grad in grads] == [None] * 12
+
+
 def test_every_plan_has_a_kernel_instantiation():
     """Every configuration of every allowed plan (template flags, telemetry) names a kernel
     the adapter lists, so the loader (and the emulation, and the NVRTC test) has it."""

@@ -541,7 +541,7 @@ class Relaunch:
 
     def __init__(self, bucket: Bucket, prepared: PreparedLaunch, grad_positions: list, execute):
         self.config = bucket.config
-        self.prepared = prepared
+        self.prepared = prepared._replace(staged=None)  # (its lists hold this step's grads)
         self.execute = execute
         self.n_kept = prepared.plan.n_tensors
         # the table's grad column (role 1), and which grad of the group's each of its entries is
