@@ -187,6 +187,8 @@ def cuda_limit(arrays: list) -> Callable:
     import cupy
     import numpy as np
 
+    from bf16opt.backends import cupy as cupy_backend
+
     grad, param, *rest = arrays
     states = [t for t in rest if t.dtype != torch.uint8]
     q8 = [t for t in rest if t.dtype == torch.uint8]
@@ -198,7 +200,7 @@ def cuda_limit(arrays: list) -> Callable:
     name = f"touch<{words(param)}, {words(states[0])}, {words(states[1])}, {words(states[2])}, {len(q8)}>"
     kernel = _limit_module(name).get_function(name)
     groups = param.numel() // 8  # (every shape here is a multiple of 8 elements)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stream = cupy_backend.cupy_stream(cupy, torch.cuda.current_stream())
 
     def ptr(t):
         return np.uint64(0 if t is None else t.data_ptr())

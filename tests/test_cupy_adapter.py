@@ -225,6 +225,31 @@ def test_optimizer_with_emulated_kernels_matches_reference(monkeypatch, optimize
                 assert torch.equal(value.view(torch.int16), other.view(torch.int16)), key
 
 
+def test_kernels_launch_on_the_torch_stream_without_a_deprecation_warning():
+    """cupy_stream hands CuPy the torch stream through the CUDA stream protocol where the stream
+    has it (ExternalStream, the fallback, warns in CuPy 14); no device is needed to make one."""
+    import warnings  # noqa: PLC0415
+
+    cupy = pytest.importorskip("cupy", reason="CuPy (the cuda13 extra) is not installed")
+
+    class ProtocolStream:  # (torch.cuda.Stream's protocol, on the legacy default stream)
+        cuda_stream = 0
+
+        def __cuda_stream__(self):
+            return (0, 0)
+
+    class OlderStream:
+        cuda_stream = 0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert cuda_backend.cupy_stream(cupy, ProtocolStream()).ptr == 0
+    if hasattr(cupy.cuda, "ExternalStream"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            assert cuda_backend.cupy_stream(cupy, OlderStream()).ptr == 0
+
+
 def test_a_kept_launch_holds_no_grad(monkeypatch):
     """Grads are new tensors every step: the CuPy adapter's kept launch must not keep the ones of
     the step that built it alive (a set of grads in GPU memory), as the Numba one does not."""

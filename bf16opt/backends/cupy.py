@@ -435,6 +435,15 @@ def _captured_table(table: np.ndarray, device: torch.device, stream) -> int:
     return arena.device.data_ptr() + start * 8
 
 
+def cupy_stream(cupy, torch_stream):
+    """CuPy's handle of ``torch_stream``, to launch on it: through the CUDA stream protocol
+    where CuPy and torch have it (CuPy 14 warns at every ``ExternalStream``)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+        return from_external(torch_stream)
+    return cupy.cuda.ExternalStream(torch_stream.cuda_stream)
+
+
 def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
     import cupy
 
@@ -451,7 +460,7 @@ def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
             table_address = _device_table(plan.table, device, torch_stream).data_ptr()
             if prepared.is_live:  # (this launch may be captured next, with the group's others)
                 _capture_room(device, 8 * plan.table.size)
-        with cupy.cuda.ExternalStream(torch_stream.cuda_stream):
+        with cupy_stream(cupy, torch_stream):
             kernel((plan.grid,), (plan.block,), kernel_arguments(prepared, table_address, counts))
 
 
@@ -595,7 +604,7 @@ class Relaunch:
             self.device_table = torch.from_numpy(self.table).pin_memory().to(self.device, non_blocking=True)
             self.table_stale = False
         plan = prepared.plan
-        with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        with cupy.cuda.Device(self.device.index), cupy_stream(cupy, stream):
             self.kernel((plan.grid,), (plan.block,), kernel_arguments(prepared, self.device_table.data_ptr()))
 
 
