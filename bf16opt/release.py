@@ -287,8 +287,20 @@ def _offloaded_update(optimizer, number: int, narrowed: dict, index: int, precis
     plan.clips, plan.launches = [], []
     optimizer._install_and_run(plan)
     optimizer.param_groups[number]["precision"] = precision
-    background.submit(functools.partial(optimizer._run_launches, clips, launches), params)
+    # (a CUDA backward's stream, current in its hooks, not the background thread's default one)
+    stream = torch.cuda.current_stream(params[0].device) if params[0].is_cuda else None
+    background.submit(functools.partial(_on_stream, stream, optimizer._run_launches, clips, launches), params)
     optimizer._release.end_backward_here()  # (else step() waits)
+
+
+def _on_stream(stream, job: Callable, *args) -> None:
+    """``job(*args)`` with ``stream`` current (None: as it is): its uploads are ordered after
+    that stream's work and published to it."""
+    if stream is None:
+        job(*args)
+        return
+    with torch.cuda.stream(stream):
+        job(*args)
 
 
 class Background:

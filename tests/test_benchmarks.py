@@ -381,6 +381,20 @@ def test_q8_memory_limit_moves_every_q8_byte():
         assert torch.equal(rows.view(torch.int32), torch.ones((4, 65), dtype=torch.int32))
 
 
+def test_q8_step_benchmark_times_the_named_presets_steps_alone(capsys):
+    """q8_step.py --steps-only: the presets' steps and memory limits (no kernels in cache or
+    compute limits to compile on a many-core host), bf16-states the reference."""
+    (q8_step,) = benchmark_modules("q8_step")
+    assert q8_step.main(["--log2-params", "12", "--repeats", "1", "--steps-only",
+                         "--presets", "bf16-states,fp32-remainder-q8"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert sorted(rows) == ["bf16-states", "fp32-remainder-q8"]
+    assert rows["bf16-states"][1] == "1.00" and rows["fp32-remainder-q8"][2:4] == ["-", "-"]
+    with pytest.raises(SystemExit):
+        q8_step.main(["--presets", "fp32-remainder-q8"])  # (no bf16-states to compare with)
+    assert "--presets: bf16-states and any of" in capsys.readouterr().err
+
+
 def test_q8_quality_benchmark_prints_its_table():
     """Two steps keep q8_quality.py's table code running (the figures come from 300); peers that
     are not installed are named, never raised.  On the reference backend: the kernels' bits are

@@ -217,6 +217,51 @@ def test_runs_on_the_current_stream():
     assert torch.equal(after, params[0].detach())
 
 
+RELEASE_CASES = [  # (optimizer, options, offload, update_in_backward_bucket)
+    (bf16opt.AdamW, dict(precision="bf16-sr", weight_decay=0.1), None, 0),
+    (bf16opt.AdamW, dict(precision="fp32-remainder-q8", max_grad_norm_per_param=0.5), None, 1 << 20),
+    (bf16opt.Lion, dict(precision="bf16-kahan"), "cpu", 0),
+    (bf16opt.SGD, dict(precision="bf16", momentum=0.9), "cpu", 1 << 20),
+]
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach().cpu()
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+@pytest.mark.parametrize("optimizer, options, offload, bucket", RELEASE_CASES)
+def test_update_in_backward_gives_the_normal_steps_bits(optimizer, options, offload, bucket):
+    """Issue 39 on a GPU: the updates in backward (each param alone, or in buckets; the state on
+    the GPU or offloaded, whose uploads run on a background thread) give the normal step's bits,
+    with backward on a side stream that the uploads must follow."""
+    def train(release: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 32))
+        model = model.to("cuda", torch.bfloat16)
+        opt = optimizer(model.parameters(), lr=1e-2, offload=offload, update_in_backward=release,
+                        update_in_backward_bucket=bucket, **options)
+        data = torch.Generator().manual_seed(1)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                x = torch.randn(16, 64, generator=data).to("cuda", torch.bfloat16)
+                model(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        stream.synchronize()
+        return model, opt.state_dict()
+
+    (normal, normal_state), (released, released_state) = train(False), train(True)
+    for a, b in zip(normal.parameters(), released.parameters()):
+        assert torch.equal(_bits(a), _bits(b))
+    assert normal_state["state"].keys() == released_state["state"].keys()
+    for index, state in normal_state["state"].items():
+        for key, value in state.items():
+            assert torch.equal(_bits(value), _bits(released_state["state"][index][key])), (index, key)
+
+
 CAPTURE_CASES = [
     (bf16opt.AdamW, dict(precision="bf16-sr", weight_decay=0.1)),
     (bf16opt.Adam, dict(precision="fp32", amsgrad=True)),
