@@ -209,6 +209,7 @@ class ReleaseHooks:
             return
         try:
             with self.lock:
+                self._ends_task = None  # (hooks that a later end-of-backward callback runs queue another)
                 for number in list(self.pending):
                     self._flush(optimizer, number)
         finally:

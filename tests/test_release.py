@@ -182,6 +182,25 @@ def test_the_bucket_size_is_a_group_setting_left_out_of_state_dicts():
     assert [g["update_in_backward_bucket"] for g in opt.param_groups] == [0, 1 << 30]
 
 
+def test_a_hook_run_after_the_buckets_were_updated_is_updated_in_the_same_backward():
+    """FSDP2 runs the last units' hooks from its own end-of-backward callback; one that runs
+    after the optimizer's (which updated the buckets) must still be updated in this backward."""
+    model, opt = make(update_in_backward=True, backend="reference")
+    late = nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    opt.add_param_group({"params": [late]})
+    engine = torch.autograd.Variable._execution_engine
+
+    def run_late_hook():
+        late.grad = torch.ones_like(late)
+        opt._release.on_grad(late)  # (what the late param's hook would do)
+    # registered after the optimizer's hooks: queued after the callback its first hook queued
+    model.w2.register_post_accumulate_grad_hook(lambda p: engine.queue_callback(run_late_hook))
+    before = late.detach().clone()
+    loss_of(model, batches()[0]).backward()
+    assert late.grad is None and not same_bits(late.detach(), before)
+    assert all(int(s["step"]) == 1 for s in opt.state.values()) and len(opt.state) == 5
+
+
 @pytest.mark.parametrize("elements", [0, 60, 1 << 20])
 @pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_buckets_of_any_size_give_the_normal_steps_bits(elements, backend):
