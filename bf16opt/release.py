@@ -6,9 +6,9 @@ model's grads never all exist at once.  Params whose hooks fire one after anothe
 places of their group wait for one update together until their grads reach the group's
 ``update_in_backward_bucket`` elements (:data:`BUCKET_ELEMENTS` by default), or backward ends
 (:class:`_Bucket`): one launch for a run of small params, not one each, and one bucket of grads
-alive at most.  A larger param is updated from its own hook.  The update is the normal step's for those params (``step_plan.plan_update``):
-each with its own state, step counter, scalars and stochastic-rounding stream, so its bits are
-the normal step's for the same grad.
+alive at most.  A larger param is updated from its own hook.  The update is the normal step's
+for those params (``step_plan.plan_update``): each with its own state, step counter, scalars and
+stochastic-rounding stream, so its bits are the normal step's for the same grads.
 
 * :class:`ReleaseHooks` keeps one hook per param of a release group: installed at construction,
   ``add_param_group``, ``zero_grad`` and ``step``; removed there when the group leaves the mode,
@@ -178,16 +178,19 @@ class ReleaseHooks:
                 bucket = None
             if bucket is None:
                 bucket = self.pending[number] = _Bucket(first_index, position)
-            bucket.add(position, param.numel())
+            bucket.add(position, param)
             full = bucket.elements >= groups[number].get(BUCKET_KEY, BUCKET_ELEMENTS)
             if full or not self.end_backward_here():
                 self._flush(optimizer, number)
 
     def _flush(self, optimizer, number: int) -> None:
         """Update the params of group ``number``'s bucket (it is emptied first: after an error
-        their grads stay for ``step()``, as a normal step's would)."""
+        their grads stay for ``step()``, as a normal step's would; so they do where the group's
+        params were edited since they arrived)."""
         bucket = self.pending.pop(number)
-        optimizer._update_in_backward(number, bucket.first_index, bucket.start, bucket.stop)
+        groups = optimizer.param_groups
+        if number < len(groups) and bucket.holds(groups[number]["params"]):
+            optimizer._update_in_backward(number, bucket.first_index, bucket.start, bucket.stop)
 
     def end_backward_here(self) -> bool:
         """Have the running backward call :meth:`_at_backward_end` at its end, once; False where
@@ -223,23 +226,29 @@ class _Bucket:
     """Params of one group whose grads wait for one update: adjacent places of the group, as
     backward reaches a model's params one module after another (in either direction)."""
 
-    __slots__ = ("first_index", "start", "stop", "elements")
+    __slots__ = ("first_index", "start", "stop", "elements", "params")
 
     def __init__(self, first_index: int, position: int):
         self.first_index = first_index  # the group's first optimizer index, when placed
         self.start = self.stop = position
         self.elements = 0
+        self.params: dict = {}  # position -> param
 
     def takes(self, first_index: int, position: int) -> bool:
         """Whether the param at ``position`` adjoins the bucket (or is in it: a hook of a
         backward that failed before its end, whose bucket was not updated)."""
         return first_index == self.first_index and self.start - 1 <= position <= self.stop
 
-    def add(self, position: int, elements: int) -> None:
-        if self.start <= position < self.stop:
+    def add(self, position: int, param) -> None:
+        if position in self.params:
             return
+        self.params[position] = param
         self.start, self.stop = min(self.start, position), max(self.stop, position + 1)
-        self.elements += elements
+        self.elements += param.numel()
+
+    def holds(self, params: list) -> bool:
+        """Whether ``params[start:stop]`` are still the params that arrived at those places."""
+        return len(params) >= self.stop and all(params[k] is param for k, param in self.params.items())
 
 
 def _grad_ready(owner_ref, param: torch.Tensor) -> None:

@@ -201,6 +201,27 @@ def test_a_hook_run_after_the_buckets_were_updated_is_updated_in_the_same_backwa
     assert all(int(s["step"]) == 1 for s in opt.state.values()) and len(opt.state) == 5
 
 
+def test_a_bucket_whose_group_was_edited_in_backward_is_left_to_the_step():
+    """A hook that reorders the group's params while a bucket waits: the bucket's places now
+    hold other params, some of them holding grads of an earlier micro-batch whose hooks have not
+    fired yet.  The bucket is left to step() (its grads kept), and each param updates once."""
+    model, opt = make(update_in_backward=True, backend="reference")
+    with opt.accumulating():
+        loss_of(model, batches()[1]).backward()
+    edited = []
+
+    def reorder(_param):
+        if not edited:
+            edited.append(True)
+            opt.param_groups[0]["params"] = opt.param_groups[0]["params"][::-1]
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(reorder)
+    loss_of(model, batches()[0]).backward()
+    assert edited and any(p.grad is not None for p in model.parameters())  # (the dropped bucket's)
+    opt.step()
+    assert sorted(int(s["step"]) for s in opt.state.values()) == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("elements", [0, 60, 1 << 20])
 @pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_buckets_of_any_size_give_the_normal_steps_bits(elements, backend):
