@@ -414,17 +414,22 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         grad_enabled = torch.is_grad_enabled()
         _set_grad_mode(False)
         try:
-            hooks = self._release
-            if not hooks.checked:  # a bad setting raises before this backward updates any param
-                for other, group in enumerate(self.param_groups):
-                    if group.get(release.KEY):
-                        self._group_precision(other, group)
-                hooks.checked = True
+            self._check_release_groups()
             group = self.param_groups[number]
             with phase(release.PHASES["update"], group["params"][start].is_cuda):
                 release.update(self, number, group, first_index, start, stop)
         finally:
             _set_grad_mode(grad_enabled)
+
+    def _check_release_groups(self) -> None:
+        """Every group's settings that updates in backward, checked once between steps: a bad
+        one raises from the first hook of a backward, before it updates any param."""
+        hooks = self._release
+        if not hooks.checked:
+            for number, group in enumerate(self.param_groups):
+                if group.get(release.KEY):
+                    self._group_precision(number, group)
+            hooks.checked = True
 
     @property
     def _background(self) -> release.Background:

@@ -172,6 +172,7 @@ class ReleaseHooks:
             if place is None or groups[place[0]].get(KEY) is not True:
                 return
             number, first_index, position = place
+            optimizer._check_release_groups()  # (the bucket size among them)
             bucket = self.pending.get(number)
             if bucket is not None and not bucket.takes(first_index, position):
                 self._flush(optimizer, number)

@@ -374,6 +374,17 @@ def test_a_bad_setting_raises_before_any_param_of_the_backward_changes():
     assert_unchanged(opt, before)
 
 
+@pytest.mark.parametrize("value, error", [("4M", TypeError), (-1, ValueError), (2.5, TypeError)])
+def test_a_bad_bucket_size_set_between_steps_raises_from_backward_changing_nothing(value, error):
+    model, opt = make(update_in_backward=True, backend="reference")
+    train(model, opt, batches(1), scheduler=False)
+    opt.param_groups[0]["update_in_backward_bucket"] = value
+    before = snapshot(opt)
+    with pytest.raises(error, match="update_in_backward_bucket"):
+        loss_of(model, batches()[0]).backward()
+    assert_unchanged(opt, before)
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_a_non_bool_mode_is_refused(value):
     model = Net()
