@@ -222,6 +222,29 @@ def test_a_bucket_whose_group_was_edited_in_backward_is_left_to_the_step():
     assert sorted(int(s["step"]) for s in opt.state.values()) == [1, 1, 1, 1]
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_gives_the_normal_steps_bits(reentrant):
+    """Reentrant checkpointing runs a nested backward (its own graph task, whose end updates
+    the buckets waiting then); the non-reentrant kind recomputes inside the one backward."""
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+    runs = []
+    for release in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]).to(torch.bfloat16)
+        opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision="bf16-sr", backend="numba", seed=3,
+                            update_in_backward=release)
+        data = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 16, generator=data).to(torch.bfloat16)
+            h = checkpoint(lambda t: model[2](model[1](t)), model[0](x), use_reentrant=reentrant)
+            model[3](h).float().pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+
+
 @pytest.mark.parametrize("elements", [0, 60, 1 << 20])
 @pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_buckets_of_any_size_give_the_normal_steps_bits(elements, backend):
