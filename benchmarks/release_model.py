@@ -257,7 +257,9 @@ def header(args) -> str:
     return (f"bf16opt update in backward on a model: {args.layers} x bf16 Linear({args.dim}, {args.dim}, "
             f"bias=False) ({params / 1e6:.1f}M params), input {args.batch} x {args.dim}; AdamW; {where}; "
             f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads); offload_threads "
-            f"{args.threads or 'all'}; medians of {args.repeats} after {args.warmup}")
+            f"{args.threads or 'all'}; update_in_backward_bucket {release.BUCKET_ELEMENTS} elements (its default: "
+            f"{'each param alone' if args.dim * args.dim >= release.BUCKET_ELEMENTS else 'small params together'}); "
+            f"medians of {args.repeats} after {args.warmup}")
 
 
 def mib(value) -> str:
