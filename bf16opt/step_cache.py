@@ -44,6 +44,7 @@ _GRAD = operator.attrgetter("grad")
 _PARAM_FORM = operator.attrgetter("dtype", "shape")
 _GRAD_FORM = operator.attrgetter("layout", "dtype", "shape", "is_cpu")
 _STRIDES = torch.Tensor.stride
+_IS_NEGATIVE = torch.Tensor.is_neg  # (a negative view's memory holds its values negated)
 _ADDRESS = torch.Tensor.data_ptr
 _NO_STATE: dict = {}
 def _shim_forms(tensors: list) -> "Optional[tuple]":
@@ -324,7 +325,8 @@ class GroupLaunch:
         return _PLAIN.issuperset(map(type, grads)) and list(map(_GRAD_FORM, grads)) == self.grad_forms \
             and list(map(_STRIDES, grads)) == self.grad_strides \
             and list(map(_PARAM_FORM, self.addressed)) == self.forms \
-            and list(map(_STRIDES, self.addressed)) == self.strides
+            and list(map(_STRIDES, self.addressed)) == self.strides \
+            and not any(map(_IS_NEGATIVE, grads)) and not any(map(_IS_NEGATIVE, self.addressed))
 
 
 def build(optimizer, material) -> Optional[GroupLaunch]:

@@ -184,11 +184,36 @@ def _tensor_offset(examples: list) -> Optional[int]:
     return None
 
 
+def _negative_bit(tensor_offset: int, examples: list) -> Optional[list]:
+    """[byte offset, mask] of the one bit a negative view sets in its ``TensorImpl`` (private
+    layout: ``key_set_``'s Negative key), if exactly one word of the first 22 differs between
+    every example and its ``_neg_view()`` by the same single bit, clear in every example and
+    in a plain view; else None."""
+    def impl_words(tensor) -> list:
+        impl = _word(id(tensor) + tensor_offset)
+        return [_word(impl + at) for at in range(0, 176, 8)]
+
+    plain = [t.detach() for t in examples]
+    pairs = [(impl_words(t), impl_words(t._neg_view()), impl_words(t.view(t.shape))) for t in plain]
+    found = set()
+    for k in range(1, 22):
+        bits = {before[k] ^ negative[k] for before, negative, _ in pairs}
+        if len(bits) == 1:
+            bit = bits.pop()
+            if bit and bit & (bit - 1) == 0 and all(not (w[k] & bit) for before, _, view in pairs
+                                                    for w in (before, view)):
+                found.add((8 * k, bit))
+    if len(found) != 1:
+        return None
+    offset, bit = found.pop()
+    return [offset, bit - (1 << 64) if bit >= 1 << 63 else bit]  # (an int64 word)
+
+
 def _probe_shim() -> Optional[np.ndarray]:
     """The shim array if the compiled form reading answers, for tensors of several forms
     (dtypes, offset and transposed views, a Parameter, empty, 0-dim), the Python type, torch's
     codes of the strided layout, the CPU and the dtype (the shim's own constants), ``data_ptr``,
-    ``dim``, ``shape`` and ``stride``; else None."""
+    ``dim``, ``shape`` and ``stride``, and no form for their negative views; else None."""
     try:
         library = _shim_library()
         if library is None:
@@ -205,9 +230,12 @@ def _probe_shim() -> Optional[np.ndarray]:
         offset = _tensor_offset(examples)
         if offset is None:
             return None
+        negative = _negative_bit(offset, examples)
+        if negative is None:
+            return None
         getters = [ctypes.cast(getattr(library, f"aoti_torch_get_{name}"), ctypes.c_void_p).value
                    for name in helpers.FORM_GETTERS]
-        shim = np.array([type_word, offset, *getters], dtype=np.int64)
+        shim = np.array([type_word, offset, *getters, *negative], dtype=np.int64)
         codes = {dtype: getattr(library, f"aoti_torch_dtype_{name}")()
                  for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"),
                                      (torch.float16, "float16"), (torch.float64, "float64"))}
@@ -217,8 +245,12 @@ def _probe_shim() -> Optional[np.ndarray]:
         starts = np.cumsum([0] + [len(form) for form in expected], dtype=np.int64)
         forms = np.zeros(starts[-1], dtype=np.int64)
         ids = np.array(list(map(id, examples)), dtype=np.int64)
+        negatives = [t.detach()._neg_view() for t in examples]
         if helpers.read_forms(shim, ids, starts, forms) and forms.tolist() == sum(expected, []) \
-                and len(set(codes.values())) == len(codes):
+                and len(set(codes.values())) == len(codes) \
+                and not any(helpers.read_forms(shim, np.array([id(t)], dtype=np.int64), starts[k:k + 2] - starts[k],
+                                               np.zeros(starts[k + 1] - starts[k], dtype=np.int64))
+                            for k, t in enumerate(negatives)):
             return shim
     except Exception:  # noqa: BLE001  (any failure: torch's or the Python checks)
         pass

@@ -174,11 +174,15 @@ def _thread_count(typingctx):
 # read from the tensor object at address ``tensor`` (its ``id``): the type from the object's
 # header, the rest through the getters of torch's C shim for AOTInductor (``aoti_torch_get_*``,
 # a C ABI), called on the ``at::Tensor`` the object holds.  ``shim``: int64 [offset of the type
-# word in the object, offset of its at::Tensor, the getters' addresses in FORM_GETTERS order];
-# bf16opt/step_cache.py's ``tensor_shim`` probes the offsets and every getter.
+# word in the object, offset of its at::Tensor, the getters' addresses in FORM_GETTERS order,
+# the offset in a ``TensorImpl`` of the word holding its negative bit, that bit's mask];
+# bf16opt/torch_internals.py's ``tensor_shim`` probes the offsets, every getter and the bit.
+# A negative view is no form at all: the shim has no getter for the bit, and its memory
+# holds the values negated (the full path stages it through a copy).
 FORM_GETTERS = ("layout", "device_type", "dtype", "data_ptr", "dim", "sizes", "strides")
 FORM_HEAD = 6  # the words before the sizes
 FORM_ADDRESS = 4  # the data address's word
+SHIM_NEGATIVE = 2 + len(FORM_GETTERS)  # the negative bit's word offset, then its mask
 
 
 @intrinsic
@@ -201,12 +205,21 @@ def _get(typingctx, getter, handle, answer):
 
 
 @cached_njit()
+def _is_negative(shim, tensor):
+    """Whether the tensor object at ``tensor`` is a negative view (its ``TensorImpl``'s bit)."""
+    impl = pointer_to(tensor + shim[1], np.int64)[0]
+    return (pointer_to(impl + shim[SHIM_NEGATIVE], np.int64)[0] & shim[SHIM_NEGATIVE + 1]) != 0
+
+
+@cached_njit()
 def _read_form(shim, tensor, form, start, stop, answer):
     """The form of the tensor object at ``tensor`` written into ``form[start:stop]``; False when
-    a getter fails or the form is not ``stop - start`` words long.  ``answer``: two int64 of
+    it is a negative view, a getter fails or the form is not ``stop - start`` words long.  ``answer``: two int64 of
     scratch (an int32 answer lands in the low half of ``answer[0]``: the probe checks the
     words against Python's on this machine)."""
     form[start] = pointer_to(tensor + shim[0], np.int64)[0]
+    if _is_negative(shim, tensor):
+        return False
     handle, place = tensor + shim[1], answer.ctypes.data
     for k in range(1, FORM_HEAD):  # layout, device type, dtype (int32 each), address, dim
         answer[0] = 0
@@ -230,10 +243,10 @@ def _form_holds(shim, tensor, form, start, answer, address_too):
     """Whether the object at ``tensor`` has the form ``form[start:]`` (as :func:`_read_form`
     reads it; the data address compared only with ``address_too``, and left in ``answer[1]``),
     compared word by word up to the first difference: the type before any getter (any object
-    has a type word), and no getter on a tensor whose layout, device or dtype already differ
+    has a type word) or the negative bit, and no getter on a tensor whose layout, device or dtype already differ
     (torch's shim raises on, and logs, e.g. a sparse tensor's strides).  A walk of its own: one
     function reading or comparing by a flag measured 3-4x slower in the step's check."""
-    if pointer_to(tensor + shim[0], np.int64)[0] != form[start]:
+    if pointer_to(tensor + shim[0], np.int64)[0] != form[start] or _is_negative(shim, tensor):
         return False
     handle, place = tensor + shim[1], answer.ctypes.data
     for k in range(1, FORM_HEAD):

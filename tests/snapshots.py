@@ -11,6 +11,8 @@ def snapshot(opt):
 
 
 def same_bits(a, b):
+    """The same dtype and the same bits of the values (a negative view's values, not its memory)."""
+    a, b = a.resolve_neg(), b.resolve_neg()
     return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 

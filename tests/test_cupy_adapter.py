@@ -386,3 +386,28 @@ def test_kernel_arguments_follow_the_kernels_signature():
     assert all(a == 0 for a in live)
     assert scalars == prepared.scalars and len(scalars) == emulator.scalar_count("adam")
     assert all(type(s) is np.float32 for s in scalars)
+
+
+def test_negative_views_match_the_reference(monkeypatch):
+    """A negative view (``is_neg()``: its memory holds the values negated), as grad and as
+    param, is staged through a copy: the emulated kernels give the reference's bits."""
+    import bf16opt.step_plan as optimizer_module
+    emulated = emulator.backend()
+    values = [torch.randn(5, 3, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) for k in range(3)]
+    params = {backend: [torch.nn.Parameter(v.clone()) for v in values] for backend in ("reference", "cupy")}
+    for backend in params:  # (a param that is a negative view, as a .data assignment makes one)
+        params[backend][2].data = params[backend][2].data.neg()._neg_view()
+    opts = {backend: bf16opt.AdamW(ps, lr=1e-2, precision="bf16", backend="reference") for backend, ps in params.items()}
+    real_resolve = optimizer_module.resolve_backend
+    for step in range(4):
+        grads = [torch.randn(v.shape, generator=torch.Generator().manual_seed(10 + step)).to(v.dtype) for v in values]
+        for backend, ps in params.items():
+            for k, (p, g) in enumerate(zip(ps, grads)):
+                p.grad = g.neg()._neg_view() if (k + step) % 2 else g.clone()
+        opts["reference"].step()
+        monkeypatch.setattr(optimizer_module, "resolve_backend", lambda name, device: emulated)
+        opts["cupy"].step()
+        monkeypatch.setattr(optimizer_module, "resolve_backend", real_resolve)
+        for e, a in zip(params["reference"], params["cupy"]):
+            assert torch.equal(e.detach().resolve_neg().view(torch.int16), a.detach().resolve_neg().view(torch.int16))
+    assert params["cupy"][2].is_neg()

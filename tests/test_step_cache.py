@@ -18,6 +18,7 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -556,6 +557,28 @@ def test_probing_refuses_a_shim_getter_of_another_answer(monkeypatch):
     assert torch_internals._probe_shim() is None
 
 
+def test_the_compiled_form_check_refuses_a_negative_view(monkeypatch):
+    """A negative view has a plain tensor's type, form and address (the shim has no getter for
+    the bit): the compiled check reads the bit itself, and the probe refuses a shim whose
+    bit is another (a word the view leaves alone)."""
+    shim = torch_internals._probe_shim()
+    if shim is None:
+        pytest.skip("this torch has no usable C shim getters (aoti_torch_get_*)")
+    helpers = numba_backend.helpers()
+    for tensor in (torch.zeros(3), torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))):
+        starts = np.array([0, helpers.FORM_HEAD + 2 * tensor.dim()])
+        forms = np.zeros(starts[-1], dtype=np.int64)
+        assert helpers.read_forms(shim, np.array([id(tensor)]), starts, forms)
+        negative = tensor.detach()._neg_view()
+        addresses = np.zeros(1, dtype=np.int64)
+        assert helpers.forms_hold(shim, np.array([id(tensor)]), starts, forms, addresses, True)
+        assert not helpers.forms_hold(shim, np.array([id(negative)]), starts, forms, addresses, True)
+        assert not helpers.read_forms(shim, np.array([id(negative)]), starts, forms.copy())
+    offset, bit = shim[helpers.SHIM_NEGATIVE:]
+    monkeypatch.setattr(torch_internals, "_negative_bit", lambda *args: [int(offset) - 8, int(bit)])
+    assert torch_internals._probe_shim() is None
+
+
 def test_the_shim_library_is_the_loaded_one_wherever_it_lives(monkeypatch, tmp_path):
     """The shim's library is the libtorch_cpu the process has mapped (a conda environment keeps
     it in its own lib), read from /proc/self/maps; torch/lib's only when none is listed."""
@@ -750,6 +773,15 @@ def _swap_tensors_param_for_its_transpose(opt, params):  # the same memory and a
     torch.utils.swap_tensors(params[0], torch.nn.Parameter(params[0].detach().t()))
 
 
+def _negate_param(opt, params):  # a negative view: the same memory, the values negated
+    params[1].data = params[1].data._neg_view()
+
+
+def _negate_state_tensor(opt, params):
+    moment = opt.state[params[2]]["exp_avg"]
+    moment.data = moment.data._neg_view()
+
+
 def _replace_state_tensor(opt, params):
     opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"].clone()
 
@@ -800,6 +832,8 @@ CHANGES = [
     (_transpose_param, False, False),  # the param no longer shares its states' layout: staged through copies
     (_swap_tensors_param, True, True),
     (_swap_tensors_param_for_its_transpose, False, False),
+    (_negate_param, False, False),  # staged through a copy from now on
+    (_negate_state_tensor, False, False),
     (_replace_state_tensor, True, True),
     (_move_state_tensor, True, True),
     (_replace_state, True, True),
@@ -837,7 +871,7 @@ def test_a_change_drops_the_kept_launch_and_results_stay_right(spy, change, buil
 
 
 @pytest.mark.parametrize("change", ["grad dtype", "grad layout", "grad missing", "grad appears", "grad shape",
-                                    "grad sparse", "grad without memory"])
+                                    "grad sparse", "grad without memory", "grad negative view"])
 def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
     twins = Twins()
     for params in twins.params.values():
@@ -854,6 +888,8 @@ def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
             params[0].grad = params[0].grad.t().contiguous().t()
         elif change == "grad missing":
             params[4].grad = None
+        elif change == "grad negative view":  # (the same memory and form; its values negated)
+            params[3].grad = params[3].grad._neg_view()
         elif change == "grad shape":
             params[4].grad.data = params[4].grad.data.reshape(7, 1)  # (torch refuses it as a new grad)
         elif change == "grad sparse":

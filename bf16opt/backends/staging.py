@@ -9,8 +9,9 @@ result does not depend on the index, at the same position in one common memory l
 * buffers that all share one gap-free layout (``channels_last`` conv weights, whose
   states ``preserve_format`` keeps in the same layout) are walked in memory order in
   place -- unless stochastic rounding is on, whose random bits hash the row-major index;
-* anything else is staged through a contiguous copy; copies of written roles are copied
-  back by :meth:`Staged.finish`.
+* anything else is staged through a contiguous copy, and so is a negative view (``is_neg()``:
+  its memory holds the values negated); copies of written roles are copied back by
+  :meth:`Staged.finish`.
 
 Lifetime rule: the table points into the staged copies, read-only ones (grads) included,
 so a :class:`Staged` must stay referenced until the kernel has been launched (on a CUDA
@@ -141,15 +142,18 @@ def stage(bucket: Bucket, backend: str, checked: bool = False) -> Staged:
         in_place = None  # decided at the first non-contiguous buffer (rare: checked lazily)
         for k, role, dtype, _ in present:
             tensor = bucket.tensors[k][i]
-            if not tensor.is_contiguous():
+            # a negative view's memory holds its values negated (resolve_neg keeps the layout)
+            copy = tensor.resolve_neg() if tensor.is_neg() else tensor
+            if not copy.is_contiguous():
                 if in_place is None:
                     in_place = any_memory_order and same_dense_layout(
                         [bucket.tensors[j][i] for j, *_ in present])
                 if not in_place:
-                    copy = tensor.contiguous()
-                    if role.written:
-                        write_back.append((tensor, copy))
-                    tensor = tensors[k][i] = copy
+                    copy = copy.contiguous()
+            if copy is not tensor:
+                if role.written:
+                    write_back.append((tensor, copy))
+                tensor = tensors[k][i] = copy
             row[k] = tensor.data_ptr()
         rows.append(row)
         numels.append(param.numel())
