@@ -121,10 +121,20 @@ def check_param(param, name: str) -> None:
     if param.is_inference():
         raise ValueError(f"{name} was created under torch.inference_mode() and cannot be updated "
                          f"in place outside it; create it (or clone it) outside inference mode")
+    check_not_conjugate(param, name)
     if param.numel() > 1 and torch._debug_has_internal_overlap(local(param)) == 1:
         raise ValueError(f"{name} has elements that share memory (an expanded, stride-0 view?); "
                          f"an in-place update would write each location several times; pass a "
                          f"materialised tensor (.clone())")
+
+
+def check_not_conjugate(param, name: str) -> None:
+    """A complex param that is a conjugate view (``is_conj()``) is updated as no real view of
+    its memory, which holds the conjugates of its values."""
+    if param.is_conj():
+        raise ValueError(f"{name} is a conjugate view (is_conj(): its memory holds the conjugates of "
+                         f"its values), which bf16opt cannot update in place as (re, im) pairs; pass "
+                         f"a resolved tensor (param.resolve_conj())")
 
 
 def _byte_range(tensor: torch.Tensor) -> tuple:

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from .distributed import local
+from .tensors import read_view, real_view
 from .offload_copies import PHASES, CopyEngine, engine_for, phase
 from .offload_update import host_update
 from .offload_update import host_threads as _host_threads
@@ -82,10 +83,6 @@ def host_threads(threads: Optional[int], device: Optional[torch.device] = None):
     return _host_threads(threads or default_threads(device))
 
 
-def _real(tensor):
-    return torch.view_as_real(tensor) if tensor is not None and tensor.is_complex() else tensor
-
-
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
@@ -95,7 +92,7 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     The version counter misses some in-place changes (``GradScaler.unscale_``, ``.data`` edits,
     collectives writing into grads); any realistic change of the values changes this sum, so a
     staged copy is reused only when both agree."""
-    real = _real(tensor.detach())
+    real = read_view(tensor.detach())
     if real.is_contiguous() and real.numel():
         # summed as 64-bit words, one vectorised pass rather than widening each element
         # (docs/performance.md); the tail bytes on their own; wrapping is fine here
@@ -118,7 +115,7 @@ class _HostParam:
                  "mirror_version", "mirror_print", "mirror_transfer", "uploads", "hook", "__weakref__")
 
     def __init__(self, engine: CopyEngine, param: torch.Tensor):
-        real = _real(local(param))  # a DTensor's host buffers hold its local shard
+        real = real_view(local(param))  # a DTensor's host buffers hold its local shard
         self.mirror = engine.host_empty(real.shape, real.dtype)   # the param's value on the host
         self.grad = engine.host_empty(real.shape, real.dtype)     # the grad's staging buffer (its dtype)
         self.grad_ref = None          # weakref to the grad tensor last copied
@@ -187,7 +184,7 @@ class Offloader:
 
     def host_like(self, param: torch.Tensor, dtype: torch.dtype, value: Optional[torch.Tensor] = None):
         """A host buffer shaped like ``param``'s real view: zeros, or ``value`` copied in."""
-        real = _real(local(param))
+        real = real_view(local(param))
         buffer = self.engine(param.device).host_empty(real.shape, dtype)
         if value is None:
             buffer.zero_()
@@ -223,7 +220,7 @@ class Offloader:
             record.grad_transfer.wait()  # one copy into the staging buffer at a time
         grad = param.grad
         data = local(grad)  # a DTensor grad: its local shard
-        real = _real(data)
+        real = read_view(data)
         with phase(PHASES["grad_copy"], real.is_cuda):
             if record.grad.dtype != real.dtype:  # float32 grads of a 16-bit param: staged as float32, not rounded
                 record.grad = self.engine(param.device).host_empty(real.shape, real.dtype)
@@ -270,7 +267,7 @@ class Offloader:
         record.uploads = []
         shard = local(param)
         with phase(PHASES["mirror_read"], shard.is_cuda):
-            record.mirror_transfer = self.engine(param.device).to_host(record.mirror, _real(shard.detach()))
+            record.mirror_transfer = self.engine(param.device).to_host(record.mirror, real_view(shard.detach()))
             record.mirror_version, record.mirror_print = shard._version, fingerprint(shard)
 
     def wait_grad(self, param: torch.Tensor) -> None:
@@ -374,7 +371,7 @@ class Offloader:
     def _upload_target(self, param: torch.Tensor, record: _HostParam, reads_param: bool) -> tuple:
         """(the param's flat view, or None when strided: uploaded whole after its last piece;
         its real view; its engine; whether its fingerprint is taken from the mirror)."""
-        shard = _real(local(param).detach())
+        shard = real_view(local(param).detach())
         flat = shard.view(-1) if shard.is_contiguous() else None
         return flat, shard, self.engine(param.device), reads_param and self._prints_from_mirror(shard, record)
 

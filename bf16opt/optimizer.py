@@ -34,7 +34,6 @@ from .offload import Offloader, check_offload
 from .offload_copies import phase
 from .precision import Precision, as_precision, plan_for
 from .step_plan import float64_backend, plan_step
-from .tensors import real_view
 
 _IMMUTABLE = frozenset((bool, int, float, str, type(None), Precision))
 
@@ -176,8 +175,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         group["precision"] = self._checked_precision(group)
         clipping.check_whole_params(group.get(clipping.KEY), params)
         for param in params:
-            plan_for(group["precision"], real_view(param).dtype)  # rejects invalid dtype combinations
-            if real_view(param).dtype == torch.float64:
+            plan_for(group["precision"], param.dtype.to_real())  # rejects invalid dtype combinations
+            if param.dtype.to_real() == torch.float64:
                 float64_backend(group["backend"])
         for device in {p.device for p in params}:
             resolve_backend(group["backend"], device)

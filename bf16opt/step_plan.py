@@ -26,11 +26,11 @@ from . import state_dict as state_dicts
 from . import capture, clipping, step_cache
 from .algorithms import KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, f32, reference, resolve_backend
-from .checks import check_step_count
+from .checks import check_not_conjugate, check_step_count
 from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local
 from .precision import plan_for
 from .storage import Q8, q8_shape, stream_id
-from .tensors import HOST, layout_name, real_view, shards, state_is_on, state_moved, wrapped
+from .tensors import HOST, layout_name, read_view, real_view, shards, state_is_on, state_moved, wrapped
 
 __all__ = ["ParamEntry", "StepPlan", "float64_backend", "narrowed_group", "plan_step", "plan_update"]
 
@@ -218,6 +218,7 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         number = position[id(original)]
         # complex params are updated as real views, like torch; a DTensor as its local shard
         sharded = distributed and is_dtensor(original)
+        check_not_conjugate(original, f"params[{number}]")  # (a .data assignment can make one)
         param = real_view(local(original) if sharded else original)
         size = (param.dtype, original.numel() < precision.q8_min_numel)  # (q8 keeps small params' moments)
         config = configs.get(size)
@@ -235,13 +236,13 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
             plan.buffers[original] = wrapped(made, original)
         plan.known[original] = (config, HOST if offloader else param.device, offloader is not None)
         fresh = optimizer._fresh_flags(set(made))
-        grad_dtype = real_view(original.grad).dtype
+        grad_dtype = original.grad.dtype.to_real()
         if fresh or grad_dtype != config.grad:  # the launch's config (the state's is known above)
             config = kernel_config(config.algorithm, config.plan, config.flags + tuple(fresh.items()),
                                    config.track, grad_dtype)
         # stochastic rounding numbers a shard's elements by their index in the whole param
         offset = shard_offset(optimizer, original, number) if sharded and config.stochastic else 0
-        grad = real_view(local(original.grad) if sharded else original.grad)
+        grad = read_view(local(original.grad) if sharded else original.grad)
         entries.append(ParamEntry(param, grad, config, {**state, **made}, counter, number,
                                   original, offset, ids[number - first_index]))
     return entries

@@ -14,15 +14,24 @@ import torch
 from .distributed import is_dtensor, local, wrap_like
 from .storage import Q8
 
-__all__ = ["HOST", "layout_name", "real_view", "shards", "state_is_on", "state_moved", "wrapped"]
+__all__ = ["HOST", "layout_name", "read_view", "real_view", "shards", "state_is_on", "state_moved", "wrapped"]
 
 HOST = torch.device("cpu")
 
 
 def real_view(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A complex tensor as the real tensor of its (re, im) pairs (torch.optim's treatment of
-    complex params: the update acts on each part); other tensors as they are."""
+    complex params: the update acts on each part); other tensors as they are.  A conjugate
+    view (``is_conj()``) has none: its memory holds the conjugates (see :func:`read_view`)."""
     return torch.view_as_real(tensor) if tensor is not None and tensor.is_complex() else tensor
+
+
+def read_view(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """:func:`real_view` of a tensor that is only read (a grad): a conjugate view, as autograd
+    makes for some complex grads, first resolved into a copy."""
+    if tensor is not None and tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    return real_view(tensor)
 
 
 def shards(state: Optional[dict]) -> Optional[dict]:

@@ -225,6 +225,7 @@ for row_id, params_of in [
     ("param-meta", lambda a, b: [torch.empty(3, device="meta")]),
     ("param-expanded", lambda a, b: [torch.zeros(1).expand(4)]),
     ("param-inference-mode", lambda a, b: [_inference_tensor()]),
+    ("param-conjugate-view", lambda a, b: [torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64).conj())]),
     ("param-tensor-subclass", lambda a, b: [torch.zeros(3).as_subclass(Overriding)]),
     ("param-storageless-subclass", lambda a, b: [Wrapper((3,), torch.float32)]),
 ]:

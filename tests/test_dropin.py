@@ -148,3 +148,54 @@ def test_lion_follows_float64_formula():
             w64 = reference[name][0]
             np.testing.assert_allclose(p.detach().double().numpy(), w64, rtol=1e-6, atol=1e-7,
                                        err_msg=f"step {i}, {name}")
+
+
+# ---------------------------------------------------------------- views torch marks with a bit
+def _complex_run(backend: str, offload, update_in_backward: bool, resolve_by_hand: bool):
+    """A complex param trained through ``w.conj()``, whose grad autograd leaves as a conjugate
+    view (``is_conj()``); with ``resolve_by_hand`` a tensor hook resolves it before it lands."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
+    c = torch.randn(4, 3, dtype=torch.complex64)
+    if resolve_by_hand:
+        w.register_hook(lambda grad: grad.resolve_conj())
+    opt = bf16opt.AdamW([w], lr=0.1, backend=backend, offload=offload, update_in_backward=update_in_backward)
+    conjugated = []
+    for _ in range(3):
+        (w.conj() * c).real.sum().backward()
+        conjugated.append(w.grad is not None and w.grad.is_conj())
+        opt.step()
+        opt.zero_grad()
+    return w.detach().clone(), conjugated
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("offload, update_in_backward", [(None, False), ("cpu", False), (None, True), ("cpu", True)])
+def test_a_conjugated_complex_grad_steps_as_its_resolved_values(backend, offload, update_in_backward):
+    """Autograd can leave a complex grad as a conjugate view, which has no real view
+    (torch.optim's own for-loop AdamW raises there): the step reads its values resolved, with
+    the bits of the same run whose grads were resolved by hand."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    ours, conjugated = _complex_run(backend, offload, update_in_backward, resolve_by_hand=False)
+    expected, resolved = _complex_run(backend, offload, update_in_backward, resolve_by_hand=True)
+    assert all(conjugated) if not update_in_backward else not any(resolved)
+    assert torch.equal(torch.view_as_real(ours), torch.view_as_real(expected))
+
+
+def test_a_param_made_a_conjugate_view_is_refused_by_name_and_nothing_changes():
+    """A ``.data`` assignment can make a complex param a conjugate view after it was added:
+    its memory holds the conjugates, so the step refuses it by name before writing."""
+    w = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    v = nn.Parameter(torch.randn(2, dtype=torch.complex64))
+    opt = bf16opt.AdamW([v, w], lr=0.1, backend="reference")
+    v.grad, w.grad = torch.ones_like(v), torch.ones_like(w)
+    opt.step()
+    w.data = w.data.conj()
+    before = (v.detach().clone(), copy.deepcopy(opt.state_dict()))
+    with pytest.raises(ValueError, match=r"params\[1\] is a conjugate view"):
+        opt.step()
+    assert torch.equal(v.detach(), before[0])
+    after = opt.state_dict()
+    assert all(torch.equal(after["state"][k][key], before[1]["state"][k][key])
+               for k in before[1]["state"] for key in before[1]["state"][k])
