@@ -9,9 +9,10 @@ One step's pipeline:
 1. **Grads leave during backward**: a post-accumulate-grad hook per param starts its grad's
    device->host copy into a staging buffer, hidden behind the rest of backward.
 2. **step() re-checks**: a staged grad is used only while it is still the param's grad with the
-   same version counter and :func:`fingerprint` (clipping, ``unscale_``, ``.data`` edits and
-   collectives are seen); else, or without a hook, it is copied again.  A param changed on its
-   device since its host mirror was written (``load_state_dict``, an EMA swap) is read back.
+   same version counter, address and :func:`fingerprint` (clipping, ``unscale_``, ``.data``
+   edits and collectives are seen); else, or without a hook, it is copied again.  A param
+   changed on its device since its host mirror was written (``load_state_dict``, an EMA swap,
+   ``p.data = ...``) is read back.
 3. **Chunks overlap**: the update runs in chunks, and each chunk's new params start their
    host->device copy as soon as it is written, while the later chunks are updated.  With the
    Numba backend the update is one launch per step and bucket, run by the *update thread*
@@ -108,21 +109,28 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return real.view(_BITS[real.element_size()]).sum(dtype=torch.int64)
 
 
+def _stamp(tensor: torch.Tensor) -> tuple:
+    """What changes when a tensor is written in place (its version counter) or given other
+    memory (its data address: ``p.data = p.data[perm]`` keeps the counter and the
+    :func:`fingerprint`)."""
+    return tensor._version, tensor.data_ptr()
+
+
 class _HostParam:
     """Host buffers and bookkeeping of one offloaded param."""
 
-    __slots__ = ("mirror", "grad", "grad_ref", "grad_version", "grad_print", "grad_transfer",
-                 "mirror_version", "mirror_print", "mirror_transfer", "uploads", "hook", "__weakref__")
+    __slots__ = ("mirror", "grad", "grad_ref", "grad_stamp", "grad_print", "grad_transfer",
+                 "mirror_stamp", "mirror_print", "mirror_transfer", "uploads", "hook", "__weakref__")
 
     def __init__(self, engine: CopyEngine, param: torch.Tensor):
         real = real_view(local(param))  # a DTensor's host buffers hold its local shard
         self.mirror = engine.host_empty(real.shape, real.dtype)   # the param's value on the host
         self.grad = engine.host_empty(real.shape, real.dtype)     # the grad's staging buffer (its dtype)
         self.grad_ref = None          # weakref to the grad tensor last copied
-        self.grad_version = None      # that grad's version counter at the copy
+        self.grad_stamp = None        # that grad's :func:`_stamp` at the copy
         self.grad_print = None        # and its fingerprint
         self.grad_transfer = None
-        self.mirror_version = None    # the param's version counter when the mirror matched it
+        self.mirror_stamp = None      # the param's :func:`_stamp` when the mirror matched it
         self.mirror_print = None      # and its fingerprint
         self.mirror_transfer = None
         self.uploads = []             # host->device copies from the mirror still in flight
@@ -226,7 +234,7 @@ class Offloader:
                 record.grad = self.engine(param.device).host_empty(real.shape, real.dtype)
             record.grad_print = fingerprint(data) if during_backward else None
             record.grad_transfer = self.engine(param.device).to_host(record.grad, real)
-        record.grad_ref, record.grad_version = weakref.ref(grad), data._version
+        record.grad_ref, record.grad_stamp = weakref.ref(grad), _stamp(data)
 
     def stage(self, params: list, reads_param: list) -> list:
         """(mirror, grad buffer) per param for this step's update, after the checks of the
@@ -241,12 +249,12 @@ class Offloader:
         for k, (param, record, reads) in enumerate(zip(params, records, reads_param)):
             grad, shard = param.grad, local(param)
             if record.grad_print is not None and record.grad_ref() is grad and \
-                    record.grad_version == local(grad)._version:
+                    record.grad_stamp == _stamp(local(grad)):
                 checks.append((k, "grad", record.grad_print, fingerprint(local(grad))))
             else:
                 self._copy_grad(param, record)
             if reads:
-                if record.mirror_version == shard._version and record.mirror_print is not None:
+                if record.mirror_stamp == _stamp(shard) and record.mirror_print is not None:
                     checks.append((k, "mirror", record.mirror_print, fingerprint(shard)))
                 else:
                     self._read_mirror(param, record)
@@ -268,7 +276,7 @@ class Offloader:
         shard = local(param)
         with phase(PHASES["mirror_read"], shard.is_cuda):
             record.mirror_transfer = self.engine(param.device).to_host(record.mirror, real_view(shard.detach()))
-            record.mirror_version, record.mirror_print = shard._version, fingerprint(shard)
+            record.mirror_stamp, record.mirror_print = _stamp(shard), fingerprint(shard)
 
     def wait_grad(self, param: torch.Tensor) -> None:
         """The param's staged grad has arrived on the host (before it is changed there)."""
@@ -285,7 +293,7 @@ class Offloader:
         record.uploads, record.mirror_transfer = [], None
         record.mirror.copy_(value)
         shard = local(param)
-        record.mirror_version, record.mirror_print = shard._version, fingerprint(shard)
+        record.mirror_stamp, record.mirror_print = _stamp(shard), fingerprint(shard)
 
     # ---- the pipeline
     @staticmethod
@@ -399,7 +407,7 @@ class Offloader:
         """The mirror is what the param now holds (its fingerprint where the update reads it)."""
         for param, record, taken in zip(params, records, prints):
             shard = local(param)
-            record.mirror_version = shard._version
+            record.mirror_stamp = _stamp(shard)
             if not reads_param:
                 record.mirror_print = None
             else:

@@ -169,7 +169,7 @@ def offload_records(opt) -> list:
     records = getattr(opt, "_offloader_instance", None)
     if records is None:
         return []
-    return [(r.grad_ref() if r.grad_ref else None, r.grad_version, r.grad_print, r.mirror_version,
+    return [(r.grad_ref() if r.grad_ref else None, r.grad_stamp, r.grad_print, r.mirror_stamp,
              r.mirror_print, r.grad.clone(), r.mirror.clone()) for r in records._records.values()]
 
 

@@ -516,6 +516,16 @@ def test_grad_data_edit_is_seen():
     assert_same_run(*train_with_grad_edit(None, edit), *train_with_grad_edit("cpu", edit))
 
 
+def test_a_grad_given_other_memory_of_the_same_bits_sum_is_seen():
+    """``grad.data = grad.data.flip(0)``: the same grad object, version counter and fingerprint
+    (a sum of the bits), other values; the staged copy is not reused."""
+    def edit(model, opt):
+        for p in model.parameters():
+            p.grad.data = p.grad.data.flip(0)
+
+    assert_same_run(*train_with_grad_edit(None, edit), *train_with_grad_edit("cpu", edit))
+
+
 def _load_other_weights(model):
     model.load_state_dict(Net(next(model.parameters()).dtype, seed=7).state_dict())
 
@@ -586,7 +596,12 @@ def _data_swap(model):
         p.data = p.data * 2 + 1
 
 
-@pytest.mark.parametrize("edit", [_data_add, _data_swap], ids=["p.data.add_", "p.data="])
+def _data_permuted(model):  # the same counter and the same sum of the bits: only the address tells
+    for p in model.parameters():
+        p.data = p.data.flip(0)
+
+
+@pytest.mark.parametrize("edit", [_data_add, _data_swap, _data_permuted], ids=["p.data.add_", "p.data=", "p.data=flip"])
 def test_param_data_edits_are_read_back(edit):
     ref = train_with_param_edit(None, edit, "bf16")
     off = train_with_param_edit("cpu", edit, "bf16")
