@@ -52,13 +52,11 @@ __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "LoadPlan", "LoadTarget",
 #: state dict loaded into groups that round stochastically warns: the run continues with
 #: format 3's bits, as unbiased, not the ones the older bf16opt would have drawn.
 STATE_DICT_FORMAT = 3
-# Group entries that describe this optimizer object, not the training run: when a
-# state dict is loaded, the live optimizer keeps its own values for these.
+# Group entries that describe this optimizer object, not the training run: saved with every
+# group (DCP's flattened state dicts look each live group key up), but when a state dict is
+# loaded, the live optimizer keeps its own values for these.
 IMPLEMENTATION_KEYS = ("precision", "backend", "offload", "offload_threads", "foreach", "fused", "capturable",
                        "differentiable", "track_precision", "update_in_backward", "update_in_backward_bucket")
-#: implementation keys left out of saved groups, so a run saves the same state dict whichever
-#: way it updates
-UNSAVED_KEYS = ("update_in_backward", "update_in_backward_bucket")
 COMPANION_KEYS = ("master", "compensation", "remainder")
 
 
@@ -70,8 +68,6 @@ def save(state_dict: dict, family: str, optimizer_name: str, live_groups: list) 
     for group in state_dict["param_groups"]:
         # as_precision: a precision edited by hand since the last step may still be a name
         group["precision"] = as_precision(group["precision"]).to_dict()
-        for key in UNSAVED_KEYS:
-            group.pop(key, None)
     state_dict["bf16opt"] = {"format": STATE_DICT_FORMAT, "family": family, "optimizer": optimizer_name}
     return state_dict
 

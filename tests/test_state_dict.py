@@ -359,3 +359,41 @@ def test_other_optimizers_state_dicts_do_not_load_into_sgd():
     with pytest.raises(ValueError, match="momentum"):
         sgd.load_state_dict(unstepped_state_dict(torch.optim.Adam))
     assert_unchanged(sgd, before)
+
+
+@pytest.mark.parametrize("options", [dict(precision="bf16-sr"), dict(precision="fp32-remainder-q8"),
+                                     dict(precision="bf16", update_in_backward=True),
+                                     dict(precision="fp32", offload="cpu")],
+                         ids=["bf16-sr", "fp32-remainder-q8", "update-in-backward", "offload"])
+def test_dcp_flattened_state_dict_round_trip_resumes_identically(options):
+    """torch.distributed.checkpoint's state dict helpers with flatten_optimizer_state_dict=True
+    (no process group needed), as torchtitan saves: set_optimizer_state_dict looks every live
+    group key up in the flattened dict, and the resumed run equals the uninterrupted one."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,  # noqa: PLC0415
+                                                         set_optimizer_state_dict)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def run(seed_model=True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2)).to(torch.bfloat16)
+        return model, bf16opt.AdamW(model.parameters(), lr=1e-2, seed=3, **options)
+
+    def train(model, opt, steps, start):
+        for k in range(start, start + steps):
+            x = torch.randn(8, 80, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = run()
+    train(model, opt, 2, 0)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt, options=flat))
+    assert any(key.startswith("param_groups.") for key in saved)  # (flattened)
+    train(model, opt, 2, 2)
+    resumed_model, resumed = run()
+    resumed_model.load_state_dict(saved_model)
+    set_optimizer_state_dict(resumed_model, resumed, saved, options=flat)
+    train(resumed_model, resumed, 2, 2)
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert same_bits(p.detach(), q.detach())
