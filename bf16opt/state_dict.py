@@ -144,6 +144,8 @@ def plan_load(target: LoadTarget, state_dict) -> LoadPlan:
         if not isinstance(index, Hashable) or index not in param_of_index:
             raise ValueError(f"loaded state dict holds state for param index {index!r}, "
                              f"which none of its param groups lists")
+        if isinstance(saved_state, Mapping) and not saved_state:
+            continue  # no state yet (a read of the state defaultdict leaves {}; torch loads it too)
         param, group = param_of_index[index]
         new_state[param], new_param = _loaded_state(target, param, group, saved_state, index)
         if new_param is not None:

@@ -397,3 +397,43 @@ def test_dcp_flattened_state_dict_round_trip_resumes_identically(options):
     train(resumed_model, resumed, 2, 2)
     for p, q in zip(model.parameters(), resumed_model.parameters()):
         assert same_bits(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("cls", [bf16opt.AdamW, bf16opt.Lion, bf16opt.SGD])
+def test_an_empty_state_entry_loads_as_no_state(cls):
+    """``optimizer.state`` is a defaultdict: reading the state of a param that has none (a
+    frozen one, by monitoring code) leaves ``{}``, which state_dict() saves -- bf16opt's and
+    torch.optim's alike. It loads as no state, and the run goes on as the one never read."""
+    def run(read: bool, reload: bool):
+        torch.manual_seed(0)
+        a, b = (torch.nn.Parameter(torch.randn(5).to(torch.bfloat16)) for _ in range(2))
+        opt = cls([a, b], lr=1e-2, **({"momentum": 0.9} if cls is bf16opt.SGD else {}))
+        a.grad = torch.ones_like(a)
+        opt.step()
+        if read:
+            assert opt.state[b].get("step") is None and opt.state_dict()["state"][1] == {}
+        if reload:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        for k in range(2):
+            a.grad, b.grad = torch.full_like(a, 0.5 + k), torch.full_like(b, -0.25)
+            opt.step()
+        return a.detach(), b.detach(), opt.state[b]["step"]
+
+    expected = run(read=False, reload=False)
+    for got in (run(read=True, reload=True), run(read=False, reload=True)):
+        assert all(same_bits(x, y) for x, y in zip(expected, got))
+
+
+def test_a_torch_state_dict_with_an_empty_state_entry_loads():
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    theirs = torch.optim.AdamW([a, b], lr=1e-3)
+    a.grad = torch.ones_like(a)
+    theirs.step()
+    theirs.state[b].get("exp_avg")
+    saved = copy.deepcopy(theirs.state_dict())
+    assert saved["state"][1] == {}
+    ours = bf16opt.AdamW([a, b], lr=1e-3)
+    ours.load_state_dict(saved)
+    assert b not in ours.state or not ours.state[b]
+    assert same_bits(ours.state[a]["exp_avg"], theirs.state[a]["exp_avg"])
