@@ -128,6 +128,19 @@ def check_param(param, name: str) -> None:
                          f"materialised tensor (.clone())")
 
 
+def check_param_names(names, count: int) -> None:
+    """A group's ``param_names``, where it has them: one str per param (stochastic rounding
+    names each param's random stream by it)."""
+    if names is None:
+        return
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        shown = repr(names) if len(repr(names)) < 80 else repr(names)[:77] + "..."
+        raise TypeError(f"param_names must be a list of str, one per param (as named_parameters() "
+                        f"gives them), got {shown}")
+    if len(names) != count:
+        raise ValueError(f"param_names has {len(names)} names for {count} params")
+
+
 def check_not_conjugate(param, name: str) -> None:
     """A complex param that is a conjugate view (``is_conj()``) is updated as no real view of
     its memory, which holds the conjugates of its values."""

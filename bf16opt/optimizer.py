@@ -29,7 +29,7 @@ from .algorithms import Algorithm, KernelConfig, kernel_config
 from .amp import amp_arguments, captured_amp
 from .backends import backend_name, check_backend_name, resolve_backend
 from .checks import (check_flag, check_implementation_flags, check_no_aliasing, check_number, check_ordered_params,
-                     check_param, check_seed, default_seed)
+                     check_param, check_param_names, check_seed, default_seed)
 from .offload import Offloader, check_offload
 from .offload_copies import phase
 from .precision import Precision, as_precision, plan_for
@@ -124,6 +124,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         check_ordered_params(params)
         params = list(params)
         named = [isinstance(p, tuple) and len(p) == 2 for p in params]
+        if all(named) and params:  # (a mix: torch's own ValueError below)
+            check_param_names([p[0] for p in params], len(params))
         tensors = [p[1] if is_named else p for p, is_named in zip(params, named)]
         names = [f"params[{i}] ({p[0]!r})" if is_named else f"params[{i}]"
                  for i, (p, is_named) in enumerate(zip(params, named))]
@@ -173,6 +175,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict, params: list) -> None:
         """Validate and normalise a group in place (precision, backend, hyper-parameters)."""
         group["precision"] = self._checked_precision(group)
+        check_param_names(group.get("param_names"), len(params))
         clipping.check_whole_params(group.get(clipping.KEY), params)
         for param in params:
             plan_for(group["precision"], param.dtype.to_real())  # rejects invalid dtype combinations

@@ -26,7 +26,7 @@ from . import state_dict as state_dicts
 from . import capture, clipping, step_cache
 from .algorithms import KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, f32, reference, resolve_backend
-from .checks import check_not_conjugate, check_step_count
+from .checks import check_not_conjugate, check_param_names, check_step_count
 from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local
 from .precision import plan_for
 from .storage import Q8, q8_shape, stream_id
@@ -95,6 +95,7 @@ def stream_ids(group: dict, first_index: int) -> list:
     names = group.get("param_names")
     if names is None or group.get("sr_streams") == "position":
         return [first_index + i for i in range(len(group["params"]))]
+    check_param_names(names, len(group["params"]))  # (a group edited by hand)
     return [stream_id(first_index + i, name) for i, name in enumerate(names)]
 
 

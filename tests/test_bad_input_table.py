@@ -225,6 +225,8 @@ for row_id, params_of in [
     ("param-meta", lambda a, b: [torch.empty(3, device="meta")]),
     ("param-expanded", lambda a, b: [torch.zeros(1).expand(4)]),
     ("param-inference-mode", lambda a, b: [_inference_tensor()]),
+    ("param-names-not-str", lambda a, b: [(0, torch.nn.Parameter(torch.zeros(3)))]),
+    ("param-names-wrong-length", lambda a, b: [{"params": [torch.nn.Parameter(torch.zeros(3))], "param_names": []}]),
     ("param-conjugate-view", lambda a, b: [torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64).conj())]),
     ("param-tensor-subclass", lambda a, b: [torch.zeros(3).as_subclass(Overriding)]),
     ("param-storageless-subclass", lambda a, b: [Wrapper((3,), torch.float32)]),
@@ -282,6 +284,7 @@ for row_id, change, opt_class in [
     ("state-tensor-subclass", lambda opt, a, b: _set(opt.state[b], "exp_avg", torch.zeros(3).as_subclass(Overriding)),
      bf16opt.AdamW),
     ("edited-sr-streams", lambda opt, a, b: _set(opt.param_groups[1], "sr_streams", "name"), bf16opt.AdamW),
+    ("edited-param-names", lambda opt, a, b: _set(opt.param_groups[1], "param_names", [5]), bf16opt.AdamW),
     ("edited-lr-negative", lambda opt, a, b: _set(opt.param_groups[1], "lr", -1.0), bf16opt.AdamW),
     ("edited-lr-overflows-float32", lambda opt, a, b: _set(opt.param_groups[1], "lr", 1e39), bf16opt.AdamW),
     ("edited-precision-unknown", lambda opt, a, b: _set(opt.param_groups[1], "precision", "bf17"),
@@ -404,6 +407,7 @@ for row_id, corrupt in [
     ("sd-other-optimizer", _lion_state_dict),
     ("sd-invalid-hyperparameter", lambda sd: _item(sd, ("param_groups", 1, "lr"), -1.0)),
     ("sd-meta-state-tensor", lambda sd: _item(sd, ("state", 1, "exp_avg"), torch.zeros(3, device="meta"))),
+    ("sd-param-names-wrong-length", lambda sd: _item(sd, ("param_groups", 1, "param_names"), ["x", "y"])),
 ]:
     case(row_id)(load(corrupt))
 
