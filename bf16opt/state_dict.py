@@ -273,6 +273,8 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
         raise ValueError(f"state of param {index} lacks {sorted(missing)}: not a "
                          f"{optimizer_name} state dict")
     for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            _check_loadable(value, f"{key} of param {index}")
         if key == "step":
             continue
         if not isinstance(value, torch.Tensor):
@@ -302,6 +304,14 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
         state["compensation"] = _converted(saved["compensation"], param, needed["compensation"],
                                            f"compensation of param {index}")
     return state, new_param
+
+
+def _check_loadable(value: torch.Tensor, what: str) -> None:
+    """A saved tensor holds data to read, laid out densely."""
+    if value.is_meta:
+        raise ValueError(f"{what} is a meta tensor (no data to load)")
+    if value.layout != torch.strided:
+        raise TypeError(f"{what} has layout {value.layout}; saved state tensors are dense (strided)")
 
 
 def _saved_master(saved: dict, param: torch.Tensor, index) -> torch.Tensor:
