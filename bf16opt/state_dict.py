@@ -38,7 +38,7 @@ from .checks import check_step_count
 from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
 from .q8_sharded import is_local_q8, is_rank_table, loaded_shard, rank_table, whole_moment
-from .storage import Q8, decode, encode, join_remainder, q8_decode, q8_encode, q8_shape, q8_signed, split_remainder
+from .storage import Q8, Q8_BLOCK, decode, encode, join_remainder, q8_decode, q8_encode, q8_shape, q8_signed, split_remainder
 from .tensors import real_view, state_moved, wrapped
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "LoadPlan", "LoadTarget", "convert_state", "plan_load",
@@ -280,6 +280,7 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{key} of param {index} must be a tensor, got {type(value).__name__}")
         if key in moments and _is_q8(value, param):
+            _check_q8_padding(value, param.numel(), f"{key} of param {index}")
             continue
         if value.shape != param.shape:
             raise ValueError(f"{key} of param {index} has shape {tuple(value.shape)}, but the "
@@ -326,6 +327,16 @@ def _saved_master(saved: dict, param: torch.Tensor, index) -> torch.Tensor:
                              f"{tuple(param.shape)}")
         return join_remainder(param.detach(), remainder.to(param.device))
     return decode(param.detach()).float().clone()
+
+
+def _check_q8_padding(value: torch.Tensor, numel: int, what: str) -> None:
+    """The codes past the param's last element are 0 (never written), as in a q8 moment of
+    this param: one saved for a longer param of as many blocks has codes there.  (A shorter
+    one's cannot be told from zero moments: a q8 tensor does not record its element count.)"""
+    used = numel - Q8_BLOCK * (value.shape[0] - 1)
+    if value.shape[0] and bool(value[-1, used:Q8_BLOCK].any()):
+        raise ValueError(f"{what} holds codes past the param's {numel} elements: it was saved for "
+                         f"a param with more elements")
 
 
 def _is_q8(value: torch.Tensor, param: torch.Tensor) -> bool:

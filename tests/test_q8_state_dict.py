@@ -121,3 +121,28 @@ def test_a_wrong_q8_tensor_is_refused_before_anything_changes():
         opt.load_state_dict(saved)
     after = opt.state[list(net.parameters())[0]]
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("saved_numel, numel, refused", [(4200, 4100, True), (4352, 4300, True),
+                                                         (4100, 4100, False)])
+def test_a_q8_moment_of_a_longer_param_with_as_many_blocks_is_refused(saved_numel, numel, refused):
+    """The codes past a param's last element are never written: a q8 moment saved for a param
+    of more elements in as many blocks (a padded vocabulary's bias) has codes there."""
+    def stepped(n):
+        torch.manual_seed(n)
+        p = torch.nn.Parameter(torch.randn(n).to(torch.bfloat16))
+        opt = bf16opt.AdamW([p], lr=1e-3, precision="bf16-sr-q8", backend=BACKEND)
+        p.grad = torch.randn(n).to(torch.bfloat16)
+        opt.step()
+        return p, opt
+
+    saved = roundtrip(stepped(saved_numel)[1].state_dict())
+    p, opt = stepped(numel)
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    if refused:
+        with pytest.raises(ValueError, match=f"exp_avg of param 0 holds codes past the param's {numel}"):
+            opt.load_state_dict(saved)
+        assert all(torch.equal(before[k], opt.state[p][k]) for k in before)
+    else:
+        opt.load_state_dict(saved)
+        assert torch.equal(opt.state[p]["exp_avg"], saved["state"][0]["exp_avg"])
