@@ -125,6 +125,9 @@ def plan_load(target: LoadTarget, state_dict) -> LoadPlan:
     if isinstance(meta, dict) and meta.get("family") != target.family:
         raise ValueError(f"state_dict was saved by bf16opt.{meta.get('optimizer')}, which cannot "
                          f"be loaded into {target.name}")
+    if isinstance(meta, dict) and meta.get("format") not in (1, 2, STATE_DICT_FORMAT):
+        raise ValueError(f"state_dict has bf16opt state-dict format {meta.get('format')!r}; this bf16opt "
+                         f"reads formats 1 to {STATE_DICT_FORMAT} (a newer bf16opt saved it?)")
     legacy = isinstance(meta, dict) and meta.get("format") == 1
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(target.groups):
@@ -258,6 +261,8 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
     """
     if not isinstance(saved, Mapping):
         raise ValueError(f"state of param {index} must be a dict, got {type(saved).__name__}")
+    # (torch.optim.SGD without momentum saved {"momentum_buffer": None} before torch 2.2)
+    saved = {key: value for key, value in saved.items() if not (key == "momentum_buffer" and value is None)}
     # torch.optim keeps a complex param's state complex; bf16opt keeps its real view
     saved = {key: torch.view_as_real(value) if isinstance(value, torch.Tensor) and value.is_complex()
              and key != "step" else value for key, value in saved.items()}

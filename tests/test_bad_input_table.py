@@ -408,6 +408,7 @@ for row_id, corrupt in [
     ("sd-invalid-hyperparameter", lambda sd: _item(sd, ("param_groups", 1, "lr"), -1.0)),
     ("sd-meta-state-tensor", lambda sd: _item(sd, ("state", 1, "exp_avg"), torch.zeros(3, device="meta"))),
     ("sd-param-names-wrong-length", lambda sd: _item(sd, ("param_groups", 1, "param_names"), ["x", "y"])),
+    ("sd-newer-format", lambda sd: {**sd, "bf16opt": {**sd["bf16opt"], "format": 99}}),
     ("sd-meta-step", lambda sd: _item(sd, ("state", 1, "step"), torch.tensor(1.0, device="meta"))),
     ("sd-sparse-state-tensor", lambda sd: _item(sd, ("state", 1, "exp_avg"), torch.zeros(3).to_sparse())),
 ]:

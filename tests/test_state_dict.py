@@ -437,3 +437,20 @@ def test_a_torch_state_dict_with_an_empty_state_entry_loads():
     ours.load_state_dict(saved)
     assert b not in ours.state or not ours.state[b]
     assert same_bits(ours.state[a]["exp_avg"], theirs.state[a]["exp_avg"])
+
+
+def test_an_old_torch_sgd_state_dict_without_momentum_buffers_loads():
+    """torch.optim.SGD without momentum saved ``{"momentum_buffer": None}`` before torch 2.2; it
+    loads as no buffer, as torch loads it, and the step goes on as torch's."""
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    q.data.copy_(p.data)
+    groups = torch.optim.SGD([p], lr=0.1).state_dict()["param_groups"]
+    old = {"state": {0: {"momentum_buffer": None}}, "param_groups": groups}
+    theirs, ours = torch.optim.SGD([p], lr=0.1), bf16opt.SGD([q], lr=0.1)
+    theirs.load_state_dict(copy.deepcopy(old))
+    ours.load_state_dict(copy.deepcopy(old))
+    for opt, param in ((theirs, p), (ours, q)):
+        param.grad = torch.ones(4)
+        opt.step()
+    assert torch.equal(p.detach(), q.detach()) and "momentum_buffer" not in ours.state[q]
