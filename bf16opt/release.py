@@ -14,7 +14,8 @@ stochastic-rounding stream, so its bits are the normal step's for the same grads
   ``add_param_group``, ``zero_grad`` and ``step``; removed there when the group leaves the mode,
   and when the optimizer is garbage collected (the hooks hold no reference to it).
 * Inside ``optimizer.accumulating()`` the hooks do nothing, so grads accumulate; the next
-  backward outside updates from the sum.
+  backward outside updates from the sum.  Nor do they in a backward nested in another
+  (reentrant activation checkpointing): those params are updated at ``step()``.
 * ``step()`` updates the params that still hold a grad, as a normal step would (none after a
   backward outside ``accumulating()``), and returns; ``zero_grad()`` has nothing left to free.
 * What cannot work refuses by name (``check_step``): a closure, GradScaler.  Sparse grads are
@@ -33,6 +34,7 @@ from __future__ import annotations
 import functools
 import numbers
 import queue
+import sys
 import threading
 import weakref
 from typing import Callable
@@ -107,6 +109,7 @@ class ReleaseHooks:
         self.launches: dict = {}        # first param -> its bucket's update's launch (step_cache.GroupLaunch)
         self.pending: dict = {}         # group number -> its params waiting for one update (_Bucket)
         self._ends_task = None          # the backward whose end updates the rest (its graph task id)
+        self.updated = set()            # ids of the params updated in this backward (see on_grad)
         weakref.finalize(optimizer, ReleaseHooks._remove_all, self._handles)
 
     def sync(self, groups: list) -> None:
@@ -114,6 +117,7 @@ class ReleaseHooks:
         keep = {param for group in groups if group.get(KEY) is True
                 for param in group["params"] if param.requires_grad}
         self.pending.clear()  # (a step or zero_grad: the grads left are the step's, or gone)
+        self.updated.clear()
         for param in [param for param in self._handles if param not in keep]:
             self._handles.pop(param).remove()
         for param in [param for param in self.launches if param not in keep]:
@@ -166,6 +170,10 @@ class ReleaseHooks:
         optimizer = self._owner()
         if optimizer is None or self.accumulating:
             return
+        if _in_a_nested_backward():  # (the param is updated at step(), from all of its grad)
+            if id(param) in self.updated:
+                self._refuse_nested(optimizer, param)
+            return
         with self.lock:
             groups = optimizer.param_groups
             place = self.place(groups, param)
@@ -184,6 +192,16 @@ class ReleaseHooks:
             if full or not self.end_backward_here():
                 self._flush(optimizer, number)
 
+    def _refuse_nested(self, optimizer, param) -> None:
+        """A nested backward adds to the grad of a param this backward already updated: its
+        update used part of its grad, and cannot be taken back."""
+        place = self.place(optimizer.param_groups, param)
+        name = "a param" if place is None else f"param {place[1] + place[2]}"
+        raise RuntimeError(f"update_in_backward: {name} was updated in this backward before a "
+                           f"reentrant checkpoint's backward added to its grad (it is used both inside "
+                           f"and outside a checkpoint(..., use_reentrant=True) segment); use "
+                           f"use_reentrant=False, or update_in_backward=False for its group")
+
     def _flush(self, optimizer, number: int) -> None:
         """Update the params of group ``number``'s bucket (it is emptied first: after an error
         their grads stay for ``step()``, as a normal step's would; so they do where the group's
@@ -191,6 +209,7 @@ class ReleaseHooks:
         bucket = self.pending.pop(number)
         groups = optimizer.param_groups
         if number < len(groups) and bucket.holds(groups[number]["params"]):
+            self.updated.update(map(id, bucket.params.values()))
             optimizer._update_in_backward(number, bucket.first_index, bucket.start, bucket.stop)
 
     def end_backward_here(self) -> bool:
@@ -216,6 +235,7 @@ class ReleaseHooks:
                 self._ends_task = None  # (hooks that a later end-of-backward callback runs queue another)
                 for number in list(self.pending):
                     self._flush(optimizer, number)
+                self.updated.clear()
         finally:
             background = optimizer.__dict__.get("_background_instance")
             if background is not None:
@@ -250,6 +270,33 @@ class _Bucket:
     def holds(self, params: list) -> bool:
         """Whether ``params[start:stop]`` are still the params that arrived at those places."""
         return len(params) >= self.stop and all(params[k] is param for k, param in self.params.items())
+
+
+#: the Python frames of a Function's backward run by the engine (``BackwardCFunction.apply``),
+#: and of a backward started from Python (torch's ``_engine_run_backward``); private, or None
+_FUNCTION_BACKWARD = getattr(getattr(getattr(torch.autograd.function, "BackwardCFunction", None), "apply", None),
+                             "__code__", None)
+_ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
+
+
+def _in_a_nested_backward() -> bool:
+    """Whether this hook runs in a backward that a Function's backward started (reentrant
+    activation checkpointing: below the hook, the engine's entry, and below that a Function's
+    backward): the param may get more grad from the backward around it, or from another such
+    nested one (a layer shared by two segments), so its grad is final only at ``step()``,
+    which updates it as a normal step does.  A Function's backward that runs the hooks itself
+    (FSDP2's, after its reduce-scatter) is no nested backward.  Without torch's frames to tell,
+    every hook counts as nested: the updates wait for ``step()``, still exact."""
+    if _FUNCTION_BACKWARD is None or _ENGINE_RUN is None:
+        return True
+    frame, in_engine = sys._getframe(2), False
+    while frame is not None:
+        if frame.f_code is _ENGINE_RUN:
+            in_engine = True
+        elif in_engine and frame.f_code is _FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _grad_ready(owner_ref, param: torch.Tensor) -> None:

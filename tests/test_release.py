@@ -233,8 +233,9 @@ def test_a_bucket_whose_group_was_edited_in_backward_is_left_to_the_step():
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing_gives_the_normal_steps_bits(reentrant):
-    """Reentrant checkpointing runs a nested backward (its own graph task, whose end updates
-    the buckets waiting then); the non-reentrant kind recomputes inside the one backward."""
+    """Reentrant checkpointing runs a nested backward, whose params are updated at step() (the
+    backward around it may add to their grads); the non-reentrant kind recomputes inside the
+    one backward."""
     from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
 
     runs = []
@@ -252,6 +253,48 @@ def test_activation_checkpointing_gives_the_normal_steps_bits(reentrant):
             opt.zero_grad()
         runs.append((model, opt))
     assert_same_run(*runs[0], *runs[1])
+
+
+def _shared_layer_run(release: bool, bucket: int, offload, tied: bool = False):
+    """One Linear applied in two reentrant checkpoint segments (weights shared ALBERT-style),
+    with ``tied`` its weight used outside them too."""
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    shared, head = nn.Linear(24, 24).to(torch.bfloat16), nn.Linear(24, 4).to(torch.bfloat16)
+    opt = bf16opt.AdamW([*shared.parameters(), *head.parameters()], lr=1e-2, precision="bf16-sr", seed=3,
+                        backend="numba", offload=offload, update_in_backward=release,
+                        update_in_backward_bucket=bucket)
+    for step in range(3):
+        x = torch.randn(4, 24, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        h = checkpoint(lambda t: torch.tanh(shared(t)), x.requires_grad_(), use_reentrant=True)
+        h = checkpoint(lambda t: torch.tanh(shared(t)), h, use_reentrant=True)
+        if tied:
+            h = h + torch.nn.functional.linear(h, shared.weight)
+        head(h).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return (nn.Sequential(shared, head), opt)
+
+
+@pytest.mark.parametrize("bucket", [0, 1 << 20])
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_a_layer_shared_by_reentrant_checkpoints_is_updated_once_from_its_whole_grad(bucket, offload):
+    """Each reentrant segment's backward runs its own nested backward and the shared param's
+    hook fires in each: updated there, it would be updated twice from partial grads. Hooks in
+    a nested backward leave the param to step(), which updates it once, as a normal step."""
+    expected = _shared_layer_run(False, bucket, offload)
+    got = _shared_layer_run(True, bucket, offload)
+    assert_same_run(*expected, *got)
+    assert {float(state["step"]) for state in got[1].state.values()} == {3.0}
+
+
+def test_a_param_updated_before_a_nested_backward_adds_to_its_grad_is_refused_by_name():
+    """Used both inside and outside a reentrant segment, a param's hook fires first in the outer
+    backward (each param alone: updated there), then its nested backward adds to the grad: the
+    update cannot be taken back, so backward raises, naming the param and what to do."""
+    with pytest.raises(RuntimeError, match=r"param 0 was updated in this backward before a reentrant"):
+        _shared_layer_run(True, 0, None, tied=True)
 
 
 @pytest.mark.parametrize("elements", [0, 60, 1 << 20])
