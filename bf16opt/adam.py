@@ -9,7 +9,8 @@ from torch.optim.optimizer import ParamsT
 
 from .algorithms import ADAM, AdamScalars
 from .backends import f32
-from .checks import check_betas, check_flag, check_number, check_tensor_hyperparameters_without_foreach
+from .checks import (check_beta_kinds, check_betas, check_flag, check_number,
+                     check_tensor_hyperparameters_without_foreach)
 from .optimizer import MixedPrecisionOptimizer
 from .precision import Precision
 from .release import BUCKET_ELEMENTS
@@ -109,6 +110,7 @@ class Adam(MixedPrecisionOptimizer):
                         update_in_backward=update_in_backward,
                         update_in_backward_bucket=update_in_backward_bucket,
                         max_grad_norm_per_param=max_grad_norm_per_param)
+        check_beta_kinds(betas)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:

@@ -43,12 +43,19 @@ def check_number(value, argument: str, label: Optional[str] = None, *, low: floa
 
 
 def check_betas(betas, count: int = 2) -> tuple:
+    """Each beta a number in [0, 1) (a one-element tensor taken by value).  A float and a
+    tensor together are refused only by the constructors (:func:`check_beta_kinds`), as in
+    torch: its schedulers with ``cycle_momentum`` write a float beside a tensor."""
     if not isinstance(betas, (tuple, list)) or len(betas) != count:
         raise TypeError(f"betas must be a tuple of {count} numbers, got {betas!r}")
-    if len({isinstance(b, torch.Tensor) for b in betas}) > 1:
-        raise ValueError("betas must be either both floats or both Tensors")
     return tuple(check_number(b, f"betas[{i}]", f"beta parameter at index {i}", high=1.0)
                  for i, b in enumerate(betas))
+
+
+def check_beta_kinds(betas) -> None:
+    """torch's constructors' rule: betas are all floats or all tensors."""
+    if isinstance(betas, (tuple, list)) and len({isinstance(b, torch.Tensor) for b in betas}) > 1:
+        raise ValueError("betas must be either both floats or both Tensors")
 
 
 def check_tensor_hyperparameters_without_foreach(group: dict, names: tuple) -> None:

@@ -7,7 +7,7 @@ from torch.optim.optimizer import ParamsT
 
 from .algorithms import LION, LionScalars
 from .backends import f32
-from .checks import check_betas, check_flag, check_number
+from .checks import check_beta_kinds, check_betas, check_flag, check_number
 from .optimizer import MixedPrecisionOptimizer
 from .precision import Precision
 from .release import BUCKET_ELEMENTS
@@ -63,6 +63,7 @@ class Lion(MixedPrecisionOptimizer):
                         update_in_backward=update_in_backward,
                         update_in_backward_bucket=update_in_backward_bucket,
                         max_grad_norm_per_param=max_grad_norm_per_param, capturable=capturable)
+        check_beta_kinds(betas)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:

@@ -38,7 +38,8 @@ from .checks import check_step_count
 from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
 from .q8_sharded import is_local_q8, is_rank_table, loaded_shard, rank_table, whole_moment
-from .storage import Q8, Q8_BLOCK, decode, encode, join_remainder, q8_decode, q8_encode, q8_shape, q8_signed, split_remainder
+from .storage import (Q8, Q8_BLOCK, decode, encode, join_remainder, q8_decode, q8_encode, q8_shape, q8_signed,
+                      split_remainder)
 from .tensors import real_view, state_moved, wrapped
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "LoadPlan", "LoadTarget", "convert_state", "plan_load",

@@ -397,7 +397,8 @@ def test_negative_views_match_the_reference(monkeypatch):
     params = {backend: [torch.nn.Parameter(v.clone()) for v in values] for backend in ("reference", "cupy")}
     for backend in params:  # (a param that is a negative view, as a .data assignment makes one)
         params[backend][2].data = params[backend][2].data.neg()._neg_view()
-    opts = {backend: bf16opt.AdamW(ps, lr=1e-2, precision="bf16", backend="reference") for backend, ps in params.items()}
+    opts = {backend: bf16opt.AdamW(ps, lr=1e-2, precision="bf16", backend="reference")
+            for backend, ps in params.items()}
     real_resolve = optimizer_module.resolve_backend
     for step in range(4):
         grads = [torch.randn(v.shape, generator=torch.Generator().manual_seed(10 + step)).to(v.dtype) for v in values]

@@ -199,3 +199,22 @@ def test_a_param_made_a_conjugate_view_is_refused_by_name_and_nothing_changes():
     after = opt.state_dict()
     assert all(torch.equal(after["state"][k][key], before[1]["state"][k][key])
                for k in before[1]["state"] for key in before[1]["state"][k])
+
+
+@pytest.mark.parametrize("cls", [bf16opt.AdamW, bf16opt.Lion])
+def test_tensor_betas_under_a_momentum_cycling_scheduler_step_as_torch_lets_them(cls):
+    """OneCycleLR with cycle_momentum writes a float beta1 beside a tensor beta2; torch's
+    constructor refuses that mix, its step does not, and neither does bf16opt's."""
+    p = nn.Parameter(torch.ones(4))
+    opt = cls([p], lr=1e-3, betas=(torch.tensor(0.9), torch.tensor(0.99)), backend="reference")
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    beta1, beta2 = opt.param_groups[0]["betas"]
+    assert isinstance(beta1, float) and isinstance(beta2, torch.Tensor)
+    for _ in range(3):
+        before = p.detach().clone()
+        p.grad = torch.ones(4)
+        opt.step()
+        scheduler.step()
+        assert not torch.equal(p.detach(), before)
+    with pytest.raises(ValueError, match="both floats or both Tensors"):
+        cls([nn.Parameter(torch.ones(2))], betas=(0.9, torch.tensor(0.99)))
