@@ -12,6 +12,7 @@ read them on the device when the graph runs (:func:`captured_amp`, bf16opt/captu
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -35,6 +36,9 @@ def _given(optimizer, grad_scale, found_inf) -> dict:
         value = keyword if keyword is not None else attribute
         if value is None:
             continue
+        if name == "found_inf" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            # GradScaler's sum over the devices of no grads (no param has one): the int 0
+            value = torch.tensor(float(value))
         if devices is None:
             devices = {p.device for group in optimizer.param_groups for p in group["params"]}
         check_amp_tensor(value, name, devices)

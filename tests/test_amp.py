@@ -270,6 +270,27 @@ def test_unscale_then_clip_with_float32_grads_of_fp16_params(offload):
         scaler.unscale_(opt)
 
 
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_grad_scaler_step_of_an_optimizer_without_grads_this_iteration(offload):
+    """A second optimizer whose params got no grad (a frozen head): GradScaler hands it
+    found_inf = sum([]), the int 0, as torch's fused AdamW takes it; the step changes nothing
+    and GradScaler clears its attributes, so later steps work."""
+    head, body = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt_head = bf16opt.AdamW(head.parameters(), lr=1e-2, offload=offload)
+    opt_body = torch.optim.SGD(body.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    before = [p.detach().clone() for p in head.parameters()]
+    scaler.scale(body(torch.ones(2, 4)).sum()).backward()
+    scaler.step(opt_body)
+    scaler.step(opt_head)
+    scaler.update()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(head.parameters(), before))
+    assert not hasattr(opt_head, "found_inf") and not hasattr(opt_head, "grad_scale")
+    head(torch.ones(2, 4)).sum().backward()
+    opt_head.step()
+    assert not any(torch.equal(p.detach(), b) for p, b in zip(head.parameters(), before))
+
+
 def test_step_keywords_skip_and_scale():
     """``step(found_inf=...)`` non-zero (NaN too) skips; ``grad_scale`` folds as GradScaler's does."""
     model = bf16_model()
