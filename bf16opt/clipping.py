@@ -5,7 +5,8 @@ Each param's grad is scaled to at most this L2 norm, on its own, as its update r
     coef = min(1, max_norm / (float32 L2 norm of the grad + 1e-6));  grad = grad * coef
 
 (one multiplication rounded to the grad's dtype, on the grad's device, as
-``torch.nn.utils.clip_grad_norm_`` scales).  It needs nothing but the param's own grad, so an
+``torch.nn.utils.clip_grad_norm_`` scales; in place, so a step leaves the clipped grad in
+``.grad``, as that function does; an offloaded step scales its host copy and the device grad).  It needs nothing but the param's own grad, so an
 update in backward (``release.py``) clips exactly as a normal step does: the one clipping that
 update in backward supports (``clip_grad_norm_`` over the whole model after backward finds no
 grads there).  Why per update and not a speculative global clip: docs/performance.md, "Update in

@@ -168,6 +168,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
     entries = _entries(optimizer, plan, group, first_index, precision, params, offloader)
     max_norm = group.get(clipping.KEY)
     factors = None if max_norm is None else _clip_factors(entries, float(max_norm), inv_grad_scale)
+    device_grads = [entry.grad for entry in entries]
     if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
         written = {id(p) for p, _ in plan.mirror_writes}
         staged = offloader.stage([e.original for e in entries],
@@ -176,6 +177,8 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
     if factors is not None:  # (an offloaded grad is scaled in its host copy, by the same factor)
         plan.clips += [(entry.grad, factor.to(entry.grad.device), entry.original if offloader else None)
                        for entry, factor in zip(entries, factors)]
+        if offloader:  # and on its device, after the copy: the step leaves .grad clipped either way
+            plan.clips += [(grad, factor, None) for grad, factor in zip(device_grads, factors)]
     plan.counters.extend(entry.counter for entry in entries)
     steps = _steps(entries)  # (None while a graph is captured: the kernels read the counters)
     lives = _live_inputs(optimizer, plan, group, number, entries, steps, backends, amp) if live else {}

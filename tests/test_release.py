@@ -583,6 +583,27 @@ def test_per_update_clipping_gives_the_same_bits_in_both_modes_and_clips(offload
         assert all(same_bits(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i])
 
 
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_a_clipping_step_leaves_the_clipped_grads_with_or_without_offload(offload):
+    """A normal step with per-update clipping scales each grad in place, as clip_grad_norm_
+    does; offloaded, it scales the host copy it reads and the device grad alike. So a second
+    step on the same grads (no zero_grad) is the same in both."""
+    x = batches(1)[0]
+    model_a, opt_a = make("Adam-amsgrad-L2", precision="bf16-sr", backend="numba")
+    loss_of(model_a, x).backward()
+    clip_each_by_hand(model_a.parameters(), 0.5)
+    expected = [p.grad.clone() for p in model_a.parameters()]
+    model_b, opt_b = make("Adam-amsgrad-L2", precision="bf16-sr", backend="numba", offload=offload,
+                          max_grad_norm_per_param=0.5)
+    loss_of(model_b, x).backward()
+    opt_b.step()
+    assert all(same_bits(p.grad, g) for p, g in zip(model_b.parameters(), expected))
+    opt_a.step()
+    opt_a.step()
+    opt_b.step()
+    assert all(same_bits(a.detach(), b.detach()) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
 @pytest.mark.parametrize("value, error", [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
                                           ("1", TypeError), (torch.tensor(1.0), TypeError)])
 def test_a_bad_max_grad_norm_per_param_is_refused_changing_nothing(value, error):
