@@ -214,11 +214,14 @@ class ReleaseHooks:
 
     def end_backward_here(self) -> bool:
         """Have the running backward call :meth:`_at_backward_end` at its end, once; False where
-        it cannot (no backward runs on this thread, or a torch without the callbacks)."""
+        it cannot (no backward runs on this thread, a torch without the callbacks, or compiled
+        autograd tracing the hook): then each bucket is updated at once."""
         task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
         engine = getattr(torch.autograd.Variable, "_execution_engine", None)
         queue_callback = getattr(engine, "queue_callback", None)  # (what FSDP uses, private)
         if task == -1 or queue_callback is None:
+            return False
+        if torch.compiler.is_compiling():  # (compiled autograd traces the hook; it refuses the callback)
             return False
         if task != self._ends_task:
             self._ends_task = task

@@ -758,3 +758,25 @@ def test_an_offloaded_bucket_of_empty_params_alone_steps():
     empty.grad = torch.zeros_like(empty)
     opt.step()
     assert int(opt.state[empty]["step"]) == 1
+
+
+def test_update_in_backward_under_compiled_autograd_gives_the_normal_steps_bits():
+    """Compiled autograd traces the hooks with Dynamo, which refuses the engine's end-of-backward
+    callback unless fullgraph: then each bucket is updated at once, with the same bits."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    if not hasattr(compiled_autograd, "_enable"):
+        pytest.skip("this torch has no torch._dynamo.compiled_autograd._enable")
+    runs = []
+    for release in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(torch.bfloat16)
+        opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision="bf16", backend="numba",
+                            update_in_backward=release)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        loss = (model(x).float() - x.float()).pow(2).mean()
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+        opt.step()
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
