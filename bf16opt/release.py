@@ -110,6 +110,7 @@ class ReleaseHooks:
         self.pending: dict = {}         # group number -> its params waiting for one update (_Bucket)
         self._ends_task = None          # the backward whose end updates the rest (its graph task id)
         self.updated = set()            # ids of the params updated in this backward (see on_grad)
+        self._nesting = (None, False)   # (graph task id, whether it is a nested backward) last asked
         weakref.finalize(optimizer, ReleaseHooks._remove_all, self._handles)
 
     def sync(self, groups: list) -> None:
@@ -170,7 +171,7 @@ class ReleaseHooks:
         optimizer = self._owner()
         if optimizer is None or self.accumulating:
             return
-        if _in_a_nested_backward():  # (the param is updated at step(), from all of its grad)
+        if self._nested():  # (the param is updated at step(), from all of its grad)
             if id(param) in self.updated:
                 self._refuse_nested(optimizer, param)
             return
@@ -191,6 +192,15 @@ class ReleaseHooks:
             full = bucket.elements >= groups[number].get(BUCKET_KEY, BUCKET_ELEMENTS)
             if full or not self.end_backward_here():
                 self._flush(optimizer, number)
+
+    def _nested(self) -> bool:
+        """:func:`_in_a_nested_backward`, asked once per graph task (a walk of the Python stack)."""
+        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        if task == -1:
+            return _in_a_nested_backward()
+        if task != self._nesting[0]:
+            self._nesting = (task, _in_a_nested_backward())
+        return self._nesting[1]
 
     def _refuse_nested(self, optimizer, param) -> None:
         """A nested backward adds to the grad of a param this backward already updated: its
