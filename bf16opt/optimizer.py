@@ -431,6 +431,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for number, group in enumerate(self.param_groups):
                 if group.get(release.KEY):
                     self._group_precision(number, group)
+                    release.check_reduced_grads(group["params"], number)
             hooks.checked = True
 
     @property

@@ -42,11 +42,12 @@ from typing import Callable
 import torch
 
 from . import step_cache
+from .distributed import is_dtensor
 from .offload_copies import phase
 from .step_plan import narrowed_group, plan_update
 
-__all__ = ["BUCKET_ELEMENTS", "BUCKET_KEY", "Background", "PHASES", "ReleaseHooks", "check_bucket", "check_step",
-           "update", "wanted"]
+__all__ = ["BUCKET_ELEMENTS", "BUCKET_KEY", "Background", "PHASES", "ReleaseHooks", "check_bucket",
+           "check_reduced_grads", "check_step", "update", "wanted"]
 
 KEY = "update_in_backward"
 #: a group's bucket: its small params updated together in backward until their grads have this
@@ -64,6 +65,22 @@ PHASES = {
 def wanted(groups: list) -> bool:
     """Whether any group asks for updates in backward."""
     return any(group.get(KEY) for group in groups)
+
+
+def check_reduced_grads(params: list, number: int) -> None:
+    """The hooks must see each param's reduced grad.  FSDP2 runs them after its reduce-scatter
+    (DTensor params); DistributedDataParallel, or any all-reduce of plain params' grads, runs
+    after them, so each rank would update from its own grad and the replicas drift apart."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    plain = [k for k, param in enumerate(params) if not is_dtensor(param)]
+    if plain:
+        raise ValueError(f"{KEY}: param group {number} holds plain params (not DTensors, e.g. "
+                         f"params[{plain[0]}]) in a process group of {dist.get_world_size()} ranks: "
+                         f"their hooks run before DistributedDataParallel (or any all-reduce) averages "
+                         f"the grads, so each rank would update from its own. Shard them with FSDP2's "
+                         f"fully_shard (its hooks see the reduced grad), or set {KEY}=False")
 
 
 def check_bucket(value) -> int:

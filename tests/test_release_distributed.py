@@ -260,15 +260,35 @@ def _clipping_set_later_is_refused(rank: int) -> list:
     return failures
 
 
+def check_ddp_is_refused(rank: int) -> list:
+    """DistributedDataParallel averages the grads after the hooks have run: the first hook's
+    backward raises, naming the group, before any param or state changes."""
+    torch.manual_seed(0)
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-2, backend="numba", update_in_backward=True)
+    before = [bits(p.detach()) for p in model.parameters()]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    try:
+        ddp(x).float().pow(2).mean().backward()
+        failures = ["no ValueError from backward"]
+    except ValueError as error:
+        failures = [] if "param group 0 holds plain params" in str(error) else [f"ValueError: {error}"]
+    if opt.state or not all(torch.equal(old, bits(p.detach())) for old, p in zip(before, model.parameters())):
+        failures.append("backward changed a param or the state")
+    return failures
+
+
 @needs_gloo
 def test_fsdp2_updates_in_backward_with_the_normal_steps_bits():
     """FSDP2 runs the hooks after its reduce-scatter: each shard is updated in backward from the
     reduced grad and its grad freed, with the normal step's bits (AdamW with stochastic rounding,
     remainder, bf16 states on the reference, SGD momentum with Kahan, offload='cpu' also with the
     root as the only unit, float32 params under a mixed-precision policy), with either way of
-    accumulating grads and with a unit used twice; per-update clipping is refused."""
+    accumulating grads and with a unit used twice; per-update clipping is refused, and so is
+    DistributedDataParallel (its all-reduce runs after the hooks)."""
     checks = {"steps": check_steps_match_the_normal_step, "accumulation": check_accumulation,
               "unit used twice": check_a_unit_used_twice,
-              "per-update clipping": check_per_update_clipping_is_refused}
+              "per-update clipping": check_per_update_clipping_is_refused, "DDP": check_ddp_is_refused}
     expected = {name: [] for name in checks}
     assert run_on_ranks(checks) == {0: expected, 1: expected}
