@@ -360,11 +360,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if offloaded is not None:  # (its host copy may still be arriving)
                 self._offloader.wait_grad(offloaded)
             grad.mul_(factor)
-        for bucket, launch in launches:
+        for bucket, launch, originals in launches:
             launch()
-            if bucket.counts is not None:
-                for param, counts in zip(bucket.params, bucket.counts.tolist()):
-                    self._precision_counts[param] = (param.numel(), counts)
+            if bucket.counts is not None:  # (kept under the user's param: a shard, host mirror or real view counted)
+                for param, original, counts in zip(bucket.params, originals, bucket.counts.tolist()):
+                    self._precision_counts[original] = (param.numel(), counts)
 
     # ---- update in backward (release.py)
     @property

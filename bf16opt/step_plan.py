@@ -70,7 +70,7 @@ class StepPlan:
     mirror_writes: list = field(default_factory=list)  # (offloaded param, new bits): its host mirror
     counters: list = field(default_factory=list)       # step tensors to advance
     known: dict = field(default_factory=dict)          # param -> config its state now fits
-    launches: list = field(default_factory=list)       # (bucket, prepared launch)
+    launches: list = field(default_factory=list)       # (bucket, prepared launch, its params as the user has them)
     reused: list = field(default_factory=list)         # phase two of each group whose kept launch is reused
     built: list = field(default_factory=list)          # (group number, KeptLaunchMaterial or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
@@ -201,7 +201,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
             launch = offloader.prepare(bucket, originals, backend, scalars, group.get("offload_threads"))
         else:  # checks and compiles
             launch = backend.prepare(bucket, scalars)
-        plan.launches.append((bucket, launch))
+        plan.launches.append((bucket, launch, originals))
         launched.append((bucket, backend))
     fresh = any(entry.original in plan.states or entry.original in plan.buffers for entry in entries)
     plan.built.append((number, None if offloader or fresh or factors is not None else

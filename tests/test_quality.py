@@ -375,3 +375,19 @@ def test_precision_stats_requires_tracking():
     opt = bf16opt.AdamW([param])
     with pytest.raises(RuntimeError, match="track_precision"):
         opt.precision_stats()
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_precision_stats_count_offloaded_and_complex_params(offload):
+    """The kernels update a host mirror (offload) or a real view (complex): the counts are
+    kept under the user's param all the same. lr 1e-9 on weights of 1.0 is under half an fp32
+    ulp, so every non-zero update is swallowed (the complex param's imaginary parts get none)."""
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.complex64))
+    r = torch.nn.Parameter(torch.ones(8))
+    opt = bf16opt.AdamW([w, r], lr=1e-9, weight_decay=0.0, precision="fp32", track_precision=True,
+                        offload=offload)
+    w.grad, r.grad = torch.ones_like(w), torch.ones_like(r)
+    opt.step()
+    stats = opt.precision_stats()
+    assert stats[0]["swallowed"] == 0.5 and stats[1]["swallowed"] == 1.0
+    assert stats["total"]["swallowed"] == 12 / 16  # (of the real elements: 8 each)
