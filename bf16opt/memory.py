@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .distributed import local
 from .precision import SHORT_NAME
 
 __all__ = ["MemoryReport", "format_table", "html_table", "memory_report"]
@@ -146,12 +147,14 @@ def memory_report(optimizer: torch.optim.Optimizer) -> MemoryReport:
     """Bytes of params, grads, master copies, moments and any other state buffer.
 
     Counted from the tensors that exist now: optimizer state is created at the first
-    ``step()``, so call this after one step to see the steady-state footprint.
+    ``step()``, so call this after one step to see the steady-state footprint.  A DTensor
+    (FSDP2) counts its local shard: the report is this rank's.
     """
     report = MemoryReport(bytes={name: 0 for name in components(optimizer)})
     seen = set()
 
     def add(name: str, tensor: torch.Tensor) -> None:
+        tensor = local(tensor)
         report.bytes[name] = report.bytes.get(name, 0) + tensor.numel() * tensor.element_size()
         report.dtypes.setdefault(name, set()).add(SHORT_NAME.get(tensor.dtype, str(tensor.dtype)))
 
@@ -161,14 +164,14 @@ def memory_report(optimizer: torch.optim.Optimizer) -> MemoryReport:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            report.num_params += param.numel()
+            report.num_params += local(param).numel()
             add("params", param)
             if param.grad is not None:
                 add("grads", param.grad)
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
                     add(key, value)
-                    nbytes = value.numel() * value.element_size()
+                    nbytes = local(value).numel() * value.element_size()
                     if offloaded:
                         report.host_bytes += nbytes
                         report.pinned_bytes += nbytes if value.is_pinned() else 0

@@ -221,6 +221,21 @@ def check_zero_redundancy(rank: int) -> list:
     return [] if same else ["ZeroRedundancyOptimizer: differs from one process"]
 
 
+def check_memory_report_is_this_ranks(rank: int) -> list:
+    """memory_report under FSDP2 counts each DTensor's local shard: this rank's bytes."""
+    model = _fsdp2_model()
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision="bf16", backend="numba")
+    train(model, opt, rank, 1)
+    report = bf16opt.memory_report(opt)
+    shards = [p.to_local() for p in model.parameters()]
+    state = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for k, v in s.items()
+             if k != "step"]
+    expected = (sum(t.numel() for t in shards), sum(t.numel() * t.element_size() for t in shards),
+                sum(t.numel() * t.element_size() for t in state))
+    got = (report.num_params, report.bytes["params"], report.bytes["exp_avg"] + report.bytes["exp_avg_sq"])
+    return [] if got == expected else [f"memory_report {got}, this rank holds {expected}"]
+
+
 def check_ddp(rank: int) -> list:
     """DDP (plain params, grads averaged across ranks): every rank equals one process that sees
     the average gradient, with stochastic rounding too (DDP's params are the model's own)."""
@@ -298,7 +313,7 @@ def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks():
     """FSDP2 (uneven shards, an empty shard) equals one process bit for bit for every preset,
     Lion and SGD with stochastic rounding, offload='cpu'; Shard(1) placements; DCP save/load
     and full state dicts continue bit for bit; ZeroRedundancyOptimizer and DDP equal one
-    process; docs/integrations_dist.md's examples run."""
+    process; memory_report is this rank's; docs/integrations_dist.md's examples run."""
     with tempfile.TemporaryDirectory() as path:
         checks = {"fsdp2": check_fsdp2_matches_one_process,
                   "tensor_parallel": check_tensor_parallel_placements,
@@ -306,6 +321,7 @@ def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks():
                   "dcp": functools.partial(check_dcp_round_trip, path=path),
                   "zero": check_zero_redundancy,
                   "ddp": check_ddp,
+                  "memory_report": check_memory_report_is_this_ranks,
                   "full_state_dict": check_full_state_dict,
                   "docs": functools.partial(check_integration_examples, path=path)}
         results = run_on_ranks(checks)
