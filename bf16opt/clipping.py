@@ -6,11 +6,11 @@ Each param's grad is scaled to at most this L2 norm, on its own, as its update r
 
 (one multiplication rounded to the grad's dtype, on the grad's device, as
 ``torch.nn.utils.clip_grad_norm_`` scales; in place, so a step leaves the clipped grad in
-``.grad``, as that function does; an offloaded step scales its host copy and the device grad).  It needs nothing but the param's own grad, so an
-update in backward (``release.py``) clips exactly as a normal step does: the one clipping that
-update in backward supports (``clip_grad_norm_`` over the whole model after backward finds no
-grads there).  Why per update and not a speculative global clip: docs/performance.md, "Update in
-backward".
+``.grad``, as that function does; an offloaded step scales its host copy and the device
+grad).  It needs nothing but the param's own grad, so an update in backward (``release.py``)
+clips exactly as a normal step does: the one clipping that update in backward supports
+(``clip_grad_norm_`` over the whole model after backward finds no grads there).  Why per
+update and not a speculative global clip: docs/performance.md, "Update in backward".
 """
 
 from __future__ import annotations

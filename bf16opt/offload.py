@@ -43,10 +43,10 @@ from typing import Optional
 import torch
 
 from .distributed import local
-from .tensors import read_view, real_view
 from .offload_copies import PHASES, CopyEngine, engine_for, phase
 from .offload_update import host_update
 from .offload_update import host_threads as _host_threads
+from .tensors import read_view, real_view
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "OFFLOAD_VALUES", "PHASES", "Offloader", "check_offload",
            "use_copy_engine"]
@@ -275,7 +275,8 @@ class Offloader:
         record.uploads = []
         shard = local(param)
         with phase(PHASES["mirror_read"], shard.is_cuda):
-            record.mirror_transfer = self.engine(param.device).to_host(record.mirror, real_view(shard.detach()))
+            real = real_view(shard.detach())
+            record.mirror_transfer = self.engine(param.device).to_host(record.mirror, real)
             record.mirror_stamp, record.mirror_print = _stamp(shard), fingerprint(shard)
 
     def wait_grad(self, param: torch.Tensor) -> None:

@@ -362,7 +362,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             grad.mul_(factor)
         for bucket, launch, originals in launches:
             launch()
-            if bucket.counts is not None:  # (kept under the user's param: a shard, host mirror or real view counted)
+            if bucket.counts is not None:  # (under the user's param: the kernel's is a view or copy of it)
                 for param, original, counts in zip(bucket.params, originals, bucket.counts.tolist()):
                     self._precision_counts[original] = (param.numel(), counts)
 

@@ -212,7 +212,7 @@ class ReleaseHooks:
 
     def _nested(self) -> bool:
         """:func:`_in_a_nested_backward`, asked once per graph task (a walk of the Python stack)."""
-        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        task = _graph_task()
         if task == -1:
             return _in_a_nested_backward()
         if task != self._nesting[0]:
@@ -243,7 +243,7 @@ class ReleaseHooks:
         """Have the running backward call :meth:`_at_backward_end` at its end, once; False where
         it cannot (no backward runs on this thread, a torch without the callbacks, or compiled
         autograd tracing the hook): then each bucket is updated at once."""
-        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        task = _graph_task()
         engine = getattr(torch.autograd.Variable, "_execution_engine", None)
         queue_callback = getattr(engine, "queue_callback", None)  # (what FSDP uses, private)
         if task == -1 or queue_callback is None:
@@ -304,9 +304,14 @@ class _Bucket:
 
 #: the Python frames of a Function's backward run by the engine (``BackwardCFunction.apply``),
 #: and of a backward started from Python (torch's ``_engine_run_backward``); private, or None
-_FUNCTION_BACKWARD = getattr(getattr(getattr(torch.autograd.function, "BackwardCFunction", None), "apply", None),
-                             "__code__", None)
+_FUNCTION_BACKWARD = getattr(getattr(torch.autograd.function, "BackwardCFunction", None), "apply", None)
+_FUNCTION_BACKWARD = getattr(_FUNCTION_BACKWARD, "__code__", None)
 _ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
+
+
+def _graph_task() -> int:
+    """The running backward's graph task id (private), -1 outside one or without it."""
+    return getattr(torch._C, "_current_graph_task_id", lambda: -1)()
 
 
 def _in_a_nested_backward() -> bool:

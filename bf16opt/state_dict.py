@@ -314,7 +314,8 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
 
 
 def _check_loadable(value: torch.Tensor, what: str) -> None:
-    """A saved tensor holds data to read, laid out densely."""
+    """A saved tensor holds data to read, laid out densely (every saved tensor is checked
+    here before it is read)."""
     if value.is_meta:
         raise ValueError(f"{what} is a meta tensor (no data to load)")
     if value.layout != torch.strided:
@@ -354,16 +355,12 @@ def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str, role: 
     """A new tensor laid out like ``param`` holding ``encode(value, dtype)``; a q8 moment
     (``role`` names its map) is dequantized from, or quantized into, to nearest."""
     if role is not None and isinstance(value, torch.Tensor) and _is_q8(value, param):
-        if value.is_meta:
-            raise ValueError(f"{what} is a meta tensor (no data to load)")
         value = value.detach().to(param.device)
         if dtype == Q8:  # the same codes and scales
             return value.clone(memory_format=torch.contiguous_format)
         value = q8_decode(value, param.shape, q8_signed(role))
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         raise TypeError(f"{what} must be a floating-point tensor, got {value!r:.80}")
-    if value.is_meta:
-        raise ValueError(f"{what} is a meta tensor (no data to load)")
     if value.shape != param.shape:
         raise ValueError(f"{what} has shape {tuple(value.shape)}, but the param has shape "
                          f"{tuple(param.shape)}")

@@ -250,13 +250,20 @@ def _clipping_set_later_is_refused(rank: int) -> list:
     opt.param_groups[0]["max_grad_norm_per_param"] = 1.0
     _loss(model, _batches(rank, 1)[0]).backward()
     before = [bits(q.to_local()).clone() for q in model.parameters()]
+    return _refused(opt.step, "step()", "shard's norm is not the param's", opt, model, before,
+                    lambda q: q.to_local())
+
+
+def _refused(call, what: str, text: str, opt, model, before: list, shard) -> list:
+    """Failures unless ``call()`` raises a ValueError containing ``text`` and leaves the
+    state empty and every param's ``shard(param)`` bits as ``before``."""
     try:
-        opt.step()
-        failures = ["no ValueError from step()"]
+        call()
+        failures = [f"no ValueError from {what}"]
     except ValueError as error:
-        failures = [] if "shard's norm is not the param's" in str(error) else [f"ValueError: {error}"]
-    if opt.state or not all(torch.equal(old, bits(q.to_local())) for old, q in zip(before, model.parameters())):
-        failures.append("step() changed a param or the state")
+        failures = [] if text in str(error) else [f"ValueError: {error}"]
+    if opt.state or not all(torch.equal(old, bits(shard(q))) for old, q in zip(before, model.parameters())):
+        failures.append(f"{what} changed a param or the state")
     return failures
 
 
@@ -269,14 +276,8 @@ def check_ddp_is_refused(rank: int) -> list:
     opt = bf16opt.AdamW(model.parameters(), lr=1e-2, backend="numba", update_in_backward=True)
     before = [bits(p.detach()) for p in model.parameters()]
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-    try:
-        ddp(x).float().pow(2).mean().backward()
-        failures = ["no ValueError from backward"]
-    except ValueError as error:
-        failures = [] if "param group 0 holds plain params" in str(error) else [f"ValueError: {error}"]
-    if opt.state or not all(torch.equal(old, bits(p.detach())) for old, p in zip(before, model.parameters())):
-        failures.append("backward changed a param or the state")
-    return failures
+    return _refused(lambda: ddp(x).float().pow(2).mean().backward(), "backward",
+                    "param group 0 holds plain params", opt, model, before, lambda q: q.detach())
 
 
 @needs_gloo
