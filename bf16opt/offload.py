@@ -123,6 +123,11 @@ class _HostParam:
                  "mirror_stamp", "mirror_print", "mirror_transfer", "uploads", "hook", "__weakref__")
 
     def __init__(self, engine: CopyEngine, param: torch.Tensor):
+        self.hook = None
+        self.fit(engine, param)
+
+    def fit(self, engine: CopyEngine, param: torch.Tensor) -> None:
+        """Buffers for the param as it is now, nothing staged or read yet."""
         real = real_view(local(param))  # a DTensor's host buffers hold its local shard
         self.mirror = engine.host_empty(real.shape, real.dtype)   # the param's value on the host
         self.grad = engine.host_empty(real.shape, real.dtype)     # the grad's staging buffer (its dtype)
@@ -134,7 +139,6 @@ class _HostParam:
         self.mirror_print = None      # and its fingerprint
         self.mirror_transfer = None
         self.uploads = []             # host->device copies from the mirror still in flight
-        self.hook = None
 
 
 class Offloader:
@@ -161,6 +165,8 @@ class Offloader:
         record = self._records.get(param)
         if record is None:
             record = self._records[param] = _HostParam(self.engine(param.device), param)
+        else:
+            self._refit(param, record)
         if record.hook is None and param.requires_grad:
             self_ref = weakref.ref(self)
 
@@ -171,6 +177,17 @@ class Offloader:
 
             record.hook = param.register_post_accumulate_grad_hook(grad_ready)
         return record
+
+    def _refit(self, param: torch.Tensor, record: _HostParam) -> None:
+        """New host buffers where the param's dtype or shape changed since they were made
+        (``model.float()`` sets each param's ``.data``): the mirror is then read again."""
+        real = real_view(local(param))
+        if record.mirror.dtype == real.dtype and record.mirror.shape == real.shape:
+            return
+        for transfer in (record.grad_transfer, record.mirror_transfer, *record.uploads):
+            if transfer is not None:
+                transfer.wait()
+        record.fit(self.engine(param.device), param)
 
     def release(self, keep) -> None:
         """Free the host buffers and hooks of params not in ``keep`` (they left the offloaded

@@ -608,6 +608,34 @@ def test_param_data_edits_are_read_back(edit):
     assert_same_run(*ref, *off)
 
 
+def _train_cast_between_steps(offload, preset, start, cast, in_backward):
+    """Two steps in ``start``, then the model cast to ``cast`` (``Module.to`` sets each
+    param's ``.data``), then two more steps."""
+    model, opt = make("AdamW", start, offload, precision=preset, backend="numba",
+                      update_in_backward=in_backward)
+    for i, x in enumerate(batches(torch.float32, 4)):
+        if i == 2:
+            model.to(cast)
+        opt.zero_grad()
+        loss_of(model, x.to(next(model.parameters()).dtype)).backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
+@pytest.mark.parametrize("preset, start, cast", [
+    ("bf16-states", torch.bfloat16, torch.float32),   # the master is read back from the param
+    ("fp32", torch.float32, torch.bfloat16),          # the master is the param: not read back
+    ("fp32", torch.bfloat16, torch.float32),
+    ("bf16-sr", torch.float32, torch.bfloat16),
+])
+def test_a_model_cast_between_steps_gives_the_same_bits(preset, start, cast, in_backward):
+    ref = _train_cast_between_steps(None, preset, start, cast, in_backward)
+    off = _train_cast_between_steps("cpu", preset, start, cast, in_backward)
+    assert next(off[0].parameters()).dtype == cast
+    assert_same_run(*ref, *off)
+
+
 def _frozen_then_unfrozen(offload, opt_name, preset):
     model = Net(torch.bfloat16)
     model.w1.requires_grad_(False)
