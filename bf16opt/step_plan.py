@@ -26,7 +26,7 @@ from . import state_dict as state_dicts
 from . import capture, clipping, step_cache
 from .algorithms import KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, f32, reference, resolve_backend
-from .checks import check_not_conjugate, check_param_names, check_step_count
+from .checks import check_not_conjugate, check_param_names, check_params_listed_once, check_step_count
 from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local
 from .precision import plan_for
 from .storage import Q8, q8_shape, stream_id
@@ -71,7 +71,7 @@ class StepPlan:
     counters: list = field(default_factory=list)       # step tensors to advance
     known: dict = field(default_factory=dict)          # param -> config its state now fits
     launches: list = field(default_factory=list)       # (bucket, prepared launch, its params as the user has them)
-    reused: list = field(default_factory=list)         # phase two of each group whose kept launch is reused
+    reused: list = field(default_factory=list)         # (launches before it, phase two) of each group reusing its launch
     built: list = field(default_factory=list)          # (group number, KeptLaunchMaterial or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
     clips: list = field(default_factory=list)          # (grad the kernels read, clip factor): scaled first
@@ -104,6 +104,7 @@ def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=(), amp=None) -> 
     scalar (1 / GradScaler's scale).  ``answered``: ``step_cache.reused_step``'s answers for
     the first groups, (group, precision, phase two or None) each (not asked again).  ``amp``:
     GradScaler's tensors of a step captured in a CUDA graph (``amp.captured_amp``), or None."""
+    check_params_listed_once(optimizer.param_groups)
     plan = StepPlan(found_inf=None if amp is None else amp.found_inf)
     kept = optimizer._group_launches
     view = step_cache.StateView(optimizer.state) if kept else None  # (one for all groups)
@@ -117,7 +118,7 @@ def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=(), amp=None) -> 
                                                              inv_grad_scale, view)
         if reused:  # nothing the group's launch was built from changed since the last step
             plan.precisions.append((group, precision))
-            plan.reused.append(reused)
+            plan.reused.append((len(plan.launches), reused))
         else:
             _plan_group(optimizer, plan, number, group, first_index, precision, inv_grad_scale, amp)
         first_index += len(group["params"])
@@ -317,7 +318,7 @@ def _steps(entries: list) -> Optional[list]:
     captured (a capturable group's counters are on the device: reading them would sync)."""
     if capture.capturing():
         return None
-    counts = torch.stack([e.counter.double() for e in entries]).tolist()
+    counts = torch.stack([e.counter.double().reshape(()) for e in entries]).tolist()  # (any one-element shape)
     for value, entry in zip(counts, entries):
         check_step_count(value, f"state['step'] of param {entry.number}")
     return [int(s) + 1 for s in counts]

@@ -454,3 +454,21 @@ def test_an_old_torch_sgd_state_dict_without_momentum_buffers_loads():
         param.grad = torch.ones(4)
         opt.step()
     assert torch.equal(p.detach(), q.detach()) and "momentum_buffer" not in ours.state[q]
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_a_step_counter_of_another_one_element_shape_steps_as_a_scalar_one(backend):
+    """A counter of shape (1,) (torch.optim accepts any one-element step) beside 0-dim ones."""
+    runs = []
+    for shape in [(), (1,)]:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.nn.Parameter(torch.randn(4, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g))
+        opt = bf16opt.AdamW([a, b], backend=backend)
+        for step in range(3):
+            a.grad, b.grad = torch.randn(4, generator=g), torch.randn(3, generator=g)
+            opt.step()
+            if step == 0:
+                opt.state[b]["step"] = opt.state[b]["step"].reshape(shape)
+        runs.append((a.detach(), b.detach(), float(opt.state[b]["step"])))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][2] == runs[1][2] == 3.0
