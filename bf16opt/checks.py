@@ -188,6 +188,17 @@ def check_no_aliasing(tensors: list, names: list) -> None:
                                  f"in-place updates would race: give each param its own storage")
 
 
+def check_params_listed_once(groups: list) -> None:
+    """ValueError naming a param listed twice in the groups (appended to a group's ``params``
+    by hand: ``add_param_group`` refuses it): it would be updated twice a step."""
+    params = [param for group in groups for param in group["params"]]
+    if len(set(map(id, params))) == len(params):
+        return
+    names = [f"param_groups[{i}]['params'][{j}]" for i, group in enumerate(groups)
+             for j in range(len(group["params"]))]
+    check_no_aliasing(params, names)
+
+
 def check_amp_tensor(value, argument: str, devices: set) -> None:
     """``grad_scale`` / ``found_inf`` of a step (torch.amp.GradScaler's protocol): a
     one-element float32 tensor, as GradScaler makes them, on the CPU or on a device of the

@@ -348,23 +348,32 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._state_configs.update(plan.known)
         if plan.offloaded is not None:  # params that left the offloaded groups free their host buffers
             self._offloader.release(plan.offloaded)
-        for run in plan.reused:
-            run()
-        self._run_launches(plan.clips, plan.launches)
+        self._run_launches(plan.clips, plan.launches, plan.reused)
         if plan.built or plan.stale_launches:
             self._keep_launches(plan.built)
 
-    def _run_launches(self, clips: list, launches: list) -> None:
-        """The kernels of a plan, after its grads' clipping."""
+    def _run_launches(self, clips: list, launches: list, reused: list = ()) -> None:
+        """The kernels of a plan, after its grads' clipping, in group order: ``reused``, the
+        (launches before it, phase two) of the groups reusing their kept launches, run among
+        ``launches`` where their groups are (a param in two groups, or memory shared by params
+        of two groups, is updated group by group, as the reference does)."""
         for grad, factor, offloaded in clips:
             if offloaded is not None:  # (its host copy may still be arriving)
                 self._offloader.wait_grad(offloaded)
             grad.mul_(factor)
-        for bucket, launch, originals in launches:
+        waiting = iter(reused)
+        due, run = next(waiting, (None, None))
+        for position, (bucket, launch, originals) in enumerate(launches):
+            while due == position:
+                run()
+                due, run = next(waiting, (None, None))
             launch()
             if bucket.counts is not None:  # (under the user's param: the kernel's is a view or copy of it)
                 for param, original, counts in zip(bucket.params, originals, bucket.counts.tolist()):
                     self._precision_counts[original] = (param.numel(), counts)
+        while run is not None:
+            run()
+            due, run = next(waiting, (None, None))
 
     # ---- update in backward (release.py)
     @property

@@ -283,6 +283,7 @@ for row_id, change, opt_class in [
                                                        .as_subclass(Overriding)), bf16opt.AdamW),
     ("state-tensor-subclass", lambda opt, a, b: _set(opt.state[b], "exp_avg", torch.zeros(3).as_subclass(Overriding)),
      bf16opt.AdamW),
+    ("edited-param-in-two-groups", lambda opt, a, b: opt.param_groups[1]["params"].append(a), bf16opt.AdamW),
     ("edited-sr-streams", lambda opt, a, b: _set(opt.param_groups[1], "sr_streams", "name"), bf16opt.AdamW),
     ("edited-param-names", lambda opt, a, b: _set(opt.param_groups[1], "param_names", [5]), bf16opt.AdamW),
     ("edited-lr-negative", lambda opt, a, b: _set(opt.param_groups[1], "lr", -1.0), bf16opt.AdamW),

@@ -682,7 +682,7 @@ def test_an_error_of_an_offloaded_update_is_raised_by_backward():
     model, opt = make(backend="numba", offload="cpu", update_in_backward=True)
     offloaded(opt)
 
-    def failing(clips, launches):
+    def failing(*arguments):
         raise RuntimeError("host update failed")
     opt._run_launches = failing
     with pytest.raises(RuntimeError, match="host update failed"):

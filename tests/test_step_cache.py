@@ -728,6 +728,38 @@ def test_a_state_replaced_in_another_group_keeps_this_groups_launch(spy):
     assert spy.counts() == (reused + 3, refused + 1, built + 1)
 
 
+def test_groups_run_in_order_when_a_later_group_reuses_its_launch(spy):
+    """Group 0's param made to share group 1's memory after the launches were kept: group 0
+    takes the full path, group 1 reuses its launch, and the memory is updated by group 0,
+    then group 1, as the reference does."""
+    twins = Twins(shapes=[(5,), (3,), (5,)])
+    for backend, opt in twins.opts.items():
+        params = twins.params[backend]
+        opt.param_groups[0]["params"] = params[:1]
+        opt.add_param_group({"params": params[1:], "lr": 0.1})
+    warm(twins, spy)
+    reused = spy.reused
+    twins.each(lambda opt, params: setattr(params[0], "data", params[2].data))
+    twins.grads_and_step()
+    twins.grads_and_step()
+    assert spy.reused >= reused + 2  # (group 1 reused while group 0 took the full path)
+
+
+def test_a_param_appended_to_a_second_group_by_hand_is_refused(spy):
+    twins = Twins(shapes=[(5,), (3,)])
+    for backend, opt in twins.opts.items():
+        params = twins.params[backend]
+        opt.param_groups[0]["params"] = params[:1]
+        opt.add_param_group({"params": params[1:]})
+    warm(twins, spy)
+    twins.grads()
+    before = snapshot(twins.opt)
+    twins.opt.param_groups[1]["params"].append(twins.params["numba"][0])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] and param_groups\[1\]"):
+        twins.opt.step()
+    assert_unchanged(twins.opt, before)
+
+
 def test_states_swapped_between_params_refuse(spy):
     """The same state dicts, given to other params: the view changed, the lookup sees it."""
     twins = Twins(shapes=[(5,), (5,), (3,)])
