@@ -19,6 +19,7 @@ per-step float32 scalars; the math lives in ``backends/reference.py`` and the ke
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -532,7 +533,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def group_backends(self) -> list:
         """The backend each param group runs on now, by name (``"numba"``, ``"cupy"`` or
         ``"reference"``; ``"auto"`` resolved for its params' device, offloaded groups on the
-        host; ``"none"`` for a group without params)."""
+        host; ``"none"`` for a group without params).  float64 params run on the reference:
+        a group of them is ``"reference"``, a group with others too, e.g.
+        ``"numba (float64 params: reference)"``."""
         names = []
         for group in self.param_groups:
             params = group["params"]
@@ -540,7 +543,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 names.append("none")
                 continue
             device = torch.device("cpu") if group.get("offload") == "cpu" else params[0].device
-            names.append(backend_name(group["backend"], device))
+            wide = [p.dtype.to_real() == torch.float64 for p in params]
+            name = "reference" if all(wide) else backend_name(group["backend"], device)
+            names.append(name if name == "reference" or not any(wide) else f"{name} (float64 params: reference)")
         return names
 
     # ---- state dict
@@ -552,8 +557,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         every rank's blocks.
         """
         self._finish_pending()
-        return state_dicts.save(super().state_dict(), self.algorithm.name, type(self).__name__,
-                                self.param_groups)
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # (run below, on the finished dict)
+        try:
+            saved = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
+        saved = state_dicts.save(saved, self.algorithm.name, type(self).__name__, self.param_groups)
+        for hook in post_hooks.values():  # as torch: a hook may edit the dict or return another
+            result = hook(self, saved)
+            if result is not None:
+                saved = result
+        return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a bf16opt or torch.optim state dict, converting into this optimizer's dtypes.
@@ -566,6 +581,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         does not fit raises before the optimizer changes.
         """
         self._finish_pending()
+        if isinstance(state_dict, dict):  # (as torch: hooks editing it leave the caller's dict alone)
+            state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:

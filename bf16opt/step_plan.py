@@ -17,7 +17,9 @@ converts a state dict saved with another preset.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import NamedTuple, Optional
 
 import torch
@@ -259,6 +261,10 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     new at its first step, moved or converted when its configuration or home changed (the
     new state recorded in ``plan.states``), else as it is."""
     state = shards(optimizer.state.get(original)) if sharded else optimizer.state.get(original)
+    if state and any(map(operator.is_, state.values(), repeat(None))):
+        # as torch.optim: a None buffer is none yet (SGD's momentum reset), made at this step
+        state = {key: value for key, value in state.items() if value is not None}
+        plan.states[original] = wrapped(state, original)
     if not state:  # first step: a new state, installed in phase two
         state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
         return state

@@ -92,6 +92,12 @@ def test_explicit_reference_on_cuda_does_not_warn(no_cupy):
         assert resolve_backend("reference", CUDA) is backends.reference
 
 
+def test_float64_params_show_the_reference_they_run_on():
+    wide, narrow = torch.nn.Parameter(torch.ones(3, dtype=torch.float64)), torch.nn.Parameter(torch.ones(2))
+    opt = bf16opt.AdamW([{"params": [wide]}, {"params": [narrow, torch.nn.Parameter(torch.ones(2, dtype=torch.complex128))]}])
+    assert opt.group_backends() == ["reference", "numba (float64 params: reference)"]
+
+
 def test_each_group_shows_the_backend_it_runs_on(no_cupy, monkeypatch):
     """repr(opt) and group_backends() name the backend each group runs on, "auto" resolved:
     numba for CPU params, the reference where CUDA params lack CuPy, the host's for offload."""

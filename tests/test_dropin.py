@@ -218,3 +218,61 @@ def test_tensor_betas_under_a_momentum_cycling_scheduler_step_as_torch_lets_them
         assert not torch.equal(p.detach(), before)
     with pytest.raises(ValueError, match="both floats or both Tensors"):
         cls([nn.Parameter(torch.ones(2))], betas=(0.9, torch.tensor(0.99)))
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, bf16opt.AdamW])
+def test_state_dict_post_hooks_see_and_return_the_finished_dict(cls):
+    """As torch.optim: a post-hook's result is state_dict()'s, whatever its layout; it sees
+    the dict as saved (bf16opt: plain precision entries and the format tag)."""
+    p = nn.Parameter(torch.ones(3))
+    opt = cls([p])
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(copy.deepcopy(sd)))
+    opt.register_state_dict_post_hook(lambda o, sd: {"lr": sd["param_groups"][0]["lr"]})
+    assert opt.state_dict() == {"lr": 1e-3}
+    if cls is bf16opt.AdamW:
+        assert seen[0] == bf16opt.AdamW([p]).state_dict()
+        assert isinstance(seen[0]["param_groups"][0]["precision"], dict) and "bf16opt" in seen[0]
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, bf16opt.AdamW])
+def test_load_state_dict_pre_hooks_edit_a_copy_of_the_callers_dict(cls):
+    p = nn.Parameter(torch.ones(3))
+    opt = cls([p], lr=0.1)
+    saved = opt.state_dict()
+
+    def halve(o, sd):
+        sd["param_groups"] = [{**g, "lr": g["lr"] / 2} for g in sd["param_groups"]]
+    opt.register_load_state_dict_pre_hook(halve)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 0.05 and saved["param_groups"][0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("dampening", [0.0, 0.5])
+def test_a_momentum_buffer_set_to_none_restarts_as_torch_sgd_does(backend, dampening):
+    """torch.optim.SGD reads a None momentum buffer as none yet: the next step starts it
+    from the grad (a momentum reset).  bf16opt: the bits of the buffer deleted, torch's values."""
+    def reset(state):
+        state["momentum_buffer"] = None
+
+    def delete(state):
+        del state["momentum_buffer"]
+    runs = []
+    for make, forget in [(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=dampening), reset),
+                         (lambda ps: bf16opt.SGD(ps, lr=0.1, momentum=0.9, dampening=dampening, backend=backend),
+                          reset),
+                         (lambda ps: bf16opt.SGD(ps, lr=0.1, momentum=0.9, dampening=dampening, backend=backend),
+                          delete)]:
+        p = nn.Parameter(torch.linspace(-1, 1, 5))
+        opt = make([p])
+        for step in range(4):
+            p.grad = torch.linspace(0.5, -2, 5) * (step + 1)
+            opt.step()
+            if step == 1:
+                forget(opt.state[p])
+        runs.append((p.detach().clone(), opt.state[p]["momentum_buffer"].clone()))
+    (torch_p, torch_buffer), (p_reset, buffer_reset), (p_deleted, buffer_deleted) = runs
+    assert torch.equal(p_reset, p_deleted) and torch.equal(buffer_reset, buffer_deleted)
+    torch.testing.assert_close(p_reset, torch_p, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(buffer_reset, torch_buffer, rtol=1e-6, atol=1e-6)
