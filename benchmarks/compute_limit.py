@@ -326,7 +326,7 @@ def arrays(threads: int, block: int, algorithm: str, storage: Storage, seed: int
 
 
 def _q8_rows(rng, threads: int, block: int, signed: bool, scale: float) -> np.ndarray:
-    """[thread, q8 rows' bytes]: each block's 256 codes (random, none the NaN code) and its scale."""
+    """[thread, q8 rows' bytes]: each block's 256 codes (random, none the non-finite code) and its scale."""
     rows = np.empty((threads, block // q8.BLOCK, q8.ROW), dtype=np.uint8)
     codes = rng.integers(0, 255, size=rows[..., :q8.BLOCK].shape)
     rows[..., :q8.BLOCK] = (codes - 127) & 0xFF if signed else codes

@@ -240,7 +240,7 @@ Q8 = torch.uint8           # the dtype a StoragePlan names for a q8 moment
 Q8_BLOCK = 256             # elements per block
 Q8_SCALE_BYTES = 4         # one float32 scale per block
 Q8_ROW = Q8_BLOCK + Q8_SCALE_BYTES
-Q8_LEVELS = 255            # codes with a value; the 256th code is NaN
+Q8_LEVELS = 255            # codes with a map value; the 256th code is non-finite
 #: the map of each moment: a signed one for the first moments, an unsigned one for the second
 Q8_SIGNED_ROLES = ("exp_avg", "momentum_buffer")
 Q8_UNSIGNED_ROLES = ("exp_avg_sq", "max_exp_avg_sq")
@@ -332,15 +332,22 @@ def q8_index_to_code(index: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def q8_code_to_index(code: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Map index (int64) of code bytes (int64 in 0..255); the NaN code gives 255."""
+    """Map index (int64) of code bytes (int64 in 0..255); the non-finite code gives 255."""
     if not signed:
         return code
     return torch.where(code == 0x80, torch.full_like(code, 255), (code + 127) & 0xFF)
 
 
 def q8_nan_code(signed: bool) -> int:
-    """The code byte of NaN: -128 as an int8 in signed maps, 255 in unsigned ones."""
+    """The code byte of a non-finite value: -128 as an int8 in signed maps (it decodes to NaN),
+    255 in unsigned ones (+inf: an unsigned moment's non-finite values are +inf, or NaN that
+    comes with a NaN first moment)."""
     return 0x80 if signed else 0xFF
+
+
+def q8_non_finite_value(signed: bool) -> float:
+    """What the non-finite code decodes to (:func:`q8_nan_code`)."""
+    return math.nan if signed else math.inf
 
 
 def _q8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -352,10 +359,17 @@ def _q8_blocks(x: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, Q8_BLOCK)
 
 
+#: the magnitude a non-finite element counts as in its block's scale: the least float32, so a
+#: block of zeros and infs gets a scale above 0 and its infs decode as inf, not inf * 0 = NaN
+Q8_NON_FINITE_MAGNITUDE = 2.0 ** -149
+
+
 def q8_scales(x: torch.Tensor) -> torch.Tensor:
-    """Each block's scale: the largest magnitude of its finite elements (0 if none)."""
+    """Each block's scale: the largest magnitude of its finite elements, a non-finite one
+    counted as ``Q8_NON_FINITE_MAGNITUDE`` (0 for a block of zeros)."""
     blocks = _q8_blocks(x)
-    finite = torch.where(torch.isfinite(blocks), torch.abs(blocks), torch.zeros_like(blocks))
+    finite = torch.where(torch.isfinite(blocks), torch.abs(blocks),
+                         torch.full_like(blocks, Q8_NON_FINITE_MAGNITUDE))
     return finite.amax(dim=1)
 
 
@@ -392,10 +406,10 @@ def q8_encode(x: torch.Tensor, signed: bool, random: torch.Tensor = None,
               kind: str = None) -> torch.Tensor:
     """The q8 tensor (``q8_shape(x.numel())``, uint8) holding float32 ``x``.
 
-    Per block: scale = largest finite magnitude; y = x / scale (0 when the scale is 0);
-    code of the nearest map value (``random``: the buffer's words, ``buffer_bits``, for
-    stochastic rounding); a non-finite element gets the NaN code and leaves the scale and
-    the other elements of its block alone.
+    Per block: scale = largest finite magnitude (:func:`q8_scales`); y = x / scale (0 when
+    the scale is 0); code of the nearest map value (``random``: the buffer's words,
+    ``buffer_bits``, for stochastic rounding); a non-finite element gets the non-finite code
+    and leaves the other elements of its block alone.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"q8_encode expects float32 input, got {x.dtype}")
@@ -423,12 +437,13 @@ def q8_scale_values(q: torch.Tensor) -> torch.Tensor:
 
 def q8_decode(q: torch.Tensor, shape, signed: bool, kind: str = None) -> torch.Tensor:
     """float32 values of a q8 tensor, of ``shape``: ``T[index] * scale`` (one float32
-    multiplication), NaN for the NaN code."""
+    multiplication); the non-finite code's ``T[255]`` is NaN (signed) or +inf (unsigned)."""
     n = math.prod(shape)
     if q.dtype != torch.uint8 or tuple(q.shape) != q8_shape(n):
         raise ValueError(f"a q8 tensor of {n} elements is uint8 of shape {q8_shape(n)}, "
                          f"got {q.dtype} of shape {tuple(q.shape)}")
-    table = torch.tensor(q8_map(signed, kind or Q8_MAP_KIND) + (math.nan,), dtype=torch.float32, device=q.device)
+    table = torch.tensor(q8_map(signed, kind or Q8_MAP_KIND) + (q8_non_finite_value(signed),), dtype=torch.float32,
+                         device=q.device)
     index = q8_code_to_index(q[:, :Q8_BLOCK].to(torch.int64), signed)
     values = torch.mul(table[index], q8_scale_values(q)[:, None])
     return values.reshape(-1)[:n].reshape(shape)

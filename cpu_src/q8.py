@@ -8,8 +8,8 @@ into float32, runs the update over the block, and quantizes the new values back.
 The maps are rebuilt here from the same float64 formulas (each value rounded once to
 float32), as ``cuda_src/q8_maps.cuh`` holds them as literals; ``tests/test_q8_kernels.py``
 checks all three agree.  Code bytes: a signed map stores ``index - 127`` as an int8 (0x80:
-NaN), an unsigned map the index (0xFF: NaN), so ``(code + 127) & 0xFF`` and ``code`` index
-a 256-entry table whose last entry is NaN.
+NaN), an unsigned map the index (0xFF: +inf), so ``(code + 127) & 0xFF`` and ``code`` index
+a 256-entry table whose last entry is the non-finite value.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def _dynamic(decades: int, base: int) -> list:
 
 
 def maps(signed: bool) -> tuple:
-    """(values, boundaries): float32 arrays of 256 entries each -- the 255 map values and NaN,
-    the 254 round-to-nearest boundaries and +inf (and a pad)."""
+    """(values, boundaries): float32 arrays of 256 entries each -- the 255 map values and the
+    non-finite code's value (NaN signed, +inf unsigned), the 254 round-to-nearest boundaries
+    and +inf (and a pad)."""
     if signed:
         positive = _dynamic(7, 1)
         values = [-v for v in reversed(positive)] + [0.0] + positive
@@ -48,7 +49,7 @@ def maps(signed: bool) -> tuple:
         values = [0.0] + _dynamic(7, 2)
     table = np.array(values, dtype=np.float64).astype(np.float32)
     middles = ((table[:-1].astype(np.float64) + table[1:].astype(np.float64)) / 2).astype(np.float32)
-    values_out = np.append(table, np.float32(np.nan)).astype(np.float32)
+    values_out = np.append(table, np.float32(np.nan if signed else np.inf)).astype(np.float32)
     bounds = np.concatenate((middles, np.array([np.inf, np.inf], dtype=np.float32))).astype(np.float32)
     return values_out, bounds
 
@@ -126,7 +127,8 @@ def _count_at_most(table, starts, y):
 @njit(inline="always")
 def decode_block(codes, count, kind, out):
     """``out[j] = value(codes[j]) * scale`` for the block's ``count`` elements (one float32
-    multiplication each; NaN for the NaN code); ``codes``: a uint8 pointer to the block's row."""
+    multiplication each; the non-finite code's value is NaN or +inf); ``codes``: a uint8
+    pointer to the block's row."""
     scale = bits_to_f32(np.uint32(codes[256]) | (np.uint32(codes[257]) << np.uint32(8))
                         | (np.uint32(codes[258]) << np.uint32(16)) | (np.uint32(codes[259]) << np.uint32(24)))
     table = SIGNED_VALUES if kind == SIGNED else UNSIGNED_VALUES
@@ -145,11 +147,12 @@ def quantize_block(values, count, kind, stochastic, key, buffer_odd, first_eleme
     bounds = SIGNED_BOUNDS_PADDED if kind == SIGNED else UNSIGNED_BOUNDS_PADDED
     bounds_from = SIGNED_BOUNDS_FROM if kind == SIGNED else UNSIGNED_BOUNDS_FROM
     # the largest finite magnitude, as the largest of the magnitudes' bit patterns (the same
-    # order for non-negative floats; NaN and inf left out): an integer maximum, which vectorises
+    # order for non-negative floats; NaN and inf count as the least float32, bits 1): an
+    # integer maximum, which vectorises
     largest = np.uint32(0)
     for j in range(count):
         magnitude = f32_to_bits(values[j]) & np.uint32(0x7FFFFFFF)
-        magnitude = magnitude if magnitude < np.uint32(0x7F800000) else np.uint32(0)
+        magnitude = magnitude if magnitude < np.uint32(0x7F800000) else np.uint32(1)
         largest = magnitude if magnitude > largest else largest
     codes[256] = np.uint8(largest & np.uint32(0xFF))
     codes[257] = np.uint8((largest >> np.uint32(8)) & np.uint32(0xFF))

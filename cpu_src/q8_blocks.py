@@ -12,12 +12,13 @@ Bits: the update is ``vector_blocks``' (the algorithm's operations in the refere
 each rounded on its own); decode, the block's scale and the codes are ``q8.py``'s
 (``bf16opt/storage.py``'s "q8" spec):
 
-- decode: ``value(code) * scale``, the value looked up in a 256-entry table by code (NaN for
-  the NaN code): by byte permutes where the CPU has AVX512-VBMI (:meth:`_Q8.values_by_bytes`),
+- decode: ``value(code) * scale``, the value looked up in a 256-entry table by code (NaN or
+  +inf for the non-finite code): by byte permutes where the CPU has AVX512-VBMI (:meth:`_Q8.values_by_bytes`),
   else by gathers;
 - scale: the largest finite magnitude, as the largest of the magnitudes' bit patterns (an
-  integer maximum, NaN and inf taken as 0); ``y = x / scale``, one IEEE division (x / 1 where
-  the scale is 0: every finite x is then +-0, as is the spec's y, and -0 and +0 count alike);
+  integer maximum, NaN and inf taken as the least float32, bits 1); ``y = x / scale``, one
+  IEEE division (x / 1 where the scale is 0: every finite x is then +-0, as is the spec's y,
+  and -0 and +0 count alike);
 - round to nearest: the index is ``#{boundaries < y}``; stochastic: ``lo = #{values <= y} - 1``
   (at least 0), then up with the buffer's random bits as ``q8.quantize_block``;
 - the counts without a search: floats are ordered as the integers ``key(y)`` (the bits, the
@@ -29,7 +30,7 @@ each rounded on its own); decode, the block's scale and the codes are ``q8.py``'
   the entry's low key bits (+1 for a strict count; ``1 << KEY_SHIFT``, never reached, for no
   entry): the count is ``first + (threshold <= low bits of key(y))``, one gather per 16
   elements.  A finite x has ``|y| <= 1``, inside the table; the lanes of a non-finite x are
-  not looked up (masked gathers) and get the NaN code.
+  not looked up (masked gathers) and get the non-finite code.
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ class _Q8:
         finites = [builder.icmp_unsigned("<", magnitude, block.word(0x7F800000)) for magnitude in magnitudes]
         largest = None
         for magnitude, finite in zip(magnitudes, finites):  # the largest finite magnitude's bits
-            magnitude = builder.select(finite, magnitude, block.word(0))
+            magnitude = builder.select(finite, magnitude, block.word(1))  # (the least float32)
             largest = magnitude if largest is None else builder.select(
                 builder.icmp_unsigned(">", magnitude, largest), magnitude, largest)
         reduce = _intrinsic(builder, f"llvm.vector.reduce.umax.v{LANES}i32", block.i32, [block.words])

@@ -8,7 +8,7 @@
 // quantizes the new values (q8_quantize_lane): the scale is the block's largest finite
 // magnitude (the lanes' maxima combined by __shfl_xor_sync), y = x / scale, the code of the
 // nearest map value (an 8-step binary search over the boundaries) or, stochastically, of one
-// of the two values around y, and the NaN code for a non-finite element.  No shared memory;
+// of the two values around y, and the non-finite code for a non-finite element.  No shared memory;
 // the CPU emulation runs these kernels' warps in lockstep (emulate_launch_warps).  Rows of
 // the chunk table start on blocks (the chunk size is a multiple of 256).
 #pragma once
@@ -90,14 +90,16 @@ __device__ __forceinline__ void q8_decode_lane(const unsigned char* row, int lan
 }
 
 // The block's scale: the largest finite magnitude of its values, each lane's, then the warp's by
-// five exchanges (a maximum in any order is the sequential one: no NaN takes part).  Every lane
-// of the warp calls it.
+// five exchanges (a maximum in any order is the sequential one: no NaN takes part).  A
+// non-finite value counts as the least float32, so that its code decodes as inf, not inf * 0.
+// Every lane of the warp calls it.
 __device__ __forceinline__ float q8_block_scale(const float* values, int count) {
   float scale = 0.0f;
 #pragma unroll
   for (int j = 0; j < kQ8Lane; ++j) {
     const float magnitude = fabsf(values[j]);
-    if (j < count && magnitude < __uint_as_float(0x7F800000u) && magnitude > scale) scale = magnitude;
+    const float counted = magnitude < __uint_as_float(0x7F800000u) ? magnitude : __uint_as_float(1u);
+    if (j < count && counted > scale) scale = counted;
   }
 #pragma unroll
   for (int offset = 16; offset >= 1; offset >>= 1) {

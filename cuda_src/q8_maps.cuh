@@ -1,6 +1,7 @@
 // The q8 maps as float32 bit patterns: generated from bf16opt/storage.py (q8_map,
 // q8_boundaries; tests/test_q8_kernels.py checks they agree).  256 entries each: the
-// 255 map values then NaN; the 254 round-to-nearest boundaries then +inf twice.
+// 255 map values then the non-finite code's value (NaN signed, +inf unsigned); the 254
+// round-to-nearest boundaries then +inf twice.
 #pragma once
 
 namespace bf16opt {
@@ -140,7 +141,7 @@ inline __constant__ unsigned int kQ8UnsignedValues[256] = {
     0x3F5C0000u, 0x3F5DCCCDu, 0x3F5F999Au, 0x3F616666u, 0x3F633333u, 0x3F650000u,
     0x3F66CCCDu, 0x3F68999Au, 0x3F6A6666u, 0x3F6C3333u, 0x3F6E0000u, 0x3F6FCCCDu,
     0x3F71999Au, 0x3F736666u, 0x3F753333u, 0x3F770000u, 0x3F78CCCDu, 0x3F7A999Au,
-    0x3F7C6666u, 0x3F7E3333u, 0x3F800000u, 0x7FC00000u,
+    0x3F7C6666u, 0x3F7E3333u, 0x3F800000u, 0x7F800000u,
 };
 
 inline __constant__ unsigned int kQ8UnsignedBounds[256] = {

@@ -26,6 +26,7 @@ remainder split) are compared with bf16opt/storage.py on edge values.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import numpy as np
@@ -445,6 +446,30 @@ def test_lion_matches_reference():
 @random_case(SGD_CONFIGS, max_examples=200)
 def test_sgd_matches_reference():
     """Random SGD buckets, launch shapes and steps."""
+
+
+@pytest.mark.parametrize("zeros_beside", [False, True], ids=["in-a-block-of-values", "in-a-block-of-zeros"])
+def test_an_overflowing_second_moment_is_stored_as_inf(zeros_beside):
+    """A grad whose square overflows float32 in a q8 exp_avg_sq block, beside zeros or values:
+    the kernel stores the reference's bits (a block of zeros then has the least float32 as
+    its scale), and the element's exp_avg_sq decodes to +inf."""
+    name, config = next(case for case in ADAM_CONFIGS if case[1].plan.exp_avg_sq == storage.Q8
+                        and case[1].weights == "remainder" and not any(case[1].template_flags)
+                        and not case[1].track and not case[1].flag("maximize") and not case[1].flag("l2"))
+    rng = np.random.default_rng(5)
+    actual = make_bucket(config, [300], rng, 0.0, 0.0, False, 1)
+    for moment in ("exp_avg", "exp_avg_sq"):
+        actual[moment][0].zero_()  # fresh state
+    grad = actual["grad"][0].view(-1)
+    if zeros_beside:
+        grad.zero_()
+    grad[5] = 1e20
+    expected = clone_bucket(actual)
+    group = group_for(config, rng)
+    step_both(expected, actual, 1, scalars_for(config, group, 1), SMALL_CHUNKS, config_id((name, config)))
+    v = actual["exp_avg_sq"][0]
+    assert storage.q8_decode(v, (300,), False)[5] == math.inf
+    assert (storage.q8_scale_values(v)[0] == 2.0 ** -149) == zeros_beside
 
 
 # ---------------------------------------------------------------- steps past 2**32

@@ -4,6 +4,9 @@ stochastic rounding, telemetry; the maps equal the spec's."""
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -39,13 +42,25 @@ PLANS = {
 }
 
 
+def _cuda_tables() -> dict:
+    """cuda_src/q8_maps.cuh's tables by name, as uint32 arrays."""
+    text = (pathlib.Path(__file__).parents[1] / "cuda_src" / "q8_maps.cuh").read_text()
+    return {name: np.array([int(word, 16) for word in re.findall(r"0x([0-9A-F]{8})u", body)], dtype=np.uint32)
+            for name, body in re.findall(r"(kQ8\w+)\[256\] = \{(.*?)\};", text, re.S)}
+
+
 def test_maps_equal_the_spec():
+    """The Numba tables and the CUDA header's literals, bit for bit, are the spec's maps and
+    boundaries, then the non-finite code's value: NaN signed, +inf unsigned."""
     from bf16opt._cpu import q8  # noqa: PLC0415
-    for signed in (True, False):
+    cuda = _cuda_tables()
+    for signed, name in ((True, "Signed"), (False, "Unsigned")):
         values, bounds = q8.maps(signed)
         np.testing.assert_array_equal(values[:255], np.array(q8_map(signed, "dynamic"), dtype=np.float32))
-        assert np.isnan(values[255])
+        assert np.isnan(values[255]) if signed else values[255] == np.inf
         np.testing.assert_array_equal(bounds[:255], np.array(q8_boundaries(signed, "dynamic"), dtype=np.float32))
+        assert np.array_equal(cuda[f"kQ8{name}Values"], values.view(np.uint32))
+        assert np.array_equal(cuda[f"kQ8{name}Bounds"], bounds.view(np.uint32))
 
 
 # (plan, amsgrad): the preset's plan (fp32-remainder-q8's) on every run, the others a part per
@@ -170,7 +185,7 @@ def test_q8_block_lookup_counts_as_a_search(signed, stochastic):
 @pytest.mark.parametrize("by_bytes", [False, True], ids=["gathers", "byte-permutes"])
 def test_q8_block_decoding_equals_the_spec(signed, by_bytes):
     """Both forms of the blocks' decoding (gathers; byte permutes where the CPU has AVX512-VBMI)
-    give the spec's values of every code, NaN code included, for several scales."""
+    give the spec's values of every code, the non-finite code included, for several scales."""
     from numba import njit  # noqa: PLC0415
     from bf16opt.storage import q8_decode  # noqa: PLC0415
     q8_blocks = _q8_blocks_or_skip()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import bf16opt
 from bf16opt import Precision
 from bf16opt.precision import PRESETS, plan_for
 from bf16opt.storage import (Q8, Q8_BLOCK, q8_boundaries, q8_decode, q8_encode, q8_map, q8_nan_code,
@@ -79,7 +81,10 @@ def test_the_largest_magnitude_of_a_block_is_exact(values, exponent, signed):
 
 @given(finite_values, st.lists(st.integers(0, 699), min_size=1, max_size=5),
        st.sampled_from([math.nan, math.inf, -math.inf]), st.booleans())
-def test_a_non_finite_element_is_nan_and_leaves_its_block_alone(values, where, special, signed):
+def test_a_non_finite_element_gets_its_code_and_leaves_its_block_alone(values, where, special, signed):
+    """A non-finite element gets the non-finite code (decoding to NaN signed, +inf unsigned);
+    the other elements keep their codes and values, and the scale is the block's without it,
+    but where that is 0: then the least float32, so that inf decodes as inf, not inf * 0."""
     x = torch.tensor(values, dtype=torch.float32)
     x = x if signed else x.abs()
     at = sorted({w % x.numel() for w in where})
@@ -91,12 +96,41 @@ def test_a_non_finite_element_is_nan_and_leaves_its_block_alone(values, where, s
     codes = expected[:, :Q8_BLOCK].reshape(-1).clone()
     codes[at] = q8_nan_code(signed)
     assert torch.equal(q[:, :Q8_BLOCK].reshape(-1), codes)
-    assert torch.equal(q[:, Q8_BLOCK:], expected[:, Q8_BLOCK:])
+    blocks_hit = torch.zeros(len(q), dtype=torch.bool)
+    blocks_hit[[a // Q8_BLOCK for a in at]] = True
+    clean_scales = q8_scale_values(expected)
+    scales = torch.where(blocks_hit & (clean_scales == 0), torch.tensor(2.0 ** -149), clean_scales)
+    assert torch.equal(q8_scale_values(q), scales)
     decoded = q8_decode(q, x.shape, signed)
-    assert torch.isnan(decoded[at]).all()
+    if signed:
+        assert torch.isnan(decoded[at]).all()
+    else:
+        assert (decoded[at] == math.inf).all()
     others = torch.ones(x.numel(), dtype=torch.bool)
     others[at] = False
     assert torch.equal(decoded[others], q8_decode(expected, x.shape, signed)[others])
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("zeros_beside", [False, True], ids=["in-a-block-of-values", "in-a-block-of-zeros"])
+def test_a_second_moment_that_overflows_stops_the_update_as_float32_moments_do(backend, zeros_beside):
+    """A finite grad whose square overflows float32: exp_avg_sq is +inf, in q8 as in float32,
+    so the element's update m / (sqrt(inf) + eps) is 0 and its weight stays finite."""
+    results = {}
+    for preset in ("fp32-remainder", "fp32-remainder-q8"):
+        precision = dataclasses.replace(PRESETS[preset], q8_min_numel=1)
+        p = torch.nn.Parameter(torch.ones(300))
+        opt = bf16opt.AdamW([p], lr=1e-3, precision=precision, backend=backend)
+        for step in range(3):
+            g = torch.zeros(300) if zeros_beside else torch.full((300,), 1e-3)
+            if step == 0:
+                g[5] = 1e20
+            p.grad = g
+            opt.step()
+        results[preset] = (p.detach().clone(), opt.state[p]["exp_avg_sq"])
+    weights, v = results["fp32-remainder-q8"]
+    assert torch.isfinite(weights).all() and weights[5] == results["fp32-remainder"][0][5]
+    assert q8_decode(v, (300,), False)[5] == math.inf
 
 
 @pytest.mark.parametrize("signed", [True, False])
