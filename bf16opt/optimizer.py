@@ -434,8 +434,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             _set_grad_mode(grad_enabled)
 
     def _check_release_groups(self) -> None:
-        """Every group's settings that updates in backward, checked once between steps: a bad
-        one raises from the first hook of a backward, before it updates any param."""
+        """Every group's settings that updates in backward, checked once a backward (at its
+        first update): a bad one raises from the first hook, before it updates any param."""
         hooks = self._release
         if not hooks.checked:
             for number, group in enumerate(self.param_groups):
@@ -459,8 +459,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             background.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's ``zero_grad``; then the hooks of ``update_in_backward`` follow the groups'
-        settings (a group switched on updates from its next backward)."""
+        """torch's ``zero_grad``, once the offloaded updates of the last backward are done (a
+        backward that raised left them running); then the hooks of ``update_in_backward``
+        follow the groups' settings (a group switched on updates from its next backward)."""
+        self._finish_pending()
         super().zero_grad(set_to_none)
         self._sync_release_hooks()
 

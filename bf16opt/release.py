@@ -121,7 +121,7 @@ class ReleaseHooks:
         self._layout: tuple = ()        # (group, its param count) of each group when placed
         self._starts: list = []         # each group's first optimizer index when placed
         self.accumulating = 0           # depth of accumulating() blocks
-        self.checked = False            # every release group's settings checked since the last step
+        self.checked = False            # every release group's settings checked in this backward
         self.lock = threading.Lock()    # one update at a time (CUDA backward runs a thread per device)
         self.launches: dict = {}        # first param -> its bucket's update's launch (step_cache.GroupLaunch)
         self.pending: dict = {}         # group number -> its params waiting for one update (_Bucket)
@@ -136,6 +136,7 @@ class ReleaseHooks:
                 for param in group["params"] if param.requires_grad}
         self.pending.clear()  # (a step or zero_grad: the grads left are the step's, or gone)
         self.updated.clear()
+        self.checked = False
         for param in [param for param in self._handles if param not in keep]:
             self._handles.pop(param).remove()
         for param in [param for param in self.launches if param not in keep]:
@@ -267,6 +268,7 @@ class ReleaseHooks:
                     self._flush(optimizer, number)
                 self.updated.clear()
         finally:
+            self.checked = False  # (the next backward checks the settings again)
             background = optimizer.__dict__.get("_background_instance")
             if background is not None:
                 with phase(PHASES["backward_wait"], background.cuda):

@@ -780,3 +780,62 @@ def test_update_in_backward_under_compiled_autograd_gives_the_normal_steps_bits(
         opt.step()
         runs.append((model, opt))
     assert_same_run(*runs[0], *runs[1])
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises: a backward that fails after some hooks ran."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed")
+
+
+def test_zero_grad_after_a_failed_backward_waits_for_the_offloaded_updates(monkeypatch):
+    """w2's update, handed to the background in a backward that then fails (torch runs no
+    end-of-backward callback), has finished when zero_grad returns: the next forward reads
+    w2's new value, not one being written."""
+    import time  # noqa: PLC0415
+    model, opt = make(backend="numba", offload="cpu", update_in_backward=True, update_in_backward_bucket=0)
+    offloaded(opt)
+    loss_of(model, batches()[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    run_launches = opt._run_launches
+
+    def slow(*arguments):
+        time.sleep(0.3)
+        run_launches(*arguments)
+    opt._run_launches = slow
+    x = batches()[1]
+    h = _FailingBackward.apply(torch.tanh(x @ model.w1.float().t() + model.b1.float()))
+    before = model.w2.detach().clone()
+    with pytest.raises(RuntimeError, match="backward failed"):
+        (h @ model.w2.float().t()).pow(2).sum().backward()
+    opt.zero_grad()
+    seen = model.w2.detach().clone()
+    assert opt.__dict__["_background_instance"]._queued == 0
+    assert not same_bits(seen, before)  # (w2 was updated)
+    time.sleep(0.4)
+    assert same_bits(model.w2.detach(), seen)
+
+
+@pytest.mark.parametrize("with_step", [True, False], ids=["after-step", "after-zero-grad-alone"])
+def test_a_bad_setting_raises_before_a_backward_changes_anything_with_or_without_step(with_step):
+    """Each backward checks every release group's settings at its first update, also in a loop
+    of backward and zero_grad without step()."""
+    model, opt = make(backend="reference", update_in_backward=True, update_in_backward_bucket=0)
+    opt.param_groups[0]["params"] = [model.w2]  # (reached first in backward)
+    opt.add_param_group({"params": [model.w1, model.b1]})
+    loss_of(model, batches()[0]).backward()
+    if with_step:
+        opt.step()
+    opt.zero_grad()
+    opt.param_groups[1]["lr"] = -1.0
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        loss_of(model, batches()[1]).backward()
+    assert_unchanged(opt, before)
