@@ -274,10 +274,12 @@ def train(preset: str, data: torch.Tensor, *, optimizer: str, steps: int, lr: fl
     tail = losses[-max(1, len(losses) // 10):]
     return {"preset": preset, "rows": rows, "losses": losses, "final": statistics.fmean(tail),
             "mean": statistics.fmean(losses), "std": statistics.pstdev(losses),
-            # step 1 allocates the state and compiles (or loads) the kernels: not a typical step
-            "step_ms": 1000 * statistics.fmean(step_times[1:] or step_times),
+            # step 1 allocates the state and compiles (or loads) the kernels: not a typical step,
+            # so a run of one step measures no step time or peak (None: "n/a" in the tables)
+            "step_ms": 1000 * statistics.fmean(step_times[1:]) if len(step_times) > 1 else None,
             "swallowed": statistics.fmean(row["swallowed"] for row in rows),
-            "peak_mib": peak.mib, "peak_method": peak.label, "memory": memory_report(opt)}
+            "peak_mib": peak.mib if len(step_times) > 1 else None, "peak_method": peak.label,
+            "memory": memory_report(opt)}
 
 
 # ---------------------------------------------------------------- report
@@ -309,7 +311,8 @@ def loss_table(results: Sequence[dict[str, Any]]) -> str:
     header = ["Preset", "Final loss", f"vs {results[0]['preset']}", "Mean loss", "Loss std",
               "Mean opt.step() (ms)", "Swallowed updates"]
     rows = [[r["preset"], f"{r['final']:.4f}", f"{100 * (r['final'] / base - 1):+.2f}%", f"{r['mean']:.4f}",
-             f"{r['std']:.4f}", f"{r['step_ms']:.2f}", f"{100 * r['swallowed']:.2f}%"] for r in results]
+             f"{r['std']:.4f}", "n/a" if r["step_ms"] is None else f"{r['step_ms']:.2f}",
+             f"{100 * r['swallowed']:.2f}%"] for r in results]
     return (format_table(header, rows, align="lrrrrrr")
             + "\n\nSwallowed updates: non-zero updates that left the stored weights unchanged "
               "(Kahan carries them in its compensation buffer, stochastic rounding applies them "

@@ -69,25 +69,32 @@ _DTYPE_NAMES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
-SHORT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int16: "int16",
-              Q8: "q8"}
+SHORT_NAME = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+              torch.int16: "int16", Q8: "q8"}
 _Q8_ARGUMENTS = ("exp_avg", "exp_avg_sq")
+# the names each dtype argument takes (the torch dtypes of the same names too)
+_ALLOWED_NAMES = {"master": ("fp32", "bf16", "fp16"), "exp_avg": ("fp32", "bf16", "q8"),
+                  "exp_avg_sq": ("fp32", "bf16", "q8"), "compensation_dtype": ("bf16", "fp32"),
+                  "small_moments": ("fp32", "bf16")}
 
 
 def _as_dtype(value, argument: str) -> torch.dtype:
+    """The dtype an argument names: ValueError for an unknown name or a dtype of no float
+    format, TypeError for a value that is neither a name nor a dtype."""
     if argument in _Q8_ARGUMENTS and (value is Q8 or (isinstance(value, str) and value.lower() == "q8")):
         return Q8
-    q8 = ", 'q8'" if argument in _Q8_ARGUMENTS else ""
+    allowed = ", ".join(f"'{name}'" for name in _ALLOWED_NAMES[argument])
     if isinstance(value, torch.dtype):
         dtype = value
     elif isinstance(value, str) and value.lower() in _DTYPE_NAMES:
         dtype = _DTYPE_NAMES[value.lower()]
     else:
-        raise TypeError(
-            f"Precision({argument}=...) must be one of 'fp32', 'bf16', 'fp16'{q8} "
-            f"or the matching torch dtype, got {value!r}")
+        error = ValueError if isinstance(value, str) else TypeError
+        raise error(f"Precision({argument}=...) must be one of {allowed} or the matching torch dtype, "
+                    f"got {value!r}")
     if dtype not in PARAM_DTYPES:
-        raise TypeError(f"Precision({argument}=...) must be float32, bfloat16 or float16, got {dtype}")
+        raise ValueError(f"Precision({argument}=...) must be one of {allowed} or the matching torch dtype, "
+                         f"got {dtype}")
     return dtype
 
 

@@ -7,6 +7,7 @@ tests/test_cli.py.
 from __future__ import annotations
 
 import csv
+import json
 import string
 import sysconfig
 from pathlib import Path
@@ -70,3 +71,19 @@ def test_default_corpus_is_the_standard_library_sources(tmp_path, capsys, no_plo
     assert main(TINY + ["--steps", "2", "--presets", "bf16", "--out", str(tmp_path / "out")]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert header.endswith(f"{len(stdlib_corpus()):,} bytes of text (Python standard library sources)")
+
+
+def test_a_run_of_one_step_measures_no_step_time_or_peak(tmp_path, capsys, no_plot):
+    """The first step allocates the state and compiles: with no other, the tables say n/a."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    code = main(TINY + ["--steps", "1", "--presets", "bf16", "--corpus", str(corpus), "--json",
+                        "--out", str(tmp_path / "out")])
+    assert code == 0
+    printed = unpadded(capsys.readouterr().out)
+    assert "| step peak extra RSS" in printed and printed.split("| step peak extra RSS")[1].split("\n")[0].endswith(
+        "| n/a |")
+    loss_row = next(line for line in printed.splitlines() if line.startswith("| bf16 |"))
+    assert "| n/a |" in loss_row
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["loss"][0]["mean_step_ms"] is None and saved["memory"][0]["step_peak_extra_mib"] is None
