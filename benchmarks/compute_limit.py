@@ -40,7 +40,8 @@ from bf16opt._cpu import q8, vector_blocks
 from bf16opt._cpu.chunks import (CHUNK_SIGNATURE, COUNTERS, KEYS, _run_row, cached_njit, chunk_compiler, run_chunks,
                                  run_chunks_serial)
 from bf16opt._cpu.storage import (EXP_AVG, EXP_AVG_SQ, WEIGHTS, bits_to_f32, buffer_bits, element_index,
-                                  f32_to_bits, high_half, low_half, pair_word, pointer_to, random_bits)
+                                  f32_to_bits, high_half, join_remainder, low_half, pair_word, pointer_to,
+                                  random_bits)
 
 
 @dataclass(frozen=True)
@@ -176,10 +177,8 @@ def chunk_function(algorithm: str, storage: Storage, contract: bool = False, pre
             grad = _bf16(gs) if param16 else gs
             if master == "copy":
                 w0 = ws
-            elif master == "remainder":  # one 32-bit subtraction (see storage.join_remainder)
-                low = np.uint32(np.uint16(ws))
-                joined = (np.uint32(np.uint16(ps)) << np.uint32(16)) | low
-                w0 = bits_to_f32(np.uint32(joined - ((low & np.uint32(0x8000)) << np.uint32(1))))
+            elif master == "remainder":  # (the spec's join: a 32-bit subtraction and its NaN guard)
+                w0 = join_remainder(ps, ws)
             else:
                 w0 = _bf16(ps) if param16 else ps
             first = _bf16(ms) if moments16 else ms
@@ -379,10 +378,8 @@ def q8_chunk_function(algorithm: str, storage: Storage, prefetch: bool = False):
                 i = first + j
                 element = element_index(start, i)
                 grad = _bf16(g[i])
-                if remainder:  # one 32-bit subtraction (see storage.join_remainder)
-                    low = np.uint32(np.uint16(w[i]))
-                    joined = (np.uint32(np.uint16(p[i])) << np.uint32(16)) | low
-                    w0 = bits_to_f32(np.uint32(joined - ((low & np.uint32(0x8000)) << np.uint32(1))))
+                if remainder:  # (the spec's join: a 32-bit subtraction and its NaN guard)
+                    w0 = join_remainder(p[i], w[i])
                 else:
                     w0 = _bf16(p[i])
                 first_moment = ms[j]

@@ -226,10 +226,14 @@ def split_remainder(master: torch.Tensor) -> tuple:
 
 
 def join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The float32 master held by a bfloat16 param and its int16 remainder."""
-    upper = (param.view(torch.int16).to(torch.int64) & 0xFFFF) - (remainder < 0).to(torch.int64)
+    """The float32 master held by a bfloat16 param and its int16 remainder; the param alone
+    where the two would join into NaN but the param is no NaN (a param edited between steps
+    to +-0 or +-inf beside a remainder no split of a master gives)."""
+    param_bits = param.view(torch.int16).to(torch.int64) & 0xFFFF
+    upper = param_bits - (remainder < 0).to(torch.int64)
     bits = ((upper & 0xFFFF) << 16) | (remainder.to(torch.int64) & 0xFFFF)
-    return _from_uint32(bits)
+    stray = ((bits & 0x7FFFFFFF) > 0x7F800000) & ((param_bits & 0x7FFF) <= 0x7F80)
+    return _from_uint32(torch.where(stray, param_bits << 16, bits))
 
 
 # ---------------------------------------------------------------- q8: 8-bit block-quantized moments

@@ -478,12 +478,17 @@ def _encode_stochastic_for_impl(array, value, random):
 # ---------------------------------------------------------------- exact float32 master: bf16 + int16
 @njit
 def join_remainder(param_bits, remainder):
-    """float32 master held by bfloat16 bits ``param_bits`` and int16 ``remainder``."""
+    """float32 master held by bfloat16 bits ``param_bits`` and int16 ``remainder``
+    (``bf16opt/storage.py``'s join, the param alone where that would be a stray NaN)."""
     low = np.uint32(np.uint16(remainder))
     # ((param - (low >> 15)) & 0xFFFF) << 16 | low, as one 32-bit subtraction (wrapping like
     # the 16-bit one), so the paired loop's words need no narrowing to 16-bit lanes
-    joined = (np.uint32(np.uint16(param_bits)) << np.uint32(16)) | low
-    return bits_to_f32(np.uint32(joined - ((low & np.uint32(0x8000)) << np.uint32(1))))
+    upper = np.uint32(np.uint16(param_bits)) << np.uint32(16)
+    joined = np.uint32((upper | low) - ((low & np.uint32(0x8000)) << np.uint32(1)))
+    # the param alone where the join is NaN but the param is not (an edited param: see the spec)
+    stray = ((joined & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)) \
+        & ((upper & np.uint32(0x7FFFFFFF)) <= np.uint32(0x7F800000))
+    return bits_to_f32(upper if stray else joined)
 
 
 @njit

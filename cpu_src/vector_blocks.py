@@ -343,9 +343,18 @@ class _Block:
             for param, remainder in zip(self.param_pointers, self.master_pointers):
                 upper = builder.shl(builder.zext(builder.load(param, align=2), self.words), self.word(16))
                 bits = builder.add(upper, builder.sext(builder.load(remainder, align=2), self.words))
-                masters.append(builder.bitcast(bits, self.vector))
+                masters.append(builder.bitcast(self._param_where_stray(upper, bits), self.vector))
             return masters
         return [self.load(pointer, self.param16 and not self.copy) for pointer in self.master_pointers]
+
+    def _param_where_stray(self, upper, bits):
+        """``bits``, or the param's ``upper`` where ``bits`` is NaN and the param is not (an
+        edited param beside its old remainder: storage.join_remainder)."""
+        builder = self.builder
+        magnitude = self.word(0x7FFFFFFF)
+        joined_nan = builder.icmp_unsigned(">", builder.and_(bits, magnitude), self.word(0x7F800000))
+        param_number = builder.icmp_unsigned("<=", builder.and_(upper, magnitude), self.word(0x7F800000))
+        return builder.select(builder.and_(joined_nan, param_number), upper, bits)
 
     def grads(self, scale) -> list:
         """The grads' vectors, unscaled (times ``inv_grad_scale * sign``) unless ``UNIT``."""

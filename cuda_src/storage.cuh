@@ -335,12 +335,16 @@ struct Remainder {
   typedef u16 bits_t;  // int16 remainder, as raw bits
   static constexpr int kBytes = 2;
 
-  // M = ((param - (remainder < 0)) << 16) | remainder
+  // M = ((param - (remainder < 0)) << 16) | remainder; the param alone where M is NaN but the
+  // param is not (a param edited to +-0 or +-inf beside its old remainder)
   template <class P>
   static __device__ __forceinline__ float read(const typename P::bits_t& p, const bits_t& c) {
     static_assert(sizeof(typename P::bits_t) == 2, "the remainder completes a bfloat16 param");
     const u32 upper = (static_cast<u32>(p) - (static_cast<u32>(c) >> 15)) & 0xFFFFu;
-    return __uint_as_float((upper << 16) | static_cast<u32>(c));
+    const u32 joined = (upper << 16) | static_cast<u32>(c);
+    const u32 alone = static_cast<u32>(p) << 16;
+    const bool stray = (joined & 0x7FFFFFFFu) > 0x7F800000u && (alone & 0x7FFFFFFFu) <= 0x7F800000u;
+    return __uint_as_float(stray ? alone : joined);
   }
   // param = (M + 0x8000) >> 16 (nearest, ties away from zero), remainder = M & 0xFFFF,
   // M the canonical float32 bits (no wrap-around: the largest non-NaN pattern is -inf).

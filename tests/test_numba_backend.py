@@ -1195,3 +1195,27 @@ def test_the_variant_without_multiplications_by_one_is_for_untracked_steps(algor
         values = ones.copy()
         values[-2:] = inv_grad_scale, sign
         assert numba_backend.unit_scalars(kernel_config(algorithm, plan, flags, track), values) is unit
+
+
+@pytest.mark.parametrize("preset", ["fp32-remainder", "fp32-remainder-q8"])
+def test_a_param_zeroed_or_made_inf_between_steps_keeps_a_number_master(preset):
+    """A remainder preset's param edited between steps (pruned to +-0, set to +-inf) beside
+    its old remainder: the master is the edited param, not a NaN join, on the vectorised
+    kernels as in the reference (storage.join_remainder)."""
+    runs = {}
+    for backend in ("reference", "numba"):
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8192, generator=g).to(torch.bfloat16))
+        opt = bf16opt.AdamW([p], lr=1e-3, precision=preset, backend=backend)
+        p.grad = torch.randn(8192, generator=g).to(torch.bfloat16)
+        opt.step()
+        with torch.no_grad():
+            p[:4096].mul_(0)  # +0 and -0
+            p[4096:4100] = torch.tensor([float("inf"), -float("inf")] * 2)
+        p.grad = torch.randn(8192, generator=g).to(torch.bfloat16) * 1e-3
+        opt.step()
+        runs[backend] = (p.detach().clone(), opt.state[p]["remainder"].clone())
+    (ours, our_remainder), (theirs, their_remainder) = runs["numba"], runs["reference"]
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+    assert torch.equal(our_remainder, their_remainder)
+    assert not ours.isnan().any()

@@ -216,6 +216,28 @@ def test_split_remainder_is_nearest_even_except_on_exact_ties(words, tie_uppers)
                                   np.where(nan, 0x7FC00000, word))
 
 
+def test_join_is_nan_only_where_the_param_is_nan():
+    """Every bfloat16 param beside remainders no split of its master gives (a param edited
+    between steps: zeroed beside a negative remainder, made inf beside a positive one): the
+    master is NaN only where the param is, and where the join would be a stray NaN it is the
+    param itself; elsewhere the join is the formula's."""
+    params = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    rng = np.random.default_rng(11)
+    for r in [-32768, -1, 0, 1, 32767, *rng.integers(-32768, 32768, 16).tolist()]:
+        remainder = torch.full_like(params, r)
+        master = join_remainder(params.view(torch.bfloat16), remainder)
+        param_values = params.view(torch.bfloat16).float()
+        assert torch.equal(torch.isnan(master), torch.isnan(param_values))
+        low = params.to(torch.int64) & 0xFFFF
+        formula = ((((low - int(r < 0)) & 0xFFFF) << 16) | (r & 0xFFFF))
+        formula_nan = ((formula & 0x7FFFFFFF) > 0x7F800000) & ~torch.isnan(param_values)
+        stray = formula_nan.numpy()
+        got = bits(master).astype(np.int64)
+        np.testing.assert_array_equal(got[stray], bits(param_values)[stray].astype(np.int64))
+        np.testing.assert_array_equal(got[~stray & ~torch.isnan(param_values).numpy()],
+                                      formula.numpy()[~stray & ~torch.isnan(param_values).numpy()])
+
+
 def check_remainder_against_fp32(a, opt_a, b, opt_b) -> tuple:
     """Asserts b's ("fp32-remainder") master and moments equal a's ("fp32") bit for bit and the
     params differ exactly at ties with an even upper half; returns (ties, differing params)."""
