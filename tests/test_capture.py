@@ -369,3 +369,40 @@ def test_a_device_tensor_beta_is_refused_by_name(emulated, monkeypatch):
         opt.step()
     monkeypatch.undo()
     assert_unchanged(opt, before)
+
+
+def test_warm_up_steps_make_room_for_a_capture_of_all_the_steps_tables(monkeypatch):
+    """Twelve live launches of large chunk tables (a group per layer): the eager warm-up
+    steps leave room for a capture of all twelve together, and for a second capture, without
+    an arena per step.  The CUDA pieces stand in on the CPU (no device here)."""
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    from bf16opt.backends import cupy as cuda_backend  # noqa: PLC0415
+
+    class HostArena:
+        def __init__(self, device, words):
+            self.host, self.device = torch.empty(words, dtype=torch.int64), torch.empty(words, dtype=torch.int64)
+            self.used = 0
+
+        def free(self):
+            return self.host.numel() - self.used
+    runtime = types.SimpleNamespace(memcpyAsync=lambda *arguments: None, memcpyHostToDevice=1)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(cuda_backend, "_CaptureArena", HostArena)
+    monkeypatch.setattr(cuda_backend, "_capture_arenas", {})
+    monkeypatch.setattr(cuda_backend, "_live_tables", {})
+    device, stream = torch.device("cuda", 0), types.SimpleNamespace(cuda_stream=0)
+    tables = [cuda_backend.build_launch_plan([[(1 << 40) * (g + 1) + 4096 * (i + 1)] * 6 for i in range(800)],
+                                             [1000] * 800, counters=[8 * i for i in range(800)]).table
+              for g in range(12)]
+    assert sum(t.size for t in tables) > 8 * max(t.size for t in tables) > 1 << 16  # (the old room was 8x one)
+    arenas = []
+    for _ in range(3):  # eager steps
+        for table in tables:
+            cuda_backend._reserve_capture_room(device, table)
+        arenas.append(len(cuda_backend._capture_arenas[0]))
+    for _ in range(2):  # two captures
+        for table in tables:
+            cuda_backend._captured_table(table, device, stream)
+    assert arenas[0] == arenas[-1] == len(cuda_backend._capture_arenas[0])  # (made in the first step only)

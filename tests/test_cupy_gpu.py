@@ -217,6 +217,34 @@ def test_runs_on_the_current_stream():
     assert torch.equal(after, params[0].detach())
 
 
+def test_a_kept_launch_on_another_stream_gives_the_references_bits():
+    """Steps that reuse their kept launch alternate between the default stream and a side
+    stream, the grads moving every step: each launch reads a chunk table of its own stream."""
+    g = torch.Generator().manual_seed(0)
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in [(1 << 16,), (3, 5), (1029,)]]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    expected = bf16opt.AdamW(cpu, lr=1e-2, backend="reference", precision="bf16-sr")
+    actual = bf16opt.AdamW(gpu, lr=1e-2, backend="cupy", precision="bf16-sr")
+    side = torch.cuda.Stream()
+    for step in range(8):
+        grads = [torch.randn(p.shape, generator=g).bfloat16() for p in cpu]
+        for c, grad in zip(cpu, grads):
+            c.grad = grad
+        expected.step()
+        stream = side if step % 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for d, grad in zip(gpu, grads):
+                d.grad = grad.cuda()
+            actual.step()
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for c, d in zip(cpu, gpu):
+        assert torch.equal(_bits(c), _bits(d))
+        for key, value in expected.state[c].items():
+            assert torch.equal(_bits(value), _bits(actual.state[d][key])), key
+
+
 RELEASE_CASES = [  # (optimizer, options, offload, update_in_backward_bucket)
     (bf16opt.AdamW, dict(precision="bf16-sr", weight_decay=0.1), None, 0),
     (bf16opt.AdamW, dict(precision="fp32-remainder-q8", max_grad_norm_per_param=0.5), None, 1 << 20),

@@ -409,13 +409,28 @@ class _CaptureArena:
 
 
 _capture_arenas: dict = {}  # device index -> list of arenas (the last has room; all stay alive)
+# device index -> ({a live launch's first param address: its chunk-table words}, their sum)
+_live_tables: dict = {}
 
 
-def _capture_room(device: torch.device, words: int) -> None:
-    """Room for a captured table of ``words`` entries on ``device`` (not while capturing)."""
+def _capture_room(device: torch.device, words: int, reserve: int = 0) -> None:
+    """Room for captured tables of ``words`` entries on ``device``, an arena of at least
+    ``reserve`` words where one is made (not while capturing)."""
     arenas = _capture_arenas.setdefault(device.index, [])
     if not arenas or arenas[-1].free() < words:
-        arenas.append(_CaptureArena(device, max(words, _CAPTURE_ROOM_WORDS)))
+        arenas.append(_CaptureArena(device, max(words, reserve, _CAPTURE_ROOM_WORDS)))
+
+
+def _reserve_capture_room(device: torch.device, table: np.ndarray) -> None:
+    """After an eager live launch: room for a capture of every live launch seen on ``device``
+    (a captured step records all of its tables), an arena for eight such captures where one
+    is made.  A launch is known by its first param's address (``table[0]``), so its later
+    steps replace its size rather than add to the sum."""
+    sizes, total = _live_tables.get(device.index, ({}, 0))
+    total += int(table.size) - sizes.get(int(table[0]), 0)
+    sizes[int(table[0])] = int(table.size)
+    _live_tables[device.index] = (sizes, total)
+    _capture_room(device, total, 8 * total)
 
 
 def _captured_table(table: np.ndarray, device: torch.device, stream) -> int:
@@ -425,7 +440,8 @@ def _captured_table(table: np.ndarray, device: torch.device, stream) -> int:
     arenas = _capture_arenas.get(device.index)
     if not arenas or arenas[-1].free() < table.size:
         raise RuntimeError("capturable=True: no room for this launch's chunk table in the capture's memory; "
-                           "run the same step eagerly (a warm-up step) before capturing it")
+                           "run the same step eagerly (a warm-up step, with the same param groups) before "
+                           "capturing it")
     arena = arenas[-1]
     start, arena.used = arena.used, arena.used + table.size
     arena.host[start:arena.used].numpy()[:] = table
@@ -458,8 +474,8 @@ def _run_on_gpu(prepared: PreparedLaunch, device: torch.device) -> None:
             table_address = _captured_table(plan.table, device, torch_stream)
         else:
             table_address = _device_table(plan.table, device, torch_stream).data_ptr()
-            if prepared.is_live:  # (this launch may be captured next, with the group's others)
-                _capture_room(device, 8 * plan.table.size)
+            if prepared.is_live:  # (this launch may be captured next, with the step's others)
+                _reserve_capture_room(device, plan.table)
         with cupy_stream(cupy, torch_stream):
             kernel((plan.grid,), (plan.block,), kernel_arguments(prepared, table_address, counts))
 
@@ -559,6 +575,7 @@ class Relaunch:
         self.table = prepared.plan.table.copy()
         self.table_stale = True  # the device copy lags the host table (a grad moved since)
         self.device_table = None
+        self.table_stream = None  # the stream the device copy was made on, and is read on
         self.kernel = None
         if execute is None:
             device = bucket.params[0].device
@@ -600,9 +617,12 @@ class Relaunch:
         import cupy
 
         stream = torch.cuda.current_stream(self.device)
-        if self.table_stale:  # a new table tensor: the last launch may still read the old one
+        # a new table tensor (the last launch may still read the old one), also for a launch on
+        # another stream: a table is read only on the stream it was copied and allocated on, so
+        # the allocator reuses its memory only after those launches
+        if self.table_stale or stream != self.table_stream:
             self.device_table = torch.from_numpy(self.table).pin_memory().to(self.device, non_blocking=True)
-            self.table_stale = False
+            self.table_stale, self.table_stream = False, stream
         plan = prepared.plan
         with cupy.cuda.Device(self.device.index), cupy_stream(cupy, stream):
             self.kernel((plan.grid,), (plan.block,), kernel_arguments(prepared, self.device_table.data_ptr()))
