@@ -34,7 +34,7 @@ from .checks import (check_flag, check_implementation_flags, check_no_aliasing, 
 from .offload import Offloader, check_offload
 from .offload_copies import phase
 from .precision import Precision, as_precision, plan_for
-from .step_plan import float64_backend, plan_step
+from .step_plan import float64_backend, plan_conversions, plan_step
 
 _IMMUTABLE = frozenset((bool, int, float, str, type(None), Precision))
 
@@ -317,7 +317,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if skip:  # inf/NaN grads: GradScaler lowers its scale, the optimizer changes nothing
+        if skip:  # inf/NaN grads: GradScaler lowers its scale; no update, but edits convert the state
+            self._install_and_run(plan_conversions(self))
             return loss
         reuse = step_cache.reused_step(self, inv_grad_scale)
         if reuse.ran:  # the step ran, its group's kept launch reused in one compiled call

@@ -34,7 +34,8 @@ from .precision import plan_for
 from .storage import Q8, q8_shape, stream_id
 from .tensors import HOST, layout_name, read_view, real_view, shards, state_is_on, state_moved, wrapped
 
-__all__ = ["ParamEntry", "StepPlan", "float64_backend", "narrowed_group", "plan_step", "plan_update"]
+__all__ = ["ParamEntry", "StepPlan", "float64_backend", "narrowed_group", "plan_conversions", "plan_step",
+           "plan_update"]
 
 
 class ParamEntry(NamedTuple):
@@ -156,6 +157,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
                 inv_grad_scale: float, amp=None) -> None:
     """A group's part of the plan: its params' entries, then its buckets' launches."""
     params = params_with_grad(optimizer, group, first_index)
+    _convert_idle_states(optimizer, plan, group, first_index, precision)
     if not params:
         plan.built.append((number, None))  # (a kept launch would hold on to its tensors)
         return
@@ -289,6 +291,40 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     if changed:
         plan.states[original] = wrapped(state, original)
     return state
+
+
+def plan_conversions(optimizer) -> StepPlan:
+    """Phase one of a step GradScaler skips: no update, but every param's state converted
+    where its group's settings changed, as the step would have converted it."""
+    plan = StepPlan()
+    first_index = 0
+    for number, group in enumerate(optimizer.param_groups):
+        precision = optimizer._group_precision(number, group)
+        _convert_idle_states(optimizer, plan, group, first_index, precision, every=True)
+        first_index += len(group["params"])
+    return plan
+
+
+def _convert_idle_states(optimizer, plan: StepPlan, group: dict, first_index: int, precision,
+                         every: bool = False) -> None:
+    """The state of the group's params without a grad this step (``every``: of all its params),
+    converted (or moved) where the group's settings changed since it was made (a precision or
+    offload edit): a step converts every param's state, as a load does, not only the params
+    it updates."""
+    if capture.capturing():  # (a capture refuses conversions; its params all have grads)
+        return
+    offloader = optimizer._offloader if group.get("offload") == "cpu" else None
+    distributed = dtensor_type() is not None
+    flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
+    for number, original in enumerate(group["params"], start=first_index):
+        if (original.grad is not None and not every) or not optimizer.state.get(original):
+            continue
+        sharded = distributed and is_dtensor(original)
+        param = real_view(local(original) if sharded else original)
+        config = kernel_config(optimizer.algorithm, plan_for(precision, param.dtype, original.numel()), flags,
+                               track)
+        _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
+        plan.known[original] = (config, HOST if offloader else param.device, offloader is not None)
 
 
 def _clip_factors(entries: list, max_norm: float, inv_grad_scale: float) -> list:

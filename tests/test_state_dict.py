@@ -472,3 +472,35 @@ def test_a_step_counter_of_another_one_element_shape_steps_as_a_scalar_one(backe
         runs.append((a.detach(), b.detach(), float(opt.state[b]["step"])))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert runs[0][2] == runs[1][2] == 3.0
+
+
+@pytest.mark.parametrize("idle", ["no-grad", "skipped-step"])
+def test_a_precision_edit_converts_every_params_state_so_a_resume_continues_bit_for_bit(idle):
+    """fp32 -> bf16 -> fp32 with a checkpoint after the bf16 step, where that step updated
+    not every param (one without a grad) or none (GradScaler skipped it): the step converts
+    every param's state, as the load into an optimizer built with bf16 does."""
+    def run(resume):
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.nn.Parameter(torch.randn(16, generator=g).bfloat16()) for _ in range(2))
+        opt = bf16opt.AdamW([a, b], lr=1e-2, precision="fp32", seed=1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        for step, precision in enumerate(["fp32", "bf16", "fp32"]):
+            opt.param_groups[0]["precision"] = precision
+            used = [a] if step == 1 and idle == "no-grad" else [a, b]
+            scaler.scale(sum((p.float() * (step + 1)).sin().sum() for p in used)).backward()
+            if step == 1 and idle == "skipped-step":
+                with torch.no_grad():
+                    a.grad[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if step == 1:
+                assert "master" not in opt.state[b]  # (converted to bf16: no master copy)
+            if resume and step == 1:
+                saved = copy.deepcopy(opt.state_dict())
+                opt = bf16opt.AdamW([a, b], lr=1e-2, precision="bf16", seed=1)
+                opt.load_state_dict(saved)
+        return a.detach().clone(), b.detach().clone()
+
+    for ours, theirs in zip(run(False), run(True)):
+        assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
