@@ -348,6 +348,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if plan.counters:
             capture.advance_counters(plan.counters, plan.found_inf)  # one call, not one per param
         self._state_configs.update(plan.known)
+        for number, group, settings in plan.swept:
+            self._side_dict("_idle_sweeps")[number] = (group, settings)
         if plan.offloaded is not None:  # params that left the offloaded groups free their host buffers
             self._offloader.release(plan.offloaded)
         self._run_launches(plan.clips, plan.launches, plan.reused)
@@ -485,9 +487,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _forget_removed_params(self) -> None:
         """Forget what the side dicts hold of params no longer in any group (a group or param
         taken out of ``param_groups``): they must not keep its tensors alive."""
-        memo = self.__dict__.get("_checked_groups")
-        for number in [number for number in memo or () if number >= len(self.param_groups)]:
-            del memo[number]
+        for name in ("_checked_groups", "_idle_sweeps"):  # (they hold groups: and so their params)
+            memo = self.__dict__.get(name)
+            for number in [number for number in memo or () if number >= len(self.param_groups)]:
+                del memo[number]
         caches = [self.__dict__[name] for name in ("_state_config_cache", "_telemetry", "_shard_offsets")
                   if self.__dict__.get(name)]
         if caches:

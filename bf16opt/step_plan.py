@@ -80,6 +80,7 @@ class StepPlan:
     clips: list = field(default_factory=list)          # (grad the kernels read, clip factor): scaled first
     stale_launches: bool = False                       # kept launches of groups that are gone
     found_inf: Optional[torch.Tensor] = None           # GradScaler's inf flag of a captured step
+    swept: list = field(default_factory=list)          # (group number, group, settings) whose idle states now fit
 
 
 def float64_backend(name: str):
@@ -157,7 +158,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
                 inv_grad_scale: float, amp=None) -> None:
     """A group's part of the plan: its params' entries, then its buckets' launches."""
     params = params_with_grad(optimizer, group, first_index)
-    _convert_idle_states(optimizer, plan, group, first_index, precision)
+    _convert_idle_states(optimizer, plan, number, group, first_index, precision)
     if not params:
         plan.built.append((number, None))  # (a kept launch would hold on to its tensors)
         return
@@ -300,12 +301,12 @@ def plan_conversions(optimizer) -> StepPlan:
     first_index = 0
     for number, group in enumerate(optimizer.param_groups):
         precision = optimizer._group_precision(number, group)
-        _convert_idle_states(optimizer, plan, group, first_index, precision, every=True)
+        _convert_idle_states(optimizer, plan, number, group, first_index, precision, every=True)
         first_index += len(group["params"])
     return plan
 
 
-def _convert_idle_states(optimizer, plan: StepPlan, group: dict, first_index: int, precision,
+def _convert_idle_states(optimizer, plan: StepPlan, number: int, group: dict, first_index: int, precision,
                          every: bool = False) -> None:
     """The state of the group's params without a grad this step (``every``: of all its params),
     converted (or moved) where the group's settings changed since it was made (a precision or
@@ -313,18 +314,25 @@ def _convert_idle_states(optimizer, plan: StepPlan, group: dict, first_index: in
     it updates."""
     if capture.capturing():  # (a capture refuses conversions; its params all have grads)
         return
+    flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
+    if number >= len(optimizer.param_groups) or optimizer.param_groups[number] is not group:
+        return  # (a group narrowed to the params an update in backward updates: all have grads)
+    settings = (precision, flags, track, group.get("offload"))
+    swept = optimizer._side_dict("_idle_sweeps").get(number)
+    if not every and swept is not None and swept[0] is group and swept[1] == settings:
+        return  # (the settings are those the idle states were last converted for)
     offloader = optimizer._offloader if group.get("offload") == "cpu" else None
     distributed = dtensor_type() is not None
-    flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
-    for number, original in enumerate(group["params"], start=first_index):
+    for index, original in enumerate(group["params"], start=first_index):
         if (original.grad is not None and not every) or not optimizer.state.get(original):
             continue
         sharded = distributed and is_dtensor(original)
         param = real_view(local(original) if sharded else original)
         config = kernel_config(optimizer.algorithm, plan_for(precision, param.dtype, original.numel()), flags,
                                track)
-        _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
+        _state_for(optimizer, plan, original, param, sharded, config, index, offloader)
         plan.known[original] = (config, HOST if offloader else param.device, offloader is not None)
+    plan.swept.append((number, group, settings))
 
 
 def _clip_factors(entries: list, max_norm: float, inv_grad_scale: float) -> list:
