@@ -551,7 +551,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             device = torch.device("cpu") if group.get("offload") == "cpu" else params[0].device
             wide = [p.dtype.to_real() == torch.float64 for p in params]
             name = "reference" if all(wide) else backend_name(group["backend"], device)
-            names.append(name if name == "reference" or not any(wide) else f"{name} (float64 params: reference)")
+            mixed = name != "reference" and any(wide)
+            names.append(f"{name} (float64 params: reference)" if mixed else name)
         return names
 
     # ---- state dict

@@ -74,13 +74,13 @@ class StepPlan:
     counters: list = field(default_factory=list)       # step tensors to advance
     known: dict = field(default_factory=dict)          # param -> config its state now fits
     launches: list = field(default_factory=list)       # (bucket, prepared launch, its params as the user has them)
-    reused: list = field(default_factory=list)         # (launches before it, phase two) of each group reusing its launch
+    reused: list = field(default_factory=list)         # (launches before it, phase two) of reusing groups
     built: list = field(default_factory=list)          # (group number, KeptLaunchMaterial or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
     clips: list = field(default_factory=list)          # (grad the kernels read, clip factor): scaled first
     stale_launches: bool = False                       # kept launches of groups that are gone
     found_inf: Optional[torch.Tensor] = None           # GradScaler's inf flag of a captured step
-    swept: list = field(default_factory=list)          # (group number, group, settings) whose idle states now fit
+    swept: list = field(default_factory=list)          # (number, group, settings): idle states fit these now
 
 
 def float64_backend(name: str):
@@ -368,7 +368,7 @@ def _steps(entries: list) -> Optional[list]:
     captured (a capturable group's counters are on the device: reading them would sync)."""
     if capture.capturing():
         return None
-    counts = torch.stack([e.counter.double().reshape(()) for e in entries]).tolist()  # (any one-element shape)
+    counts = torch.stack([e.counter.double().reshape(()) for e in entries]).tolist()  # (any one-element)
     for value, entry in zip(counts, entries):
         check_step_count(value, f"state['step'] of param {entry.number}")
     return [int(s) + 1 for s in counts]

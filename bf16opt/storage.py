@@ -446,8 +446,8 @@ def q8_decode(q: torch.Tensor, shape, signed: bool, kind: str = None) -> torch.T
     if q.dtype != torch.uint8 or tuple(q.shape) != q8_shape(n):
         raise ValueError(f"a q8 tensor of {n} elements is uint8 of shape {q8_shape(n)}, "
                          f"got {q.dtype} of shape {tuple(q.shape)}")
-    table = torch.tensor(q8_map(signed, kind or Q8_MAP_KIND) + (q8_non_finite_value(signed),), dtype=torch.float32,
-                         device=q.device)
+    entries = q8_map(signed, kind or Q8_MAP_KIND) + (q8_non_finite_value(signed),)
+    table = torch.tensor(entries, dtype=torch.float32, device=q.device)
     index = q8_code_to_index(q[:, :Q8_BLOCK].to(torch.int64), signed)
     values = torch.mul(table[index], q8_scale_values(q)[:, None])
     return values.reshape(-1)[:n].reshape(shape)

@@ -94,7 +94,8 @@ def test_explicit_reference_on_cuda_does_not_warn(no_cupy):
 
 def test_float64_params_show_the_reference_they_run_on():
     wide, narrow = torch.nn.Parameter(torch.ones(3, dtype=torch.float64)), torch.nn.Parameter(torch.ones(2))
-    opt = bf16opt.AdamW([{"params": [wide]}, {"params": [narrow, torch.nn.Parameter(torch.ones(2, dtype=torch.complex128))]}])
+    complex_wide = torch.nn.Parameter(torch.ones(2, dtype=torch.complex128))
+    opt = bf16opt.AdamW([{"params": [wide]}, {"params": [narrow, complex_wide]}])
     assert opt.group_backends() == ["reference", "numba (float64 params: reference)"]
 
 

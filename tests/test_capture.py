@@ -382,13 +382,15 @@ def test_warm_up_steps_make_room_for_a_capture_of_all_the_steps_tables(monkeypat
 
     class HostArena:
         def __init__(self, device, words):
-            self.host, self.device = torch.empty(words, dtype=torch.int64), torch.empty(words, dtype=torch.int64)
+            self.host = torch.empty(words, dtype=torch.int64)
+            self.device = torch.empty(words, dtype=torch.int64)
             self.used = 0
 
         def free(self):
             return self.host.numel() - self.used
     runtime = types.SimpleNamespace(memcpyAsync=lambda *arguments: None, memcpyHostToDevice=1)
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setattr(cuda_backend, "_CaptureArena", HostArena)
     monkeypatch.setattr(cuda_backend, "_capture_arenas", {})
     monkeypatch.setattr(cuda_backend, "_live_tables", {})
@@ -396,7 +398,7 @@ def test_warm_up_steps_make_room_for_a_capture_of_all_the_steps_tables(monkeypat
     tables = [cuda_backend.build_launch_plan([[(1 << 40) * (g + 1) + 4096 * (i + 1)] * 6 for i in range(800)],
                                              [1000] * 800, counters=[8 * i for i in range(800)]).table
               for g in range(12)]
-    assert sum(t.size for t in tables) > 8 * max(t.size for t in tables) > 1 << 16  # (the old room was 8x one)
+    assert sum(t.size for t in tables) > 8 * max(t.size for t in tables) > 1 << 16  # (the old room: 8x one)
     arenas = []
     for _ in range(3):  # eager steps
         for table in tables:

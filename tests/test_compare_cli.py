@@ -81,8 +81,8 @@ def test_a_run_of_one_step_measures_no_step_time_or_peak(tmp_path, capsys, no_pl
                         "--out", str(tmp_path / "out")])
     assert code == 0
     printed = unpadded(capsys.readouterr().out)
-    assert "| step peak extra RSS" in printed and printed.split("| step peak extra RSS")[1].split("\n")[0].endswith(
-        "| n/a |")
+    peak_row = next(line for line in printed.splitlines() if line.startswith("| step peak extra RSS"))
+    assert peak_row.endswith("| n/a |")
     loss_row = next(line for line in printed.splitlines() if line.startswith("| bf16 |"))
     assert "| n/a |" in loss_row
     saved = json.loads((tmp_path / "out" / "results.json").read_text())

@@ -258,12 +258,13 @@ def test_a_momentum_buffer_set_to_none_restarts_as_torch_sgd_does(backend, dampe
 
     def delete(state):
         del state["momentum_buffer"]
+    def ours(params):
+        return bf16opt.SGD(params, lr=0.1, momentum=0.9, dampening=dampening, backend=backend)
+
+    def theirs(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=dampening)
     runs = []
-    for make, forget in [(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=dampening), reset),
-                         (lambda ps: bf16opt.SGD(ps, lr=0.1, momentum=0.9, dampening=dampening, backend=backend),
-                          reset),
-                         (lambda ps: bf16opt.SGD(ps, lr=0.1, momentum=0.9, dampening=dampening, backend=backend),
-                          delete)]:
+    for make, forget in [(theirs, reset), (ours, reset), (ours, delete)]:
         p = nn.Parameter(torch.linspace(-1, 1, 5))
         opt = make([p])
         for step in range(4):

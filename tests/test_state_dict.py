@@ -462,7 +462,8 @@ def test_a_step_counter_of_another_one_element_shape_steps_as_a_scalar_one(backe
     runs = []
     for shape in [(), (1,)]:
         g = torch.Generator().manual_seed(0)
-        a, b = torch.nn.Parameter(torch.randn(4, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g))
+        a = torch.nn.Parameter(torch.randn(4, generator=g))
+        b = torch.nn.Parameter(torch.randn(3, generator=g))
         opt = bf16opt.AdamW([a, b], backend=backend)
         for step in range(3):
             a.grad, b.grad = torch.randn(4, generator=g), torch.randn(3, generator=g)
