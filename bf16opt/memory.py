@@ -153,10 +153,12 @@ def memory_report(optimizer: torch.optim.Optimizer) -> MemoryReport:
     report = MemoryReport(bytes={name: 0 for name in components(optimizer)})
     seen = set()
 
-    def add(name: str, tensor: torch.Tensor) -> None:
+    def add(name: str, tensor: torch.Tensor) -> int:
         tensor = local(tensor)
-        report.bytes[name] = report.bytes.get(name, 0) + tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        report.bytes[name] = report.bytes.get(name, 0) + nbytes
         report.dtypes.setdefault(name, set()).add(SHORT_NAME.get(tensor.dtype, str(tensor.dtype)))
+        return nbytes
 
     for group in optimizer.param_groups:
         offloaded = group.get("offload") == "cpu"
@@ -170,8 +172,7 @@ def memory_report(optimizer: torch.optim.Optimizer) -> MemoryReport:
                 add("grads", param.grad)
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    add(key, value)
-                    nbytes = local(value).numel() * value.element_size()
+                    nbytes = add(key, value)
                     if offloaded:
                         report.host_bytes += nbytes
                         report.pinned_bytes += nbytes if value.is_pinned() else 0

@@ -73,7 +73,7 @@ class StepPlan:
     mirror_writes: list = field(default_factory=list)  # (offloaded param, new bits): its host mirror
     counters: list = field(default_factory=list)       # step tensors to advance
     known: dict = field(default_factory=dict)          # param -> config its state now fits
-    launches: list = field(default_factory=list)       # (bucket, prepared launch, its params as the user has them)
+    launches: list = field(default_factory=list)       # (bucket, prepared launch, the user's params)
     reused: list = field(default_factory=list)         # (launches before it, phase two) of reusing groups
     built: list = field(default_factory=list)          # (group number, KeptLaunchMaterial or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
@@ -222,7 +222,7 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
     position = {id(p): first_index + i for i, p in enumerate(group["params"])}
     ids = stream_ids(group, first_index)
     flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
-    configs = {}  # param dtype -> config (one lookup per dtype, not per param)
+    configs = {}  # (see _state_config)
     entries = []
     for original in params:
         number = position[id(original)]
@@ -230,11 +230,7 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         sharded = distributed and is_dtensor(original)
         check_not_conjugate(original, f"params[{number}]")  # (a .data assignment can make one)
         param = real_view(local(original) if sharded else original)
-        size = (param.dtype, original.numel() < precision.q8_min_numel)  # (q8 keeps small params' moments)
-        config = configs.get(size)
-        if config is None:
-            config = configs[size] = kernel_config(optimizer.algorithm,
-                                                   plan_for(precision, param.dtype, original.numel()), flags, track)
+        config = _state_config(optimizer, precision, param, original.numel(), flags, track, configs)
         state = _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
         counter = step_counter(state, number)
         if counter.device != (param.device if live else HOST):  # capturable: counters live on the device
@@ -244,7 +240,6 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         made = new_buffers(param, state, config, offloader)
         if made:
             plan.buffers[original] = wrapped(made, original)
-        plan.known[original] = (config, HOST if offloader else param.device, offloader is not None)
         fresh = optimizer._fresh_flags(set(made))
         grad_dtype = original.grad.dtype.to_real()
         if fresh or grad_dtype != config.grad:  # the launch's config (the state's is known above)
@@ -258,11 +253,25 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
     return entries
 
 
+def _state_config(optimizer, precision, param, numel: int, flags: tuple, track: bool,
+                  configs: dict) -> KernelConfig:
+    """The configuration a param's state is kept for (``param``: its real view; ``numel``: the
+    whole param's), memoised in ``configs`` by dtype and q8 size class, not looked up per param."""
+    size = (param.dtype, numel < precision.q8_min_numel)  # (q8 keeps small params' moments)
+    config = configs.get(size)
+    if config is None:
+        config = configs[size] = kernel_config(optimizer.algorithm, plan_for(precision, param.dtype, numel),
+                                               flags, track)
+    return config
+
+
 def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config: KernelConfig, number: int,
                offloader) -> dict:
     """The param's state as the kernels see it (a DTensor's buffers as their local shards):
     new at its first step, moved or converted when its configuration or home changed (the
-    new state recorded in ``plan.states``), else as it is."""
+    new state recorded in ``plan.states``), else as it is; ``plan.known`` records what it fits."""
+    home = HOST if offloader else param.device
+    known = plan.known[original] = (config, home, offloader is not None)
     state = shards(optimizer.state.get(original)) if sharded else optimizer.state.get(original)
     if state and any(map(operator.is_, state.values(), repeat(None))):
         # as torch.optim: a None buffer is none yet (SGD's momentum reset), made at this step
@@ -271,8 +280,7 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     if not state:  # first step: a new state, installed in phase two
         state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
         return state
-    home = HOST if offloader else param.device
-    if optimizer._state_configs.get(original) == (config, home, offloader is not None):
+    if optimizer._state_configs.get(original) == known:
         return state
     changed = False
     if not state_is_on(state, home, offloader is not None):  # `offload` was edited
@@ -314,24 +322,22 @@ def _convert_idle_states(optimizer, plan: StepPlan, number: int, group: dict, fi
     it updates."""
     if capture.capturing():  # (a capture refuses conversions; its params all have grads)
         return
-    flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
     if number >= len(optimizer.param_groups) or optimizer.param_groups[number] is not group:
         return  # (a group narrowed to the params an update in backward updates: all have grads)
+    flags, track = tuple(optimizer._flags(group).items()), bool(group.get("track_precision"))
     settings = (precision, flags, track, group.get("offload"))
     swept = optimizer._side_dict("_idle_sweeps").get(number)
     if not every and swept is not None and swept[0] is group and swept[1] == settings:
         return  # (the settings are those the idle states were last converted for)
     offloader = optimizer._offloader if group.get("offload") == "cpu" else None
-    distributed = dtensor_type() is not None
+    distributed, configs = dtensor_type() is not None, {}
     for index, original in enumerate(group["params"], start=first_index):
         if (original.grad is not None and not every) or not optimizer.state.get(original):
             continue
         sharded = distributed and is_dtensor(original)
         param = real_view(local(original) if sharded else original)
-        config = kernel_config(optimizer.algorithm, plan_for(precision, param.dtype, original.numel()), flags,
-                               track)
+        config = _state_config(optimizer, precision, param, original.numel(), flags, track, configs)
         _state_for(optimizer, plan, original, param, sharded, config, index, offloader)
-        plan.known[original] = (config, HOST if offloader else param.device, offloader is not None)
     plan.swept.append((number, group, settings))
 
 
