@@ -304,8 +304,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             capture.check_optimizer(self)
         hooks = self.__dict__.get("_release_hooks")
         if (hooks is not None and hooks.hooked()) or release.wanted(self.param_groups):
-            return self._release_step(closure, grad_scale, found_inf)
-        return self._full_step(closure, grad_scale, found_inf)
+            loss = self._release_step(closure, grad_scale, found_inf)
+        else:
+            loss = self._full_step(closure, grad_scale, found_inf)
+        self.__dict__["_telemetry_ended"] = True  # (the next counts recorded begin a new step's)
+        return loss
 
     def _full_step(self, closure, grad_scale, found_inf):
         amp = None
@@ -372,12 +375,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 run()
                 due, run = next(waiting, (None, None))
             launch()
-            if bucket.counts is not None:  # (under the user's param: the kernel's is a view or copy of it)
-                for param, original, counts in zip(bucket.params, originals, bucket.counts.tolist()):
-                    self._precision_counts[original] = (param.numel(), counts)
+            if bucket.counts is not None:
+                self._record_counts(bucket, originals)
         while run is not None:
             run()
             due, run = next(waiting, (None, None))
+
+    def _record_counts(self, bucket, originals: list) -> None:
+        """Keep a launched bucket's telemetry under the user's params (the kernel's may be views
+        or copies of them); the first record after a step ends forgets that step's."""
+        if self.__dict__.pop("_telemetry_ended", False):
+            self._precision_counts.clear()
+        for param, original, counts in zip(bucket.params, originals, bucket.counts.tolist()):
+            self._precision_counts[original] = (param.numel(), counts)
 
     # ---- update in backward (release.py)
     @property
@@ -501,10 +511,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     # ---- telemetry and inspection
     def precision_stats(self) -> dict:
-        """Precision telemetry of the last step (needs ``track_precision=True``).
+        """Precision telemetry of the last step that updated tracked params (needs
+        ``track_precision=True``).
 
-        Returns ``{param index: {counter: fraction}}`` plus ``"total"`` over all tracked
-        params, with the algorithm's counters: ``swallowed`` (non-zero updates that left
+        Returns ``{param index: {counter: fraction}}`` for the params that step updated, plus
+        ``"total"`` over them, with the algorithm's counters: ``swallowed`` (non-zero updates that left
         the stored master weights unchanged) and ``<moment>_underflow`` (non-zero moments
         stored as zero), as fractions of each param's elements.
         """

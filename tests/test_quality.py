@@ -413,3 +413,22 @@ def test_precision_stats_count_offloaded_and_complex_params(offload):
     stats = opt.precision_stats()
     assert stats[0]["swallowed"] == 0.5 and stats[1]["swallowed"] == 1.0
     assert stats["total"]["swallowed"] == 12 / 16  # (of the real elements: 8 each)
+
+
+@pytest.mark.parametrize("mode", ["numba", "reference", "offload", "update_in_backward"])
+def test_precision_stats_hold_only_the_last_steps_params(mode):
+    """A param without a grad at the last step drops out of the stats and of their total,
+    rather than bringing an older step's counts back."""
+    a = torch.nn.Parameter(torch.ones(8))
+    b = torch.nn.Parameter(torch.ones(8))
+    options = {"offload": {"offload": "cpu"}, "update_in_backward": {"update_in_backward": True}}
+    opt = bf16opt.AdamW([a, b], lr=1e-9, weight_decay=0.0, precision="fp32", track_precision=True,
+                        backend="reference" if mode == "reference" else "numba", **options.get(mode, {}))
+    for both in [True, False]:
+        opt.zero_grad()
+        opt.param_groups[0]["lr"] = 1e-9 if both else 1.0  # swallowed, then not
+        ((a * a).sum() + (b * b).sum() if both else (a * a).sum()).backward()
+        opt.step()
+    stats = opt.precision_stats()
+    assert sorted(stats, key=str) == [0, "total"]
+    assert stats[0]["swallowed"] == 0.0 and stats["total"]["swallowed"] == 0.0
