@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import sysconfig
 import tempfile
@@ -20,7 +21,8 @@ from typing import NoReturn, TypeVar
 from . import __version__
 
 __all__ = ["BACKENDS", "DEFAULT_LR", "DEFAULT_PRESETS", "HEADS", "PRESET_NAMES", "RESULTS_JSON", "SUMMARY",
-           "Corpus", "Parser", "add_arguments", "build_parser", "check", "parse", "stdlib_corpus"]
+           "Corpus", "Parser", "add_arguments", "build_parser", "check", "model_params", "parse",
+           "stdlib_corpus"]
 
 SUMMARY = "train one small language model per precision preset, side by side."
 #: the names of ``bf16opt.PRESETS``, in its order, without importing torch (a test keeps them equal)
@@ -170,6 +172,7 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Corpus:
     if args.width % HEADS:
         parser.error(f"argument --width: must be a multiple of {HEADS} (the attention heads), "
                      f"got {args.width}")
+    _check_fits_in_memory(args, parser)
     existing = next(path for path in (args.out, *args.out.parents) if path.exists())
     try:  # --out, or the directory it will be created in, takes files
         with tempfile.TemporaryFile(dir=existing):
@@ -194,6 +197,30 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Corpus:
 
 
 # ---------------------------------------------------------------- the command line
+def model_params(width: int, layers: int, block: int) -> int:
+    """The parameter count of compare's CharGPT (a test checks it against the model)."""
+    per_block = 12 * width * width + 13 * width  # attention 4w^2+4w, MLP 8w^2+5w, two norms 4w
+    return layers * per_block + 256 * width + block * width + 2 * width + 256 * width + 256
+
+
+def _check_fits_in_memory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse sizes no run could fit in this machine's memory (a floor, not an estimate: the
+    model built in float32, and one step's embeddings and logits in float32)."""
+    params = model_params(args.width, args.layers, args.block)
+    weights = 4 * params
+    activations = 4 * args.batch * args.block * (args.width + 256)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # (no sysconf: nothing to check against)
+        return
+    if weights + activations <= memory:
+        return
+    names = "--width and --layers" if weights >= activations else "--batch and --block"
+    parser.error(f"arguments {names}: the run needs at least {(weights + activations) / 2**30:,.0f} GiB "
+                 f"({params:,} params; batch {args.batch} x block {args.block}), more than this "
+                 f"machine's {memory / 2**30:,.0f} GiB of memory")
+
+
 def build_parser() -> tuple[Parser, dict[str, Parser]]:
     """The ``bf16opt`` parser and its sub-command parsers by name."""
     parser = Parser(prog="bf16opt", description="Optimizers with bf16/fp16/fp32 master weights and states: "

@@ -118,6 +118,8 @@ BAD_ARGUMENTS = {
     "block negative": (["--block", "-3"], "--block"),
     "layers 0": (["--layers", "0"], "--layers"),
     "width not a multiple of the heads": (["--width", "10"], "--width"),
+    "a model larger than memory": (["--width", "400000"], "--width and --layers"),
+    "batches larger than memory": (["--batch", "1000000000", "--block", "100000"], "--batch and --block"),
     "lr 0": (["--lr", "0"], "--lr"),
     "lr nan": (["--lr", "nan"], "--lr"),
     "negative seed": (["--seed", "-1"], "--seed"),
@@ -204,6 +206,12 @@ def test_torch_free_names_match_the_torch_side():
     assert tuple(cli.DEFAULT_LR) == tuple(compare.OPTIMIZERS)
     assert set(cli.DEFAULT_PRESETS) <= set(bf16opt.PRESETS)
     assert (compare.__doc__ or "").splitlines()[0].endswith(": " + cli.SUMMARY)
+
+
+@pytest.mark.parametrize("width, layers, block", [(16, 1, 16), (128, 2, 64), (40, 3, 7)])
+def test_the_memory_check_counts_the_models_params(width, layers, block):
+    model = compare.CharGPT(width=width, layers=layers, block=block)
+    assert cli.model_params(width, layers, block) == sum(p.numel() for p in model.parameters())
 
 
 def test_public_names_resolve_on_first_access():
