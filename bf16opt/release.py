@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
 import queue
 import sys
 import threading
@@ -111,6 +112,18 @@ def check_step(groups: list, closure, grad_scale, found_inf, scaler_attributes: 
                            f"without a scaler, or set update_in_backward=False")
 
 
+#: this process's ReleaseHooks and Background objects, set right again in a fork child
+_FORK_AWARE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for thing in list(_FORK_AWARE):
+        thing.after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class ReleaseHooks:
     """The post-accumulate-grad hooks of an optimizer's release groups."""
 
@@ -123,12 +136,17 @@ class ReleaseHooks:
         self.accumulating = 0           # depth of accumulating() blocks
         self.checked = False            # every release group's settings checked in this backward
         self.lock = threading.Lock()    # one update at a time (CUDA backward runs a thread per device)
+        _FORK_AWARE.add(self)
         self.launches: dict = {}        # first param -> its bucket's update's launch (step_cache.GroupLaunch)
         self.pending: dict = {}         # group number -> its params waiting for one update (_Bucket)
         self._ends_task = None          # the backward whose end updates the rest (its graph task id)
         self.updated = set()            # ids of the params updated in this backward (see on_grad)
         self._nesting = (None, False)   # (graph task id, whether it is a nested backward) last asked
         weakref.finalize(optimizer, ReleaseHooks._remove_all, self._handles)
+
+    def after_fork(self) -> None:
+        """In a fork child: a lock another thread held at the fork stays held there."""
+        self.lock = threading.Lock()
 
     def sync(self, groups: list) -> None:
         """Hooks on exactly the params of the groups in the mode that require grads."""
@@ -149,11 +167,15 @@ class ReleaseHooks:
         self._layout = ()  # (placed again at the next hook)
 
     def keep_launch(self, param: torch.Tensor, launch) -> None:
-        """Keep ``param``'s launch for its next updates (None: forget it)."""
+        """Keep ``param``'s launch for its next updates (None: forget it); launches kept for
+        buckets that share a param with it go (they hold tensors the new one replaced)."""
         if launch is None:
             self.launches.pop(param, None)
-        else:
-            self.launches[param] = launch
+            return
+        ids = set(map(id, launch.params))
+        for first in [first for first, kept in self.launches.items() if not ids.isdisjoint(map(id, kept.params))]:
+            del self.launches[first]
+        self.launches[param] = launch
 
     def hooked(self) -> int:
         return len(self._handles)
@@ -353,6 +375,8 @@ def update(optimizer, number: int, group: dict, first_index: int, start: int, st
     params = narrowed["params"]
     kept = hooks.launches.get(params[0])
     run = kept and kept.prepare(optimizer, narrowed, first_index + start, precision, 1.0)
+    if kept is not None and not run:  # (stale: it would hold on to the state it was built from)
+        hooks.keep_launch(params[0], None)
     if run:  # nothing the launch was built from changed since these params' last update
         group["precision"] = precision
         run()
@@ -402,18 +426,32 @@ class Background:
     """One thread running an optimizer's offloaded updates in order, during backward."""
 
     def __init__(self, owner):
+        self._owner = weakref.ref(owner)
+        self.cuda = False               # (NVTX ranges too)
+        self.after_fork()
+        _FORK_AWARE.add(self)
+
+    def after_fork(self) -> None:
+        """A fresh start; in a fork child, whose copy of the thread does not run (only the
+        forking thread survives a fork), the next submit starts one of its own."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._queued = 0                # jobs submitted and not finished
         self._error = None              # the first error of a job, re-raised by finish()
         self.params: set = set()        # ids of the params whose updates are queued
-        self.cuda = False               # (NVTX ranges too)
+        self._thread = None
+
+    def _start(self) -> None:
         self._thread = threading.Thread(target=Background._serve, args=(self._jobs, weakref.ref(self)),
                                         name="bf16opt-update-in-backward", daemon=True)
         self._thread.start()
-        weakref.finalize(owner, self._jobs.put, None)  # (the thread ends with the optimizer)
+        owner = self._owner()
+        if owner is not None:
+            weakref.finalize(owner, self._jobs.put, None)  # (the thread ends with the optimizer)
 
     def submit(self, job: Callable[[], None], params: list) -> None:
+        if self._thread is None:
+            self._start()
         self.cuda = self.cuda or any(param.is_cuda for param in params)
         with self._idle:
             self._queued += 1

@@ -222,3 +222,41 @@ def test_child_forked_while_a_parent_thread_steps(layer):
         pytest.skip("bf16opt.backends.numba has no _KERNEL_LOCK any more: nothing to hold")
     assert result["fork_lock_held"]["status"] == "ok", describe(result, "fork_lock_held")
     assert result["fork_lock_held"]["same"], describe(result, "fork_lock_held")
+
+
+RELEASE_CHILD = r'''
+import faulthandler, os, sys
+import torch, bf16opt
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+opt = bf16opt.AdamW(model.parameters(), offload="cpu", update_in_backward=True)
+x = torch.randn(4, 16, dtype=torch.bfloat16)
+
+
+def train():
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+train()
+train()
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(1)  # (torch's own OpenMP pool is not fork-safe; DataLoader workers do this)
+    faulthandler.dump_traceback_later(float(sys.argv[1]), exit=True)  # a hang exits 1, with a traceback
+    train()
+    train()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+'''
+
+
+def test_a_fork_child_updates_offloaded_params_in_backward():
+    """The thread of the offloaded updates in backward does not survive a fork: the child's
+    optimizer starts its own rather than waiting for the parent's at the end of backward."""
+    process = subprocess.run([sys.executable, "-c", RELEASE_CHILD, str(CHILD_TIMEOUT / 2)], capture_output=True,
+                             text=True, timeout=CHILD_TIMEOUT * 2, env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+    assert process.returncode == 0, process.stderr[-3000:]
