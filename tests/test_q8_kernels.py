@@ -255,3 +255,23 @@ def test_any_sizes_match_the_reference(numels, seed, case, specials):
     bucket = make_bucket("adam", PLANS[plan_name], [(n,) for n in numels], seed=seed,
                          flags=adam_flags(group, False), specials=specials)
     run_both(bucket, group, 2, f"adam q8 {plan_name} {decay} {numels}", unit=True)
+
+
+def test_padding_codes_written_by_hand_stay_as_the_kernels_leave_them():
+    """The codes past a param's last element are never written (docs/numerics.md), by the
+    reference as by the kernels: codes put there by hand stay, the same on both backends."""
+    import bf16opt
+
+    states = []
+    for backend in ("reference", "numba"):
+        generator = torch.Generator().manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(70, 70, generator=generator).to(torch.bfloat16))
+        opt = bf16opt.AdamW([param], precision="fp32-remainder-q8", backend=backend)
+        param.grad = torch.randn(70, 70, generator=generator).to(torch.bfloat16)
+        opt.step()
+        padding = opt.state[param]["exp_avg_sq"][-1, 4900 % 256:256]
+        padding.copy_(torch.arange(padding.numel(), dtype=torch.uint8) | 1)
+        opt.step()
+        states.append({key: value.clone() for key, value in opt.state[param].items()})
+        assert bool((states[-1]["exp_avg_sq"][-1, 4900 % 256:256] != 0).all())
+    assert all(torch.equal(states[0][key], states[1][key]) for key in states[0])

@@ -98,7 +98,7 @@ from __future__ import annotations
 
 import torch
 
-from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8, WEIGHTS, buffer_bits, decode, encode,
+from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8, Q8_BLOCK, WEIGHTS, buffer_bits, decode, encode,
                        encode_stochastic, join_remainder, q8_decode, q8_encode, q8_signed, random_bits,
                        split_remainder, stream_key, stream_of)
 from .base import Bucket, check_scalars
@@ -157,6 +157,9 @@ def _store_moment(bucket: Bucket, i: int, role: str, value: torch.Tensor, buffer
             if bucket.plan.q8_rounding == "stochastic" else None
         signed = q8_signed(role)
         encoded = q8_encode(value, signed, random)
+        used = value.numel() - Q8_BLOCK * (encoded.shape[0] - 1)
+        if encoded.shape[0] and used < Q8_BLOCK:  # the padding codes are never written (numerics.md)
+            encoded[-1, used:Q8_BLOCK] = target[-1, used:Q8_BLOCK]
         target.copy_(encoded)
         return q8_decode(encoded, value.shape, signed)
     encoded = _encode(bucket, i, value, target.dtype, buffer)
