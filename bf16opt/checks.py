@@ -12,6 +12,7 @@ import torch
 from . import capture
 from .distributed import check_known_tensor, local
 from .precision import FLOAT64, PARAM_DTYPES
+from .tensors import check_writable
 
 def check_number(value, argument: str, label: Optional[str] = None, *, low: float = 0.0,
                  high: Optional[float] = None, high_inclusive: bool = False) -> float:
@@ -28,12 +29,18 @@ def check_number(value, argument: str, label: Optional[str] = None, *, low: floa
                              f"{tuple(value.shape)}")
         if value.is_complex():
             raise TypeError(f"{argument} must be a real number, got a complex tensor")
+        if value.is_meta:
+            raise ValueError(f"{argument} is a meta tensor, which holds no value")
         if value.device.type != "cpu" and capture.capturing():  # (read when the graph runs, as in torch)
             return math.nan
         shown = value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{argument} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # (an int or Fraction beyond float's range)
+        value = math.inf if value > 0 else -math.inf
+        shown = f"{'-' if value < 0 else ''}a number beyond float's range"
     upper_ok = high is None or value < high or (high_inclusive and value == high)
     if math.isnan(value) or value < low or not upper_ok or math.isinf(value):
         bound = "" if high is None else (f" and <= {high}" if high_inclusive else f" and < {high}")
@@ -125,14 +132,7 @@ def check_param(param, name: str) -> None:
         raise ValueError(f"{name} is on the meta device and holds no data to update; build the "
                          f"optimizer after materialising the model (e.g. module.to_empty(device=...) "
                          f"and loading its weights)")
-    if param.is_inference():
-        raise ValueError(f"{name} was created under torch.inference_mode() and cannot be updated "
-                         f"in place outside it; create it (or clone it) outside inference mode")
-    check_not_conjugate(param, name)
-    if param.numel() > 1 and torch._debug_has_internal_overlap(local(param)) == 1:
-        raise ValueError(f"{name} has elements that share memory (an expanded, stride-0 view?); "
-                         f"an in-place update would write each location several times; pass a "
-                         f"materialised tensor (.clone())")
+    check_writable(local(param), name)
 
 
 def check_param_names(names, count: int) -> None:
@@ -146,15 +146,6 @@ def check_param_names(names, count: int) -> None:
                         f"gives them), got {shown}")
     if len(names) != count:
         raise ValueError(f"param_names has {len(names)} names for {count} params")
-
-
-def check_not_conjugate(param, name: str) -> None:
-    """A complex param that is a conjugate view (``is_conj()``) is updated as no real view of
-    its memory, which holds the conjugates of its values."""
-    if param.is_conj():
-        raise ValueError(f"{name} is a conjugate view (is_conj(): its memory holds the conjugates of "
-                         f"its values), which bf16opt cannot update in place as (re, im) pairs; pass "
-                         f"a resolved tensor (param.resolve_conj())")
 
 
 def _byte_range(tensor: torch.Tensor) -> tuple:

@@ -154,8 +154,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._sync_release_hooks()
         except BaseException:
             self.param_groups.pop()
+            if group.get("offload") == "cpu" and "_offloader_instance" in self.__dict__:
+                self._offloader.release(self._offloaded_params())  # (the new params' records, if made)
             self._sync_release_hooks()
             raise
+
+    def _offloaded_params(self) -> set:
+        return {p for g in self.param_groups if g.get("offload") == "cpu" for p in g["params"]}
 
     def _record_offloaded(self, params: list) -> None:
         """Host buffers and grad hooks of newly offloaded params (grads start leaving during the
@@ -167,8 +172,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for param in params:
                 self._offloader.record(param)
         except BaseException:
-            self._offloader.release({p for g in self.param_groups if g.get("offload") == "cpu"
-                                     for p in g["params"] if not any(p is q for q in params)})
+            self._offloader.release(self._offloaded_params() - set(params))
             if made:
                 del self.__dict__["_offloader_instance"]
             raise
@@ -256,7 +260,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     @property
     def _state_configs(self) -> dict:
-        """param -> (KernelConfig, device, offloaded) its state was last made or checked for (a cache)."""
+        """param -> ((KernelConfig, device, offloaded) its state was last made or checked for, the
+        state's tensors then): a cache, trusted while the state holds the same tensors."""
         return self._side_dict("_state_config_cache")
 
     @property
@@ -292,6 +297,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _step(self, closure, grad_scale, found_inf):
         """The step, autograd off (as under ``torch.no_grad()``, switched directly: the
         decorator's context manager adds several Python calls to every step)."""
+        if torch.is_inference_mode_enabled():  # (state made here must stay writable after it)
+            with torch.inference_mode(False):
+                return self._step(closure, grad_scale, found_inf)
         grad_enabled = torch.is_grad_enabled()
         _set_grad_mode(False)
         try:
@@ -348,33 +356,39 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             param.copy_(new_param)
         for param, new_param in plan.mirror_writes:
             self._offloader.set_mirror(param, new_param)
-        if plan.counters:
-            capture.advance_counters(plan.counters, plan.found_inf)  # one call, not one per param
-        self._state_configs.update(plan.known)
+        for param, known in plan.known.items():  # (with the state's tensors: a hand edit is checked again)
+            self._state_configs[param] = (known, tuple(self.state[param].values()))
         for number, group, settings in plan.swept:
             self._side_dict("_idle_sweeps")[number] = (group, settings)
         if plan.offloaded is not None:  # params that left the offloaded groups free their host buffers
             self._offloader.release(plan.offloaded)
-        self._run_launches(plan.clips, plan.launches, plan.reused)
+        self._run_launches(plan.clips, plan.launches, plan.reused, plan.found_inf)
         if plan.built or plan.stale_launches:
             self._keep_launches(plan.built)
 
-    def _run_launches(self, clips: list, launches: list, reused: list = ()) -> None:
+    def _run_launches(self, clips: list, launches: list, reused: list = (),
+                      found_inf: Optional[torch.Tensor] = None) -> None:
         """The kernels of a plan, after its grads' clipping, in group order: ``reused``, the
         (launches before it, phase two) of the groups reusing their kept launches, run among
         ``launches`` where their groups are (a param in two groups, or memory shared by params
-        of two groups, is updated group by group, as the reference does)."""
+        of two groups, is updated group by group, as the reference does).  Each launch's step
+        counters advance with it (in one call), so a launch that raised, or a step stopped
+        between launches (an interrupt), leaves each param either stepped or untouched."""
         for grad, factor, offloaded in clips:
             if offloaded is not None:  # (its host copy may still be arriving)
                 self._offloader.wait_grad(offloaded)
             grad.mul_(factor)
         waiting = iter(reused)
         due, run = next(waiting, (None, None))
-        for position, (bucket, launch, originals) in enumerate(launches):
+        for position, (bucket, launch, originals, counters) in enumerate(launches):
             while due == position:
                 run()
                 due, run = next(waiting, (None, None))
+            if bucket.live is not None:  # (its kernels read the advanced counters)
+                capture.advance_counters(counters, found_inf)
             launch()
+            if bucket.live is None:  # (after: a launch that raised leaves its counters)
+                capture.advance_counters(counters, found_inf)
             if bucket.counts is not None:
                 self._record_counts(bucket, originals)
         while run is not None:
@@ -598,6 +612,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         A master copy missing from the state dict is taken from the param.  Anything that
         does not fit raises before the optimizer changes.
         """
+        if torch.is_inference_mode_enabled():  # (the loaded state must stay writable after it)
+            with torch.inference_mode(False):
+                return self.load_state_dict(state_dict)
         self._finish_pending()
         if isinstance(state_dict, dict):  # (as torch: hooks editing it leave the caller's dict alone)
             state_dict = state_dict.copy()

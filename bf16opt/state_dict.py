@@ -91,9 +91,13 @@ def state_fits(state: dict, config: KernelConfig) -> bool:
     moments (those present) in the config's dtypes; missing moments are made at the step."""
     needed = config.state_buffers()
     for key in COMPANION_KEYS:
-        if (key in state) != (key in needed) or (key in state and state[key].dtype != needed[key]):
+        if (key in state) != (key in needed) or (key in state and _dtype(state[key]) != needed[key]):
             return False
-    return all(state[key].dtype == dtype for key, dtype in needed.items() if key in state)
+    return all(_dtype(state[key]) == dtype for key, dtype in needed.items() if key in state)
+
+
+def _dtype(value) -> "torch.dtype | None":
+    return value.dtype if isinstance(value, torch.Tensor) else None  # (conversion names a non-tensor)
 
 
 class LoadTarget(NamedTuple):

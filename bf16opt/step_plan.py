@@ -28,11 +28,12 @@ from . import state_dict as state_dicts
 from . import capture, clipping, step_cache
 from .algorithms import KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, f32, reference, resolve_backend
-from .checks import check_not_conjugate, check_param_names, check_params_listed_once, check_step_count
+from .checks import check_param_names, check_params_listed_once, check_step_count
 from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local
 from .precision import plan_for
 from .storage import Q8, q8_shape, stream_id
-from .tensors import HOST, layout_name, read_view, real_view, shards, state_is_on, state_moved, wrapped
+from .tensors import (HOST, check_writable, layout_name, read_view, real_view, shards, state_is_on,
+                      state_moved, wrapped)
 
 __all__ = ["ParamEntry", "StepPlan", "float64_backend", "narrowed_group", "plan_conversions", "plan_step",
            "plan_update"]
@@ -71,9 +72,8 @@ class StepPlan:
     buffers: dict = field(default_factory=dict)        # param -> {key: new buffer}
     param_writes: list = field(default_factory=list)   # (param, new bits): remainder conversions
     mirror_writes: list = field(default_factory=list)  # (offloaded param, new bits): its host mirror
-    counters: list = field(default_factory=list)       # step tensors to advance
     known: dict = field(default_factory=dict)          # param -> config its state now fits
-    launches: list = field(default_factory=list)       # (bucket, prepared launch, the user's params)
+    launches: list = field(default_factory=list)       # (bucket, prepared launch, user's params, counters)
     reused: list = field(default_factory=list)         # (launches before it, phase two) of reusing groups
     built: list = field(default_factory=list)          # (group number, KeptLaunchMaterial or None)
     offloaded: Optional[set] = None                    # params of offloaded groups (if any offloader)
@@ -81,6 +81,7 @@ class StepPlan:
     stale_launches: bool = False                       # kept launches of groups that are gone
     found_inf: Optional[torch.Tensor] = None           # GradScaler's inf flag of a captured step
     swept: list = field(default_factory=list)          # (number, group, settings): idle states fit these now
+    counted: set = field(default_factory=set)          # ids of the step counters found so far
 
 
 def float64_backend(name: str):
@@ -127,7 +128,7 @@ def plan_step(optimizer, inv_grad_scale: float = 1.0, answered=(), amp=None) -> 
             _plan_group(optimizer, plan, number, group, first_index, precision, inv_grad_scale, amp)
         first_index += len(group["params"])
     if "_offloader_instance" in optimizer.__dict__:
-        plan.offloaded = {p for g in optimizer.param_groups if g.get("offload") == "cpu" for p in g["params"]}
+        plan.offloaded = optimizer._offloaded_params()
     plan.stale_launches = bool(kept) and max(kept) >= len(optimizer.param_groups)  # (groups removed)
     return plan
 
@@ -173,6 +174,10 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
             capture.check_backend(backend, number)
     entries = _entries(optimizer, plan, group, first_index, precision, params, offloader)
     max_norm = group.get(clipping.KEY)
+    if max_norm is not None:  # the clip scales each grad in place
+        for entry in entries:
+            check_writable(entry.grad, f"grad of param {entry.number} (clipped in place by "
+                                       f"max_grad_norm_per_param)")
     factors = None if max_norm is None else _clip_factors(entries, float(max_norm), inv_grad_scale)
     device_grads = [entry.grad for entry in entries]
     if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
@@ -185,11 +190,10 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
                        for entry, factor in zip(entries, factors)]
         if offloader:  # and on its device, after the copy: the step leaves .grad clipped either way
             plan.clips += [(grad, factor, None) for grad, factor in zip(device_grads, factors)]
-    plan.counters.extend(entry.counter for entry in entries)
     steps = _steps(entries)  # (None while a graph is captured: the kernels read the counters)
     lives = _live_inputs(optimizer, plan, group, number, entries, steps, backends, amp) if live else {}
     launched = []
-    for bucket, originals, step in _buckets(group, entries, steps, live):
+    for bucket, originals, counters, step in _buckets(group, entries, steps, live):
         config = bucket.config
         float64 = config.plan.param == torch.float64
         if live:  # the kernels compute the step's scalars; these give the constant ones
@@ -207,7 +211,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
             launch = offloader.prepare(bucket, originals, backend, scalars, group.get("offload_threads"))
         else:  # checks and compiles
             launch = backend.prepare(bucket, scalars)
-        plan.launches.append((bucket, launch, originals))
+        plan.launches.append((bucket, launch, originals, counters))
         launched.append((bucket, backend))
     fresh = any(entry.original in plan.states or entry.original in plan.buffers for entry in entries)
     plan.built.append((number, None if offloader or fresh or factors is not None else
@@ -228,11 +232,17 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         number = position[id(original)]
         # complex params are updated as real views, like torch; a DTensor as its local shard
         sharded = distributed and is_dtensor(original)
-        check_not_conjugate(original, f"params[{number}]")  # (a .data assignment can make one)
-        param = real_view(local(original) if sharded else original)
+        shard = local(original) if sharded else original
+        # (a .data assignment may have made it unwritable; offload writes it through views)
+        check_writable(shard, f"params[{number}]", inference_ok=offloader is None)
+        param = real_view(shard)
         config = _state_config(optimizer, precision, param, original.numel(), flags, track, configs)
         state = _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
         counter = step_counter(state, number)
+        if id(counter) in plan.counted:  # (it would advance once per param that shares it)
+            raise ValueError(f"state['step'] of param {number} is another param's step counter; each "
+                             f"param counts its own steps (give it its own tensor)")
+        plan.counted.add(id(counter))
         if counter.device != (param.device if live else HOST):  # capturable: counters live on the device
             counter = counter.to(param.device if live else HOST)
             state = {**state, "step": counter}
@@ -272,7 +282,8 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     new state recorded in ``plan.states``), else as it is; ``plan.known`` records what it fits."""
     home = HOST if offloader else param.device
     known = plan.known[original] = (config, home, offloader is not None)
-    state = shards(optimizer.state.get(original)) if sharded else optimizer.state.get(original)
+    held = optimizer.state.get(original)
+    state = shards(held) if sharded else held
     if state and any(map(operator.is_, state.values(), repeat(None))):
         # as torch.optim: a None buffer is none yet (SGD's momentum reset), made at this step
         state = {key: value for key, value in state.items() if value is not None}
@@ -280,7 +291,8 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     if not state:  # first step: a new state, installed in phase two
         state = plan.states[original] = {"step": torch.tensor(0.0, dtype=torch.float64)}
         return state
-    if optimizer._state_configs.get(original) == known:
+    memo = optimizer._state_configs.get(original)
+    if memo is not None and memo[0] == known and _same_tensors(memo[1], held):
         return state
     changed = False
     if not state_is_on(state, home, offloader is not None):  # `offload` was edited
@@ -300,6 +312,11 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     if changed:
         plan.states[original] = wrapped(state, original)
     return state
+
+
+def _same_tensors(values: tuple, state: dict) -> bool:
+    """Whether ``state`` holds the very tensors ``values`` (its values when last checked)."""
+    return len(values) == len(state) and all(map(operator.is_, values, state.values()))
 
 
 def plan_conversions(optimizer) -> StepPlan:
@@ -381,17 +398,18 @@ def _steps(entries: list) -> Optional[list]:
 
 
 def _buckets(group: dict, entries: list, steps: Optional[list], live: bool = False) -> list:
-    """(bucket, original params, step number) of each set of entries sharing a device, a
-    kernel configuration and a step number, in first-seen order.  A live step's buckets
-    (capturable) do not split by step: each param's counter names its own."""
+    """(bucket, original params, their step counters, step number) of each set of entries
+    sharing a device, a kernel configuration and a step number, in first-seen order.  A live
+    step's buckets (capturable) do not split by step: each param's counter names its own."""
     buckets = {}
     for k, entry in enumerate(entries):
         config = entry.config
         step = None if live else steps[k]
         key = (entry.param.device, config, step)
         if key not in buckets:
-            buckets[key] = (Bucket(config, seed=group["seed"], step=step or 0), [], step)
-        bucket, originals, _ = buckets[key]
+            buckets[key] = (Bucket(config, seed=group["seed"], step=step or 0), [], [], step)
+        bucket, originals, counters, _ = buckets[key]
+        counters.append(entry.counter)
         bucket.append([entry.param, entry.grad] + [None if state_key is None else entry.state[state_key]
                                                    for state_key in config.state_keys[2:]],
                       entry.number, entry.offset, entry.stream)
@@ -473,8 +491,16 @@ def shard_offset(optimizer, param, number: int) -> int:
     return cached[1]
 
 
+#: step counter dtypes that count a run's steps exactly (torch.optim's float32 up to 2**24)
+COUNTER_DTYPES = (torch.float64, torch.float32, torch.int64, torch.int32)
+
+
 def step_counter(state: dict, number: int) -> torch.Tensor:
     step = state.get("step")
     if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex():
         raise ValueError(f"state['step'] of param {number} must be a one-element tensor, got {step!r:.60}")
+    if step.dtype not in COUNTER_DTYPES:
+        raise ValueError(f"state['step'] of param {number} is {step.dtype}, which cannot count steps "
+                         f"exactly; use a float64, float32, int64 or int32 tensor")
+    check_writable(step, f"state['step'] of param {number}")
     return step

@@ -69,3 +69,27 @@ def layout_name(tensor) -> str:
     """How a tensor is laid out across ranks, for messages."""
     return f"a DTensor placed {tuple(tensor.placements)} on {tensor.device_mesh}" if is_dtensor(tensor) \
         else "a plain tensor"
+
+
+def check_writable(tensor: torch.Tensor, name: str, inference_ok: bool = False) -> None:
+    """What makes a dense tensor impossible to write in place, refused before anything changes
+    (at construction for params, at each full step for params, grads to clip and state, which a
+    ``.data`` assignment or a hand edit may have replaced since).  ``inference_ok``: a param
+    whose ``.data`` is an inference tensor, which torch lets the param itself write (not its views)."""
+    if tensor.is_inference() and not inference_ok:
+        raise ValueError(f"{name} was created under torch.inference_mode() and cannot be updated "
+                         f"in place outside it; create it (or clone it) outside inference mode")
+    check_not_conjugate(tensor, name)
+    if tensor.numel() > 1 and not tensor.is_contiguous() and torch._debug_has_internal_overlap(tensor) == 1:
+        raise ValueError(f"{name} has elements that share memory (an expanded, stride-0 view?); "
+                         f"an in-place update would write each location several times; pass a "
+                         f"materialised tensor (.clone())")
+
+
+def check_not_conjugate(param, name: str) -> None:
+    """A complex param that is a conjugate view (``is_conj()``) is updated as no real view of
+    its memory, which holds the conjugates of its values."""
+    if param.is_conj():
+        raise ValueError(f"{name} is a conjugate view (is_conj(): its memory holds the conjugates of "
+                         f"its values), which bf16opt cannot update in place as (re, im) pairs; pass "
+                         f"a resolved tensor (param.resolve_conj())")

@@ -129,6 +129,8 @@ for row_id, opt_class, kwargs in [
     ("lr-bool", bf16opt.Adam, dict(lr=True)),
     ("lr-string", bf16opt.Adam, dict(lr="0.1")),
     ("lr-tensor-two-elements", bf16opt.SGD, dict(lr=torch.tensor([1e-3, 1e-3]))),
+    ("lr-beyond-float", bf16opt.AdamW, dict(lr=10 ** 400)),
+    ("lr-meta-tensor", bf16opt.AdamW, dict(lr=torch.tensor(1e-3, device="meta"))),
     ("eps-negative", bf16opt.Adam, dict(eps=-1e-8)),
     ("eps-inf", bf16opt.Adam, dict(eps=INF)),
     ("weight-decay-negative", bf16opt.AdamW, dict(weight_decay=-1)),
@@ -271,6 +273,16 @@ def _set_grad_data(param, value):
     param.grad.data = value
 
 
+def _inference_copy(tensor):
+    with torch.inference_mode():
+        return tensor.clone()
+
+
+def _clip_an_expanded_grad(opt, param):
+    opt.param_groups[1]["max_grad_norm_per_param"] = 1.0
+    param.grad = torch.ones(1, dtype=param.dtype).expand(param.shape)
+
+
 for row_id, change, opt_class in [
     ("grad-wrong-shape", lambda opt, a, b: _set_grad_data(b, torch.ones(5, dtype=b.dtype)), bf16opt.AdamW),
     ("grad-wrong-dtype", lambda opt, a, b: _set_grad_data(b, torch.ones(3, dtype=torch.float64)),
@@ -298,6 +310,17 @@ for row_id, change, opt_class in [
     ("state-step-inf", lambda opt, a, b: _set(opt.state[b], "step", torch.tensor(INF)), bf16opt.AdamW),
     ("state-step-huge", lambda opt, a, b: _set(opt.state[b], "step",
                                                torch.tensor(2.0 ** 60, dtype=torch.float64)), bf16opt.AdamW),
+    ("state-step-bool", lambda opt, a, b: _set(opt.state[b], "step", torch.tensor(True)), bf16opt.AdamW),
+    ("state-step-bfloat16", lambda opt, a, b: _set(opt.state[b], "step", torch.tensor(1.0, dtype=torch.bfloat16)),
+     bf16opt.AdamW),
+    ("state-step-shared", lambda opt, a, b: _set(opt.state[b], "step", opt.state[a]["step"]), bf16opt.AdamW),
+    ("state-moment-expanded", lambda opt, a, b: _set(opt.state[b], "exp_avg", torch.zeros(1).expand(3)),
+     bf16opt.AdamW),
+    ("state-moment-inference", lambda opt, a, b: _set(opt.state[b], "exp_avg",
+                                                      _inference_copy(opt.state[b]["exp_avg"])), bf16opt.AdamW),
+    ("edited-param-data-expanded", lambda opt, a, b: setattr(b, "data", torch.zeros(1, dtype=b.dtype).expand(3)),
+     bf16opt.AdamW),
+    ("grad-expanded-clipped", lambda opt, a, b: _clip_an_expanded_grad(opt, b), bf16opt.AdamW),
 ]:
     case(row_id)(step_after(change, opt_class))
 

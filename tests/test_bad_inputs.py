@@ -197,3 +197,95 @@ def test_param_dtype_changed_between_steps_converts_the_state():
     state = opt.state[param]
     assert "master" not in state and state["step"].item() == 2.0
     assert param.dtype == torch.float32 and torch.all(param < master)
+
+
+def _twin(**options):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5).to(torch.bfloat16)) for _ in range(3)]
+    opt = bf16opt.AdamW([{"params": [p]} for p in params], lr=0.1, **options)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in params:
+        p.grad = torch.full_like(p, -0.5)
+    return opt, params
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_step_stopped_between_launches_leaves_each_group_stepped_or_untouched(backend, monkeypatch):
+    """An interrupt (Ctrl-C in a notebook) at the second group's launch: the first group is
+    stepped, counter and all; the others keep their params and their step counters."""
+    opt, params = _twin(backend=backend)
+    alone, twins = _twin(backend=backend)
+    alone.param_groups[:] = alone.param_groups[:1]
+    alone.step()  # the first group's step alone
+    kept = [({k: v.clone() for k, v in opt.state[p].items()}, p.detach().clone()) for p in params[1:]]
+    module = bf16opt.backends.numba if backend == "numba" else bf16opt.backends.reference
+    prepare, launched = module.prepare, []
+
+    def interrupted_at_the_second(bucket, scalars):
+        launch = prepare(bucket, scalars)
+
+        def run():
+            launched.append(bucket)
+            if len(launched) == 2:
+                raise KeyboardInterrupt
+            launch()
+        return run
+
+    monkeypatch.setattr(module, "prepare", interrupted_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert torch.equal(params[0], twins[0])
+    assert {k: v.tolist() for k, v in opt.state[params[0]].items()} == {k: v.tolist() for k, v in alone.state[twins[0]].items()}
+    for (state, value), param in zip(kept, params[1:]):
+        assert torch.equal(param, value)
+        assert all(torch.equal(v, state[k]) for k, v in opt.state[param].items())
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_state_made_or_loaded_under_inference_mode_stays_writable(offload):
+    """torch.inference_mode() around load_state_dict() or step() (an evaluation loop's habit)
+    must not leave inference tensors in the state, which no later step could update."""
+    param = torch.nn.Parameter(torch.randn(6).to(torch.bfloat16))
+    opt = bf16opt.AdamW([param], offload=offload)
+    param.grad = torch.ones_like(param)
+    with torch.inference_mode():
+        opt.step()
+    assert not any(t.is_inference() for t in opt.state[param].values())
+    saved = copy.deepcopy(opt.state_dict())
+    with torch.inference_mode():
+        opt.load_state_dict(saved)
+    assert not any(t.is_inference() for t in opt.state[param].values())
+    opt.step()
+    assert opt.state[param]["step"].item() == 2
+
+
+def test_a_failed_add_param_group_releases_the_new_params_offload_records(monkeypatch):
+    opt = bf16opt.AdamW([torch.nn.Parameter(torch.randn(3))], offload="cpu")
+    new = torch.nn.Parameter(torch.randn(4))
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(opt, "_sync_release_hooks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.add_param_group({"params": [new], "offload": "cpu"})
+    assert len(opt.param_groups) == 1
+    assert new not in opt._offloader._records
+    assert not new._post_accumulate_grad_hooks
+
+
+@pytest.mark.parametrize("reloaded", [False, True])
+def test_a_state_tensor_replaced_by_hand_is_converted_whether_or_not_a_load_came_first(reloaded):
+    """The same edit gives the same result: the step converts a moment the user replaced with
+    another dtype (as load_state_dict would), rather than trusting what it checked last step."""
+    param = torch.nn.Parameter(torch.randn(6).to(torch.bfloat16))
+    opt = bf16opt.AdamW([param], precision="bf16", backend="numba")
+    param.grad = torch.ones_like(param)
+    opt.step()
+    if reloaded:
+        opt.load_state_dict(opt.state_dict())
+    opt.state[param]["exp_avg"] = opt.state[param]["exp_avg"].float()
+    opt.step()
+    assert opt.state[param]["exp_avg"].dtype == torch.bfloat16

@@ -28,6 +28,7 @@ import torch
 
 from ..distributed import check_known_tensor, is_dtensor
 from ..storage import Q8, q8_shape
+from ..tensors import check_writable
 from .base import Bucket
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the common case, checked in one C call
@@ -103,6 +104,8 @@ def _check(role, tensor, dtype, param, i: int, backend: str, name: str = None) -
     if tensor.numel() and not address:
         raise TypeError(f"{backend} backend: {name} of param {i} has no data pointer "
                         f"({type(tensor).__name__}); the kernels address plain dense tensors")
+    if role.written and role.storage != "param":  # (the param has its own check: step_plan._entries)
+        check_writable(tensor, f"{backend} backend: {name} of param {i}")
 
 
 def check(bucket: Bucket, backend: str) -> None:
@@ -119,7 +122,8 @@ def check(bucket: Bucket, backend: str) -> None:
             # the common case in a few C calls; anything else gets the detailed check
             if type(tensor) not in _PLAIN or tensor.dtype != dtype or (
                     tensor.shape != param.shape if dtype != Q8 else tensor.shape != q8_shape(param.numel())) \
-                    or tensor.get_device() != param.get_device() or not tensor.data_ptr():
+                    or tensor.get_device() != param.get_device() or not tensor.data_ptr() \
+                    or k and role.written and (tensor.is_inference() or not tensor.is_contiguous()):
                 number = bucket.indices[i] if len(bucket.indices) == len(bucket.tensors[0]) else i
                 _check(role, tensor, dtype, param, number, backend, key)
 
