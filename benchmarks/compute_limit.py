@@ -5,7 +5,8 @@ say how fast it can do its unavoidable arithmetic with the bytes in cache.  A pr
 ceiling is the slower of the two.  Per element, a compute-limit kernel does only:
 
 * decode every stored operand (bfloat16 -> float32 is a shift; float32 as is; the
-  remainder join is integer ops), two elements per 32-bit word when every array is 16-bit
+  remainder join is integer ops; a float32 copy is the master unless the param is not its
+  rounding, a rounding and a compare), two elements per 32-bit word when every array is 16-bit
   (a shift or a mask per element, one merge per pair to encode: the cheapest way known,
   which bf16opt's kernels use too, and a limit slower than bf16opt is no limit);
 * the algorithm's float32 operations as ``bf16opt/backends/reference.py`` lists them (each
@@ -175,8 +176,8 @@ def chunk_function(algorithm: str, storage: Storage, contract: bool = False, pre
             """Stored elements in, stored elements (param, w, m, v) out."""
             random_0, random_1 = random_bits(key_0, element), random_bits(key_1, element)  # (or dead code)
             grad = _bf16(gs) if param16 else gs
-            if master == "copy":
-                w0 = ws
+            if master == "copy":  # the copy, or the param where it is not the copy's rounding (edited)
+                w0 = (ws if _rne(ws) == ps else _bf16(ps)) if param16 else ws
             elif master == "remainder":  # (the spec's join: a 32-bit subtraction and its NaN guard)
                 w0 = join_remainder(ps, ws)
             else:

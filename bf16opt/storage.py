@@ -43,6 +43,11 @@ of one per buffer (figures: docs/performance.md):
   (16 random bits: the probability is the dropped fraction to within 2**-16).
 * inf stays inf and NaN becomes the canonical NaN, as with round to nearest.
 
+A float32 master copy (``join_copy``): the param is written as the copy's ``encode`` (round to
+nearest even), so a param whose bits are not that encoding was edited between steps, and its
+own value is the master: ``w0 = decode(param) if bits(param) != bits(encode(master)) else
+master``.
+
 Exact float32 master in 16 extra bits (``split_remainder`` / ``join_remainder``): with
 M the float32 bits, ``param = (M + 0x8000) >> 16`` (nearest, ties away from zero) and
 ``remainder = M & 0xFFFF`` read as int16; ``M = ((param - (remainder < 0)) << 16) |
@@ -212,6 +217,17 @@ def encode_stochastic(x: torch.Tensor, dtype: torch.dtype, random: torch.Tensor)
     else:
         raise TypeError(f"cannot encode into {dtype}")
     return _with_canonical_nan(x, encoded, dtype)
+
+
+# ---------------------------------------------------------------- float32 master copy
+def join_copy(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """The float32 master of a 16-bit ``param`` written from the float32 copy ``master``: the
+    copy, or the param's own value where the param's bits are not the copy's round to nearest
+    even (canonical NaN), i.e. where the param was edited since the last step.  Bits are
+    compared, so -0 and +0 differ, and a NaN copy and the canonical NaN param it wrote agree."""
+    view = _INT_VIEW[param.dtype]
+    written = encode(master, param.dtype).view(view) == param.view(view)
+    return torch.where(written, master, decode(param))
 
 
 # ---------------------------------------------------------------- exact fp32 master in bf16 + int16

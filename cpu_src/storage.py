@@ -55,7 +55,7 @@ __all__ = [
     "CANONICAL_NAN_F32", "CANONICAL_NAN_BF16", "CANONICAL_NAN_F16",
     "f32_to_bits", "bits_to_f32",
     "decode_bf16", "decode_f16", "encode_f32", "bf16_rounding_bits", "encode_bf16", "encode_f16",
-    "load", "store", "pointer_to", "encode_for", "decode", "round_for", "same_bits",
+    "load", "store", "pointer_to", "encode_for", "encode_like", "decode", "round_for", "same_bits",
     "low_half", "high_half", "pair_word",
     "element_index", "random_bits", "buffer_bits", "WEIGHTS", "EXP_AVG", "EXP_AVG_SQ", "MAX_EXP_AVG_SQ",
     "encode_bf16_stochastic", "encode_f16_stochastic", "encode_stochastic_for",
@@ -264,6 +264,12 @@ def decode(element):
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
+def encode_like(element, value):
+    """Element of the format of the stored element ``element`` encoding float32 ``value``
+    (round to nearest even)."""
+    raise NotImplementedError("only callable from Numba-compiled code")
+
+
 def round_for(array, value):
     """``(encode_for(array, value), decode(that))``: the stored element and its value."""
     raise NotImplementedError("only callable from Numba-compiled code")
@@ -281,6 +287,14 @@ def _encode_for_impl(array, value):
         return None
     encoder = _ENCODERS[element]
     return lambda array, value: encoder(value)
+
+
+@overload(encode_like)
+def _encode_like_impl(element, value):
+    if element not in _ENCODERS or value != types.float32:
+        return None
+    encoder = _ENCODERS[element]
+    return lambda element, value: encoder(value)
 
 
 @overload(decode)
@@ -542,7 +556,10 @@ def encode_moment_stochastic(fmt, value, random):
 
 @njit
 def master_value_copy(param, companion):
-    return decode(companion)
+    """The float32 copy, or the param's value where the param is not the copy's round to
+    nearest even (edited since the step wrote it: ``bf16opt/storage.py``'s join_copy)."""
+    master = decode(companion)
+    return master if same_bits(param, encode_like(param, master)) else decode(param)
 
 
 @njit
@@ -606,7 +623,7 @@ WEIGHT_POLICIES = {
 }
 MOMENT_ROUNDINGS = {"nearest": encode_moment_nearest, "stochastic": encode_moment_stochastic}
 #: weights policy name -> (reads the param, has a companion array)
-WEIGHT_ARRAYS = {"copy": (False, True), "param": (True, False), "param-stochastic": (True, False),
+WEIGHT_ARRAYS = {"copy": (True, True), "param": (True, False), "param-stochastic": (True, False),
                  "kahan": (True, True), "remainder": (True, True)}
 
 

@@ -333,11 +333,21 @@ class _Block:
         return builder.select(low, builder.sub(rounded, ir.Constant(self.halves, [0x0080] * LANES)), rounded)
 
     def masters(self) -> list:
-        """The masters' vectors: the param's, the float32 copy's, or the param's joined with its
-        remainder (storage.join_remainder: ``(param << 16) + remainder``, the remainder
-        sign-extended, modulo 2^32, is the float32's bits); a Kahan compensation's vectors
-        are loaded with them (``compensations``)."""
+        """The masters' vectors: the param's, the float32 copy's (the param's where the param is
+        not the copy's round to nearest even: edited since, storage.join_copy), or the param's
+        joined with its remainder (storage.join_remainder: ``(param << 16) + remainder``, the
+        remainder sign-extended, modulo 2^32, is the float32's bits); a Kahan compensation's
+        vectors are loaded with them (``compensations``)."""
         self.compensations = [self.load(pointer, self.companion16) for pointer in self.compensation_pointers]
+        if self.copy:
+            builder, masters = self.builder, []
+            for param, copy in zip(self.param_pointers, self.master_pointers):
+                master = builder.load(copy, align=4)
+                bits = builder.load(param, align=2)
+                # (the integer rounding, not the native conversion: no branch on NaN lanes)
+                written = builder.icmp_unsigned("==", self.round_bf16(self.canonical(master)), bits)
+                masters.append(builder.select(written, master, self.widen(bits)))
+            return masters
         if self.remainder:
             builder, masters = self.builder, []
             for param, remainder in zip(self.param_pointers, self.master_pointers):

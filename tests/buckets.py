@@ -242,6 +242,49 @@ def master_from(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return master
 
 
+#: bits of edits a copy-policy param may get between steps (``edited_copy``), per format: a
+#: non-canonical NaN and its float32 widening as a master, the largest finite value
+_EDGE_16 = {torch.bfloat16: (0xFFC1 - 0x10000, 0x7F7F), torch.float16: (0xFE01 - 0x10000, 0x7BFF)}
+
+
+def edited_copy(param: torch.Tensor, gen, edited: float) -> torch.Tensor:
+    """A float32 master copy of ``param`` with bits below the param's (ties, NaN, values
+    that round to inf or to -0 among them), ``param`` rewritten in place as its round to
+    nearest even -- but for a fraction ``edited`` of the elements, where the param was
+    written since (``storage.join_copy``): another value, +0, -0, the neighbouring bits, the
+    sign flipped, +-inf, a non-canonical NaN; returns the master in the param's layout."""
+    n, dtype = param.numel(), param.dtype
+    flat = param.contiguous().view(-1).float()
+    step = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
+    master = flat + torch.randn(n, generator=gen) * flat.abs() * step
+    nan_bits, largest = _EDGE_16[dtype]
+    special = torch.randint(0, 8, (n,), generator=gen)
+    special = torch.where(torch.rand(n, generator=gen) < 0.15, special, torch.full_like(special, -1))
+    wide = torch.tensor([nan_bits], dtype=torch.int16).view(dtype).float()  # a non-canonical NaN
+    big = torch.tensor([largest], dtype=torch.int16).view(dtype).float() * 1.00390625  # rounds to inf
+    # a tie between two neighbours of the param's grid (normal values): RNE picks the even one
+    tie = (flat.view(torch.int32) | (0x8000 if dtype == torch.bfloat16 else 0x1000)).view(torch.float32)
+    for k, value in enumerate([torch.full_like(master, float("nan")), wide.expand(n), big.expand(n),
+                               -big.expand(n), torch.full_like(master, -1e-45), torch.full_like(master, -0.0),
+                               tie, torch.full_like(master, float("inf"))]):
+        master = torch.where(special == k, value, master)
+    rounded = encode(master, dtype)
+    rounded = torch.where(special == 1, torch.tensor([nan_bits], dtype=torch.int16).view(dtype), rounded)
+    bits16 = rounded.view(torch.int16)
+    kind = torch.randint(0, 8, (n,), generator=gen)
+    kind = torch.where(torch.rand(n, generator=gen) < edited, kind, torch.full_like(kind, -1))
+    other = encode(torch.randn(n, generator=gen), dtype).view(torch.int16)
+    edits = [other, torch.zeros_like(bits16), torch.full_like(bits16, -0x8000), bits16 ^ 1, bits16 ^ -0x8000,
+             torch.full_like(bits16, 0x7F80 if dtype == torch.bfloat16 else 0x7C00),
+             torch.full_like(bits16, nan_bits), bits16 + 1]
+    for k, value in enumerate(edits):
+        bits16 = torch.where(kind == k, value, bits16)
+    param.copy_(bits16.view(dtype).view(param.shape))
+    copy = torch.empty_like(param, dtype=torch.float32)
+    copy.copy_(master.view(param.shape))
+    return copy
+
+
 def at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
     """``t``'s values and strides, ``offset`` elements into a fresh buffer (a misaligned
     address for offsets that are not a multiple of 16 bytes)."""
@@ -255,7 +298,8 @@ def at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def make_bucket(algorithm, plan, shapes, *, seed: int, flags=(), track: bool = False,
-                specials: bool = True, layouts=None, misalign: float = 0.0, grad=None) -> Bucket:
+                specials: bool = True, layouts=None, misalign: float = 0.0, grad=None,
+                edited: float = None) -> Bucket:
     """Random tensors for every role of ``kernel_config(algorithm, plan, flags, track)``.
 
     ``algorithm``: an :class:`~bf16opt.algorithms.Algorithm` or its name; ``flags``: a
@@ -265,6 +309,8 @@ def make_bucket(algorithm, plan, shapes, *, seed: int, flags=(), track: bool = F
     buffer.  ``specials`` puts NaN, infinities, zeros, subnormals and ties into the
     gradients.  Params get optimizer indices 1, 4, 7, ...; ``track`` allocates telemetry
     counts.  ``grad``: the grads' dtype (default the param's; float32 for 16-bit params).
+    ``edited``: a float32 master copy gets bits below the param's and that fraction of its
+    params edited since the last step (:func:`edited_copy`); None: the copy is the param.
     """
     if isinstance(algorithm, str):
         algorithm = ALGORITHMS[algorithm]
@@ -290,6 +336,8 @@ def make_bucket(algorithm, plan, shapes, *, seed: int, flags=(), track: bool = F
                 tensor = param
             elif role.name == "grad":
                 tensor = grad
+            elif role.name == "companion" and config.weights == "copy" and edited is not None:
+                tensor = edited_copy(param, gen, edited)
             elif role.name == "companion" and config.weights == "copy":
                 tensor = master_from(param, dtype)
             elif role.name == "companion" and config.weights == "kahan":

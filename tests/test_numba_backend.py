@@ -320,9 +320,10 @@ def test_vectorised_adam_blocks_round_ties_to_even():
     group = dict(ADAM_GROUPS[wd_mode], lr=0.0)
     bucket = make_bucket(ADAM, plan_for(PRESETS[preset], dtype), [(1000,), (300,)],
                          flags=adam_flags(group, amsgrad=False), seed=43, specials=False, grad=grad)
-    for master in bucket["companion"]:
+    for param, master in zip(bucket.params, bucket["companion"]):
         halfway = torch.arange(master.numel(), dtype=torch.int32) * 0x10000 % 0x3F800000 + 0x3C008000
         master.copy_(halfway.view(torch.float32).reshape(master.shape))  # 2^-7 .. 1, lower half 0x8000
+        param.copy_(encode(master, param.dtype))  # as the last step wrote it (else it reads as edited)
     assert numba_backend.chunk_function(bucket.config, unit).vectorised
     run_both(bucket, group, steps=1, where="ties", unit=unit)
 
@@ -377,10 +378,13 @@ def test_vectorised_blocks_round_every_interesting_pattern_as_the_reference(nati
     form = vector_blocks.COPY | vector_blocks.PARAM16 | vector_blocks.GRAD16 | vector_blocks.UNIT \
         | (vector_blocks.NATIVE16 if native else 0)
     master = masters.view(np.float32).copy()
-    param = np.zeros(master.size, dtype=np.int16)
+    values = torch.from_numpy(masters.view(np.float32))
+    # the param the last step wrote (else it reads as edited, storage.join_copy), its bits
+    # inverted where the masters are NaN: an edit to another NaN leaves the master NaN
+    param = encode(values, torch.bfloat16).view(torch.int16).numpy().copy()
+    param[np.isnan(master)] ^= np.int16(0x0001)
     zeros = np.zeros(master.size, dtype=np.float32)
     _adam_master_blocks(form)(param, np.zeros_like(param), master, zeros, zeros.copy(), _STILL_ADAM)
-    values = torch.from_numpy(masters.view(np.float32))
     for got, dtype in ((param, torch.bfloat16), (master, torch.float32)):
         expected = encode(values, dtype).view(INT_VIEW[dtype]).numpy()
         bad = np.nonzero(got.view(expected.dtype) != expected)[0]
@@ -1219,3 +1223,29 @@ def test_a_param_zeroed_or_made_inf_between_steps_keeps_a_number_master(preset):
     assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
     assert torch.equal(our_remainder, their_remainder)
     assert not ours.isnan().any()
+
+
+EDITED_COPY_CASES = [(algorithm, preset, dtype) for algorithm in (ADAM, LION, SGD)
+                     for preset in ("fp32", "bf16-states") for dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("algorithm, preset, dtype", EDITED_COPY_CASES,
+                         ids=[f"{a.name}-{p}-{str(d)[6:]}" for a, p, d in EDITED_COPY_CASES])
+def test_params_edited_beside_a_master_copy_match_the_reference(algorithm, preset, dtype):
+    """A float32 master copy whose param was edited between steps in some elements (another
+    value, +-0, one ulp off, the sign flipped, +-inf, a non-canonical NaN; ``buckets.edited_copy``)
+    beside masters with ties, NaN and values rounding to inf or -0: the update starts from the
+    edited param there (storage.join_copy), in the element loop and in the hand-vectorised
+    blocks (bfloat16 params on an AVX-512 CPU), as in the reference, bit for bit, over steps."""
+    group, flags = (ADAM_GROUPS["decoupled"], adam_flags(ADAM_GROUPS["decoupled"], amsgrad=False)) \
+        if algorithm is ADAM else (SGD_GROUPS["plain"], sgd_flags(SGD_GROUPS["plain"])) if algorithm is SGD \
+        else (LION_GROUP, dict(maximize=False))
+    bucket = make_bucket(algorithm, plan_for(PRESETS[preset], dtype), [(1000,), (256,), (3, 129), (7,)],
+                         flags=flags, seed=47, misalign=0.3, edited=0.3)
+    written = [encode(m, p.dtype).view(torch.int16) == p.view(torch.int16)
+               for p, m in zip(bucket.params, bucket["companion"])]
+    assert not all(bool(w.all()) for w in written) and any(bool(w.any()) for w in written)
+    if dtype == torch.bfloat16 and vector_blocks.available():
+        assert numba_backend.chunk_function(bucket.config, True).vectorised
+    run_both(bucket, group, steps=3, where=f"{algorithm.name} {preset} {dtype} edited", **one_variant(bucket))

@@ -285,3 +285,66 @@ def test_params_without_grad_or_requires_grad_false_are_skipped(opt_class):
     assert not torch.equal(trained, trained_before)
     assert torch.equal(frozen, frozen_before) and torch.equal(no_grad.detach(), no_grad_before)
     assert frozen not in opt.state and no_grad not in opt.state
+
+
+# ---------------------------------------------------------------- a param edited beside a master copy
+EDIT_OPTIMIZERS = {"AdamW": (bf16opt.AdamW, dict(lr=1e-3, weight_decay=1e-2)),
+                   "Lion": (bf16opt.Lion, dict(lr=1e-3, weight_decay=1e-2)),
+                   "SGD": (bf16opt.SGD, dict(lr=1e-3, momentum=0.9))}
+
+
+def _edited_copy_run(opt_name, preset, dtype, backend, edit, steps=3):
+    """``steps`` steps of one (16, 40) param, then ``edit(param, master)`` under no_grad, then
+    one more step; the param, its master and moments."""
+    cls, options = EDIT_OPTIMIZERS[opt_name]
+    gen = torch.Generator().manual_seed(11)
+    p = torch.nn.Parameter(torch.randn(16, 40, generator=gen).to(dtype))
+    opt = cls([p], precision=preset, backend=backend, **options)
+    grads = [torch.randn(16, 40, generator=gen).to(dtype) for _ in range(steps + 1)]
+    for k, g in enumerate(grads):
+        if k == steps:
+            with torch.no_grad():
+                edit(p, opt.state[p]["master"])
+        p.grad = g.clone()
+        opt.step()
+    return p.detach().clone(), {key: value.clone() for key, value in opt.state[p].items()}
+
+
+def _prune(p, master):
+    p[:, :8] = 0
+    p[0, 8:12] = torch.tensor([-0.0, 1.5, float("inf"), 2.0 ** -20])
+
+
+def _prune_both(p, master):  # the same edit written into the master too, by hand
+    _prune(p, master)
+    master[:, :8] = p[:, :8].float()
+    master[0, 8:12] = p[0, 8:12].float()
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("preset", ["fp32", "bf16-states"])
+@pytest.mark.parametrize("opt_name", list(EDIT_OPTIMIZERS))
+def test_a_param_edited_beside_a_master_copy_is_the_master_from_then_on(opt_name, preset, dtype, backend):
+    """Pruned (and otherwise edited) elements of a 16-bit param with a float32 master copy
+    follow the edit, as in torch.optim: the step starts from the edited param, exactly as if
+    the master had been edited too (storage.join_copy), the pruned elements stay within one
+    update of 0, and the other elements step as without the edit."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    edited, edited_state = _edited_copy_run(opt_name, preset, dtype, backend, _prune)
+    both, both_state = _edited_copy_run(opt_name, preset, dtype, backend, _prune_both)
+    plain, plain_state = _edited_copy_run(opt_name, preset, dtype, backend, lambda p, master: None)
+    assert torch.equal(edited.view(torch.int16), both.view(torch.int16))
+    for key, value in both_state.items():
+        assert torch.equal(edited_state[key].reshape(-1).view(torch.uint8),
+                           value.reshape(-1).view(torch.uint8)), key
+    assert float(edited[:, :8].float().abs().max()) < 0.02  # (one update of lr 1e-3; the weights are ~1)
+    assert float(edited_state["master"][:, :8].abs().max()) < 0.02
+    assert float(plain[:, :8].float().abs().max()) > 0.5
+    assert float(edited[0, 10]) == float("inf") and not bool(edited.isnan().any())
+    kept = torch.ones(16, 40, dtype=torch.bool)
+    kept[:, :8] = kept[0, 8:12] = False
+    assert torch.equal(edited.view(torch.int16)[kept], plain.view(torch.int16)[kept])
+    assert torch.equal(edited_state["master"].view(torch.int32)[kept],
+                       plain_state["master"].view(torch.int32)[kept])

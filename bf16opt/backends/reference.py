@@ -67,11 +67,12 @@ float64 params run the same listings in float64 math with unrounded float64 scal
 keeps float64 params in float64 too); their float32 or bfloat16 moments are encoded from the
 float64 result rounded to float32.
 
-``w0`` is the master value before the step: decode(master copy), decode(param), or
-join_remainder(param, remainder).  The moments used in an update are the float32
-results before encoding; what is stored is their encoding: round to nearest even, or
-stochastic rounding (plan.rounding) for 16-bit moments with streams EXP_AVG,
-EXP_AVG_SQ, MAX_EXP_AVG_SQ.  A q8 moment is decoded with ``storage.q8_decode`` and stored
+``w0`` is the master value before the step: join_copy(param, master copy), decode(param), or
+join_remainder(param, remainder).  join_copy is the copy, or decode(param) where the param's
+bits are not encode(copy): a param edited between steps (docs/numerics.md).  The moments used
+in an update are the float32 results before encoding; what is stored is their encoding: round
+to nearest even, or stochastic rounding (plan.rounding) for 16-bit moments with streams
+EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ.  A q8 moment is decoded with ``storage.q8_decode`` and stored
 with ``storage.q8_encode`` (per block of 256 elements; stochastic when plan.q8_rounding says
 so, on the same buffers' bits), the signed map for exp_avg and momentum_buffer, the
 unsigned one for exp_avg_sq and max_exp_avg_sq.
@@ -99,8 +100,8 @@ from __future__ import annotations
 import torch
 
 from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8, Q8_BLOCK, WEIGHTS, buffer_bits, decode, encode,
-                       encode_stochastic, join_remainder, q8_decode, q8_encode, q8_signed, random_bits,
-                       split_remainder, stream_key, stream_of)
+                       encode_stochastic, join_copy, join_remainder, q8_decode, q8_encode, q8_signed,
+                       random_bits, split_remainder, stream_key, stream_of)
 from .base import Bucket, check_scalars
 from .staging import check
 
@@ -118,7 +119,9 @@ def _master_value(bucket: Bucket, i: int) -> torch.Tensor:
     param = bucket.params[i]
     if weights == "remainder":
         return join_remainder(param, bucket["companion"][i])
-    return _value(bucket, bucket["companion"][i] if weights == "copy" else param)
+    if weights == "copy":  # the copy, unless the param was edited since it was written from it
+        return join_copy(param, bucket["companion"][i])
+    return _value(bucket, param)
 
 
 def _moment(bucket: Bucket, i: int, role: str) -> torch.Tensor:
