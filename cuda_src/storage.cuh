@@ -258,7 +258,8 @@ struct Stochastic<Fp16> : Fp16 {
 //                               ctx is the WEIGHTS stream for a stochastic P.
 //
 //   NoMaster          the param is the master: p = encode(w) (stochastic if P is)
-//   Master<S>         a master copy in S: c = encode(w), p = encode(w) (nearest)
+//   Master<S>         a master copy in S: c = encode(w), p = encode(w) (nearest); read
+//                     is decode(c), or decode(p) where p != encode(decode(c)) (p edited)
 //   Kahan<C>          16-bit param plus a compensation buffer in C (reference.py):
 //                       y = w - w0;  y = y + decode(c);  s = w0 + y;  p = encode(s)
 //                       t = decode(p) - w0;  c = encode(y - t)
@@ -285,14 +286,18 @@ struct NoMaster {
 
 template <class S>
 struct Master {
-  static constexpr bool kReadsParam = false;
+  static constexpr bool kReadsParam = true;
   static constexpr bool kCompanion = true;
   typedef typename S::bits_t bits_t;
   static constexpr int kBytes = S::kBytes;
 
+  // the copy, or the param's value where the param's bits are not the copy's encoding (round
+  // to nearest, as write() stores it): a param edited since the step wrote it (storage.join_copy)
   template <class P>
-  static __device__ __forceinline__ float read(const typename P::bits_t&, const bits_t& c) {
-    return S::decode(c);
+  static __device__ __forceinline__ float read(const typename P::bits_t& p, const bits_t& c) {
+    static_assert(!P::kStochastic, "a param written from a master copy is rounded to nearest");
+    const float master = S::decode(c);
+    return P::encode(master, EncodeContext{0u, 0u, false}) == p ? master : P::decode(p);
   }
   template <class P>
   static __device__ __forceinline__ bool write(float, float w, typename P::bits_t& p, bits_t& c,

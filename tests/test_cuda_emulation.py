@@ -220,15 +220,21 @@ def make_bucket(config: KernelConfig, sizes: list, rng: np.random.Generator, spe
             # start of the buffer (8 x 16-bit, 4 x 32-bit)
             return int(rng.integers(1, 9)) if rng.random() < misalign else 0
         layout = "transposed" if transposed and index == 0 else "flat"
-        param = placed(random_values(rng, n, plan.param, special), offset(), layout)
-        columns["param"].append(param)
-        columns["grad"].append(same_shape_as(param, random_values(rng, n, dtype["grad"], special), offset()))
+        param_values = random_values(rng, n, plan.param, special)
         if config.weights == "copy":
             master = random_values(rng, n, plan.master, special)
             if plan.master == torch.float32:
                 # master values the param encoding must round: ties and edges from SPECIAL_F32
                 ties = torch.from_numpy(SPECIAL_F32[rng.integers(0, len(SPECIAL_F32), n)].view(np.float32))
                 master = torch.where(torch.from_numpy(rng.random(n) < special), ties, master)
+            # the param the last step wrote (the master's round to nearest even), but for some
+            # elements edited since (the random param: then the param is the master, join_copy)
+            written = torch.from_numpy(rng.random(n) >= 0.3)
+            param_values = torch.where(written, storage.encode(master.float(), plan.param), param_values)
+        param = placed(param_values, offset(), layout)
+        columns["param"].append(param)
+        columns["grad"].append(same_shape_as(param, random_values(rng, n, dtype["grad"], special), offset()))
+        if config.weights == "copy":
             columns["companion"].append(same_shape_as(param, master, offset()))
         elif config.weights == "kahan":
             # carried rounding errors: mostly small against the param, some edge values
@@ -446,6 +452,31 @@ def test_lion_matches_reference():
 @random_case(SGD_CONFIGS, max_examples=200)
 def test_sgd_matches_reference():
     """Random SGD buckets, launch shapes and steps."""
+
+
+def edited_copy_cases() -> list:
+    """An untracked instantiation per algorithm, 16-bit param and moment dtype of a float32
+    master copy (the fp32 and bf16-states presets on bfloat16 and float16 params)."""
+    chosen = {}
+    for cases in CONFIGS.values():
+        for name, config in cases:
+            plan = config.plan
+            if config.weights == "copy" and not config.track and plan.rounding == "nearest" and \
+                    (config.algorithm.name != "sgd" or (config.flag("momentum") and not config.flag("first"))):
+                chosen.setdefault((config.algorithm.name, plan.param, plan.exp_avg), (name, config))
+    return list(chosen.values())
+
+
+@pytest.mark.parametrize("case", edited_copy_cases(), ids=config_id)
+def test_params_edited_beside_a_master_copy(case):
+    """A float32 master copy whose param was edited since the last step in some elements (the
+    buckets' params: the master's rounding but for 30% random values, special values among
+    both): the kernel reads the edited param as the master there (storage.join_copy), as the
+    reference does, over several steps, in the vector path and its tails."""
+    _, config = case
+    for seed in range(3):
+        run_and_compare(config, seed=seed, sizes=[300, 257, 64, 5], steps=3, special=0.3, misalign=0.3,
+                        transposed=True, plan_options=SMALL_CHUNKS)
 
 
 @pytest.mark.parametrize("zeros_beside", [False, True], ids=["in-a-block-of-values", "in-a-block-of-zeros"])
