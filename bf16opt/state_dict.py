@@ -262,7 +262,10 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
     (round to nearest even).  The master comes from the saved copy, param + remainder, or
     the param itself.  A remainder plan holds part of the master in the param, so loading
     a master into it rewrites the param as the master's ties-away rounding (it differs from
-    the round-to-nearest-even param only on exact ties).
+    the round-to-nearest-even param only on exact ties).  A copy plan's param is its master's
+    round to nearest even (a param that is not reads as edited: ``storage.join_copy``), so a
+    param that differs (the ties-away param of a remainder plan, a master saved beside other
+    params) is rewritten as that.
     """
     if not isinstance(saved, Mapping):
         raise ValueError(f"state of param {index} must be a dict, got {type(saved).__name__}")
@@ -307,6 +310,7 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
         master = _saved_master(saved, param, index)
         if weights == "copy":
             state["master"] = _converted(master, param, needed["master"], f"master of param {index}")
+            new_param = _copy_param(param, state["master"])
         else:
             new_param, remainder = split_remainder(master)
             state["remainder"] = torch.empty_like(param, dtype=torch.int16).copy_(remainder)
@@ -315,6 +319,17 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
         state["compensation"] = _converted(saved["compensation"], param, needed["compensation"],
                                            f"compensation of param {index}")
     return state, new_param
+
+
+def _copy_param(param: torch.Tensor, master: torch.Tensor):
+    """The param bits a float32 master copy writes (round to nearest even), or None where the
+    param holds them already (NaN: any NaN, the update reads a NaN either way)."""
+    if master.dtype != torch.float32 or param.dtype == master.dtype:
+        return None
+    rounded = encode(master, param.dtype)
+    same = (rounded.view(torch.int16) == param.detach().view(torch.int16)) | \
+        (torch.isnan(rounded) & torch.isnan(param.detach()))
+    return None if bool(same.all()) else torch.empty_like(param).copy_(rounded)
 
 
 def _check_loadable(value: torch.Tensor, what: str) -> None:

@@ -183,7 +183,7 @@ def _plan_group(optimizer, plan: StepPlan, number: int, group: dict, first_index
     if offloader:  # the kernels read and write host buffers: a mirror of the param, the staged grad
         written = {id(p) for p, _ in plan.mirror_writes}
         staged = offloader.stage([e.original for e in entries],
-                                 [e.config.weights != "copy" and id(e.original) not in written for e in entries])
+                                 [id(e.original) not in written for e in entries])
         entries = [entry._replace(param=mirror, grad=grad) for (mirror, grad), entry in zip(staged, entries)]
     if factors is not None:  # (an offloaded grad is scaled in its host copy, by the same factor)
         plan.clips += [(entry.grad, factor.to(entry.grad.device), entry.original if offloader else None)

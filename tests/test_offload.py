@@ -580,6 +580,37 @@ def test_params_edited_between_steps_are_read_back(preset, edit):
     assert_same_run(*ref, *off)
 
 
+def _prune(model):
+    with torch.no_grad():
+        model.w1[:, :3] = 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("preset", ["fp32", "bf16-states"])
+@pytest.mark.parametrize("opt_name", ["AdamW", "Lion", "SGD-momentum"])
+def test_a_param_pruned_beside_a_master_copy_is_read_back_and_the_master_follows(opt_name, preset, dtype):
+    """Pruned elements of a param with a float32 master copy (storage.join_copy): the edit is
+    read back into the host mirror, the update starts from it and the host master follows, as
+    without offload; the pruned elements stay within one update of 0."""
+    ref = train_with_param_edit(None, _prune, preset, dtype, opt_name)
+    off = train_with_param_edit("cpu", _prune, preset, dtype, opt_name)
+    assert_same_run(*ref, *off)
+    model, opt = off
+    assert_one_update_from_zero(opt_name, opt, model.w1, (slice(None), slice(0, 3)))
+
+
+def assert_one_update_from_zero(opt_name, opt, param, where) -> None:
+    """``param[where]`` (and its master) is one update away from 0: SGD's ``lr * buffer`` (the
+    momentum buffer just stored), else at most Lion's lr (1e-3) or a few of AdamW's (1e-2)."""
+    state = opt.state[param]
+    if opt_name.startswith("SGD"):
+        bound = opt.param_groups[0]["lr"] * state["momentum_buffer"][where].float().abs() * 1.01 + 1e-30
+    else:
+        bound = torch.full(param[where].shape, 0.05 if opt_name != "Lion" else 2e-3)
+    assert bool((param[where].detach().float().abs() <= bound).all())
+    assert bool((state["master"][where].abs() <= bound).all())
+
+
 def test_param_edits_seen_for_fp32_params_too():
     ref = train_with_param_edit(None, _no_grad_add, "bf16", torch.float32, "Lion")
     off = train_with_param_edit("cpu", _no_grad_add, "bf16", torch.float32, "Lion")

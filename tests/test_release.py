@@ -693,6 +693,40 @@ def test_an_error_of_an_offloaded_update_is_raised_by_backward():
     opt.step()
 
 
+@pytest.mark.parametrize("offload", [None, "cpu"])
+@pytest.mark.parametrize("opt_name, preset, dtype", [("AdamW", "fp32", torch.bfloat16),
+                                                     ("Lion", "bf16-states", torch.float16),
+                                                     ("SGD-momentum", "fp32", torch.float16)])
+def test_a_param_pruned_beside_a_master_copy_in_backward_gives_the_normal_steps_bits(opt_name, preset, dtype,
+                                                                                     offload):
+    """Pruned elements of a param with a float32 master copy, between updates in backward:
+    the update starts from the pruned param (storage.join_copy) as the normal step's does, the
+    master follows, and the pruned elements stay within one update of 0."""
+    runs = []
+    for release in (False, True):
+        model, opt = make(opt_name, dtype, precision=preset, backend="numba", offload=offload,
+                          update_in_backward=release)
+        if offload and release:
+            offloaded(opt)
+        for k, x in enumerate(batches()):
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+            if k == 2:  # (before the last step)
+                with torch.no_grad():
+                    model.w1[:, :3] = 0
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+    model, opt = runs[1]
+    state, where = opt.state[model.w1], (slice(None), slice(0, 3))
+    if opt_name.startswith("SGD"):  # one update from 0: lr * the momentum buffer
+        bound = opt.param_groups[0]["lr"] * state["momentum_buffer"][where].float().abs() * 1.01 + 1e-30
+    else:  # Lion's lr (1e-3), a few of AdamW's (1e-2)
+        bound = torch.full((12, 3), 0.05 if opt_name != "Lion" else 2e-3)
+    assert bool((model.w1[where].detach().float().abs() <= bound).all())
+    assert bool((state["master"][where].abs() <= bound).all())
+
+
 def test_named_params_and_edits_between_updates_give_the_normal_steps_bits():
     """Named params (random streams named by name), then a preset, an lr and a flag changed
     between steps: each param's kept launch must notice and plan again."""

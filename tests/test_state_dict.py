@@ -12,7 +12,7 @@ import torch
 
 import bf16opt
 from bf16opt.precision import PRESETS, plan_for
-from bf16opt.storage import encode, join_remainder
+from bf16opt.storage import encode, join_remainder, split_remainder
 from oracles import bits, encode_bits, to_numpy_f32
 from snapshots import assert_unchanged, same_bits, snapshot
 
@@ -161,9 +161,50 @@ def test_state_dict_of_one_preset_loads_into_another(source, target):
         assert ("remainder" in other.state[p]) == (plan.compensation == "remainder")
         if plan.master_dtype == torch.float32:  # the saved master carries over exactly
             assert same_bits(master_value(other, p), saved_masters[p])
+        if plan.weights == "copy":  # its param is the master's rounding (else it reads as edited)
+            assert same_bits(p.detach(), encode(other.state[p]["master"], p.dtype))
         else:  # a bf16 master: the param itself, untouched
             assert same_bits(p.detach(), encode(saved_masters[p], torch.bfloat16)) or "remainder" in opt.state[p]
     train(model, other, batches[2:])
+
+
+def test_a_remainder_state_with_tied_masters_loads_into_a_master_copy_exactly():
+    """A remainder plan's param is its master's ties-away rounding: loaded into a float32 copy
+    plan, the param is rewritten as the round to nearest even (it differs on ties with an even
+    upper half), so the next step starts from the loaded master, not from the param as if it
+    had been edited (storage.join_copy)."""
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, -3.0, 4.0], dtype=torch.bfloat16))
+    opt = bf16opt.SGD([p], lr=0.0, precision="fp32-remainder")
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    # 1 + 2**-8, 2 + 2**-7, -(3 + 2**-7): halfway between two bf16 values; 4 is not a tie
+    tie = torch.tensor([0x3F808000, 0x40008000, 0xC0408000 - 2 ** 32, 0x40800000], dtype=torch.int32)
+    tie = tie.view(torch.float32)
+    param, remainder = split_remainder(tie)
+    with torch.no_grad():
+        p.copy_(param)
+    opt.state[p]["remainder"].copy_(remainder)
+    q = torch.nn.Parameter(p.detach().clone())
+    other = bf16opt.SGD([q], lr=0.0, precision="fp32")
+    other.load_state_dict(opt.state_dict())
+    assert same_bits(other.state[q]["master"], tie)
+    assert same_bits(q.detach(), encode(tie, torch.bfloat16)) and not same_bits(q.detach(), p.detach())
+    q.grad = torch.zeros_like(q)
+    other.step()
+    assert same_bits(other.state[q]["master"], tie)
+
+
+def test_a_torch_state_dict_leaves_the_params_of_a_master_copy_alone():
+    """A state without a master (torch.optim's) gives the copy the param's value: the param
+    is its rounding already and is not written (its version stays)."""
+    p = torch.nn.Parameter(torch.randn(40).to(torch.bfloat16))
+    theirs = torch.optim.AdamW([torch.nn.Parameter(p.detach().float())], lr=1e-3)
+    theirs.param_groups[0]["params"][0].grad = torch.ones(40)
+    theirs.step()
+    ours = bf16opt.AdamW([p], lr=1e-3, precision="fp32")
+    version = p._version
+    ours.load_state_dict(theirs.state_dict())
+    assert p._version == version and same_bits(ours.state[p]["master"], p.detach().float())
 
 
 def test_scheduler_entries_survive_a_load():
