@@ -170,13 +170,29 @@ def check_no_aliasing(tensors: list, names: list) -> None:
         if tensor.numel() == 0:
             continue
         key = (tensor.device, tensor.untyped_storage().data_ptr())
-        by_storage.setdefault(key, []).append((_byte_range(tensor), name))
+        by_storage.setdefault(key, []).append((_byte_range(tensor), name, tensor))
     for spans in by_storage.values():
-        spans.sort()
-        for ((_, end), first), ((start, _), second) in zip(spans, spans[1:]):
-            if start < end:
-                raise ValueError(f"{first} and {second} share memory (views of one buffer); their "
-                                 f"in-place updates would race: give each param its own storage")
+        spans.sort(key=lambda span: span[0])
+        for position, ((_, end), first, tensor) in enumerate(spans):
+            for (start, _), second, other in spans[position + 1:]:
+                if start >= end:
+                    break
+                if _share_bytes(tensor, other):  # (interleaved views, a matrix's column blocks, may not)
+                    raise ValueError(f"{first} and {second} share memory (views of one buffer); their "
+                                     f"in-place updates would race: give each param its own storage")
+
+
+def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage, whose byte ranges overlap, have a byte in common: each
+    marks its bytes in a scratch mask of the ranges' union (only params whose ranges overlap
+    come here)."""
+    (a_start, a_end), (b_start, b_end) = _byte_range(a), _byte_range(b)
+    base, size = min(a_start, b_start), a.element_size()
+    if b.element_size() != size or (a_start - base) % size or (b_start - base) % size:
+        return True  # (views of one buffer in other element sizes or offsets: taken as sharing)
+    mask = torch.zeros((max(a_end, b_end) - base) // size, dtype=torch.uint8)
+    mask.as_strided(a.shape, a.stride(), (a_start - base) // size).fill_(1)
+    return bool(mask.as_strided(b.shape, b.stride(), (b_start - base) // size).any())
 
 
 def check_params_listed_once(groups: list) -> None:

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .algorithms import KernelConfig
+from .algorithms import KernelConfig, kernel_config
 from .checks import check_step_count
 from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
@@ -301,6 +301,8 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
     # float64: exact far beyond float32's 2**24 (torch keeps float32 and stops counting there)
     state = {"step": torch.tensor(_checked_step(saved, index), dtype=torch.float64)}
     needed = config.state_buffers()
+    if any(key in saved and key not in needed for key in moments):  # (kept as torch.optim keeps them)
+        needed = {**_every_moment(config), **needed}
     for key in moments:
         if key in saved and key in needed:
             state[key] = _converted(saved[key], param, needed[key], f"{key} of param {index}", key)
@@ -326,10 +328,17 @@ def _copy_param(param: torch.Tensor, master: torch.Tensor):
     param holds them already (NaN: any NaN, the update reads a NaN either way)."""
     if master.dtype != torch.float32 or param.dtype == master.dtype:
         return None
-    rounded = encode(master, param.dtype)
-    same = (rounded.view(torch.int16) == param.detach().view(torch.int16)) | \
-        (torch.isnan(rounded) & torch.isnan(param.detach()))
+    rounded, value = encode(master, param.dtype), param.detach().resolve_neg()
+    same = (rounded.view(torch.int16) == value.view(torch.int16)) | (torch.isnan(rounded) & torch.isnan(value))
     return None if bool(same.all()) else torch.empty_like(param).copy_(rounded)
+
+
+def _every_moment(config: KernelConfig) -> dict:
+    """The state buffers of ``config`` with every optional moment on: a moment whose flag is off
+    now (amsgrad's maximum, SGD's momentum) stays in the state, in the dtype it would have, for
+    when the flag is set again, as torch.optim keeps it."""
+    optional = tuple((role.when, True) for role in config.algorithm.moment_roles if role.when)
+    return kernel_config(config.algorithm, config.plan, config.flags + optional, config.track).state_buffers()
 
 
 def _check_loadable(value: torch.Tensor, what: str) -> None:
@@ -351,7 +360,7 @@ def _saved_master(saved: dict, param: torch.Tensor, index) -> torch.Tensor:
                 or remainder.shape != param.shape:
             raise ValueError(f"remainder of param {index} must be an int16 tensor of shape "
                              f"{tuple(param.shape)}")
-        return join_remainder(param.detach(), remainder.to(param.device))
+        return join_remainder(param.detach().resolve_neg(), remainder.to(param.device))
     return decode(param.detach()).float().clone()
 
 

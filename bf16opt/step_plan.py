@@ -32,8 +32,8 @@ from .checks import check_param_names, check_params_listed_once, check_step_coun
 from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local
 from .precision import plan_for
 from .storage import Q8, q8_shape, stream_id
-from .tensors import (HOST, check_writable, layout_name, read_view, real_view, shards, state_is_on,
-                      state_moved, wrapped)
+from .tensors import (HOST, check_not_negative, check_writable, layout_name, read_view, real_view, shards,
+                      state_is_on, state_moved, wrapped)
 
 __all__ = ["ParamEntry", "StepPlan", "float64_backend", "narrowed_group", "plan_conversions", "plan_step",
            "plan_update"]
@@ -235,6 +235,8 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         shard = local(original) if sharded else original
         # (a .data assignment may have made it unwritable; offload writes it through views)
         check_writable(shard, f"params[{number}]", inference_ok=offloader is None)
+        if offloader:  # (its copies move memory, not values)
+            check_not_negative(shard, f"params[{number}] (offload='cpu')")
         param = real_view(shard)
         config = _state_config(optimizer, precision, param, original.numel(), flags, track, configs)
         state = _state_for(optimizer, plan, original, param, sharded, config, number, offloader)

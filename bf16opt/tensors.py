@@ -86,6 +86,15 @@ def check_writable(tensor: torch.Tensor, name: str, inference_ok: bool = False) 
                          f"materialised tensor (.clone())")
 
 
+def check_not_negative(param, name: str) -> None:
+    """A negative view (``is_neg()``, e.g. ``x.conj().imag``) holds its values negated in
+    memory, which the offload pipeline's copies move as they are."""
+    if param.is_neg():
+        raise ValueError(f"{name} is a negative view (is_neg(): its memory holds its values negated), "
+                         f"which bf16opt cannot update there; pass a resolved tensor "
+                         f"(param.resolve_neg())")
+
+
 def check_not_conjugate(param, name: str) -> None:
     """A complex param that is a conjugate view (``is_conj()``) is updated as no real view of
     its memory, which holds the conjugates of its values."""

@@ -289,3 +289,51 @@ def test_a_state_tensor_replaced_by_hand_is_converted_whether_or_not_a_load_came
     opt.state[param]["exp_avg"] = opt.state[param]["exp_avg"].float()
     opt.step()
     assert opt.state[param]["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_interleaved_views_of_one_buffer_are_params_like_any_other(backend):
+    """A matrix's column blocks (or its even and odd elements) share a buffer but no element:
+    torch.optim updates them, and so does bf16opt, as it would separate tensors."""
+    torch.manual_seed(0)
+    buffer = torch.randn(4, 6).to(torch.bfloat16)
+    flat = torch.randn(20).to(torch.bfloat16)
+    views = [buffer[:, :3], buffer[:, 3:], flat[0::2], flat[1::2]]
+    separate = [v.clone() for v in views]
+    runs = []
+    for params in (views, separate):
+        params = [torch.nn.Parameter(p) for p in params]
+        opt = bf16opt.AdamW(params, lr=1e-2, precision="bf16-sr", backend=backend)
+        for step in range(3):
+            for k, p in enumerate(params):
+                p.grad = torch.full_like(p, (k + 1) * (step - 1.5))
+            opt.step()
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    with pytest.raises(ValueError, match="share memory"):
+        bf16opt.AdamW([torch.nn.Parameter(buffer[:, :4]), torch.nn.Parameter(buffer[:, 3:])])
+
+
+@pytest.mark.parametrize("preset", ["fp32-remainder", "fp32", "bf16"])
+def test_negative_view_params_step_and_load_alike_on_both_backends(preset):
+    """A param that is a negative view (its memory holds the values negated) is updated by its
+    values, on the reference as on the kernels, and its state dict loads back; offloaded, it is
+    refused before anything changes (the pipeline copies memory, not values)."""
+    values = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    runs = {}
+    for backend in ("reference", "numba"):
+        param = torch.nn.Parameter(values.neg()._neg_view())
+        opt = bf16opt.AdamW([param], lr=1e-2, precision=preset, backend=backend)
+        for step in range(3):
+            param.grad = torch.full_like(param, step - 1.0)
+            opt.step()
+        opt.load_state_dict(opt.state_dict())
+        runs[backend] = param.detach().resolve_neg(), {k: v.clone() for k, v in opt.state[param].items()}
+    assert torch.equal(runs["reference"][0].view(torch.int16), runs["numba"][0].view(torch.int16))
+    assert all(torch.equal(v, runs["numba"][1][k]) for k, v in runs["reference"][1].items())
+    param = torch.nn.Parameter(values.neg()._neg_view())
+    opt = bf16opt.AdamW([param], precision=preset, offload="cpu")
+    param.grad = torch.ones_like(param)
+    with pytest.raises(ValueError, match="negative view"):
+        opt.step()
+    assert not opt.state

@@ -546,3 +546,29 @@ def test_a_precision_edit_converts_every_params_state_so_a_resume_continues_bit_
 
     for ours, theirs in zip(run(False), run(True)):
         assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_a_moment_whose_flag_is_off_survives_a_checkpoint(backend):
+    """amsgrad switched off keeps max_exp_avg_sq in the state (as torch.optim does) for when it
+    is switched on again; a checkpoint taken in between must resume the same way."""
+    def grad(seed):
+        return torch.randn(7, generator=torch.Generator().manual_seed(seed)) * (10.0 if seed == 0 else 0.01)
+
+    param = torch.nn.Parameter(torch.ones(7))
+    opt = bf16opt.Adam([param], lr=0.1, amsgrad=True, precision="bf16-states", backend=backend)
+    param.grad = grad(0)
+    opt.step()
+    opt.param_groups[0]["amsgrad"] = False
+    param.grad = grad(1)
+    opt.step()
+    saved, value = copy.deepcopy(opt.state_dict()), param.detach().clone()
+    resumed = torch.nn.Parameter(value)
+    again = bf16opt.Adam([resumed], lr=0.1, amsgrad=False, precision="bf16-states", backend=backend)
+    again.load_state_dict(saved)
+    assert again.state[resumed]["max_exp_avg_sq"].dtype == torch.bfloat16
+    for run, p in ((opt, param), (again, resumed)):
+        run.param_groups[0]["amsgrad"] = True
+        p.grad = grad(2)
+        run.step()
+    assert torch.equal(param, resumed)

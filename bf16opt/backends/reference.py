@@ -97,6 +97,8 @@ whose stored value is zero — underflows.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8, Q8_BLOCK, WEIGHTS, buffer_bits, decode, encode,
@@ -322,7 +324,23 @@ def prepare(bucket: Bucket, scalars):
     check_scalars(bucket, scalars)
     check(bucket, "reference")
     update = UPDATES[bucket.config.algorithm.name]
-    return lambda: update(bucket, scalars)
+    if not any(param.is_neg() for param in bucket.params):
+        return lambda: update(bucket, scalars)
+    return functools.partial(_update_negative_views, update, bucket, scalars)
+
+
+def _update_negative_views(update, bucket: Bucket, scalars) -> None:
+    """The update of a bucket with negative-view params (``is_neg()``: memory holding the values
+    negated), which the spec's bit views cannot read: on resolved copies, written back."""
+    params = list(bucket.params)
+    bucket.tensors[0][:] = [param.resolve_neg() if param.is_neg() else param for param in params]
+    try:
+        update(bucket, scalars)
+        for param, copy in zip(params, bucket.params):
+            if copy is not param:
+                param.copy_(copy)
+    finally:
+        bucket.tensors[0][:] = params
 
 
 def run(bucket: Bucket, scalars) -> None:
