@@ -304,6 +304,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         _set_grad_mode(False)
         try:
             return self._step_without_grad(closure, grad_scale, found_inf)
+        except BaseException:
+            # GradScaler sets these before step() and deletes them only after one that returned:
+            # left here, a retry would unscale by the scale squared
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
         finally:
             _set_grad_mode(grad_enabled)
 

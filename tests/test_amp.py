@@ -203,6 +203,23 @@ def test_grad_scaler_step_with_inf_changes_nothing(offload):
     assert all(float(st["step"]) == 2 for st in opt.state.values())
 
 
+def test_a_grad_scaler_step_that_raised_can_be_retried():
+    """GradScaler hands the scale over as attributes and removes them only after a step that
+    returned: a step refusing a bad lr must not leave them, or the retry unscales twice."""
+    model, opt, scaler = fp16_run()
+    plain_model, plain, plain_scaler = fp16_run()
+    for m, s in ((model, scaler), (plain_model, plain_scaler)):
+        scaled_backward(m, s, 0)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="learning rate"):
+        scaler.step(opt)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    opt.param_groups[0]["lr"] = 1e-2
+    for o, s in ((opt, scaler), (plain, plain_scaler)):
+        s.step(o)
+    assert_same(params_and_state(opt), params_and_state(plain))
+
+
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_grad_scaler_folds_the_unscale_into_the_kernels(offload):
     """A GradScaler run (scale 1000: its float32 reciprocal is inexact) equals the reference
