@@ -260,3 +260,23 @@ def test_a_fork_child_updates_offloaded_params_in_backward():
     process = subprocess.run([sys.executable, "-c", RELEASE_CHILD, str(CHILD_TIMEOUT / 2)], capture_output=True,
                              text=True, timeout=CHILD_TIMEOUT * 2, env={**os.environ, "NUMBA_NUM_THREADS": "1"})
     assert process.returncode == 0, process.stderr[-3000:]
+
+
+TORCH_THREADS_CHILD = r'''
+import torch, bf16opt
+torch.set_num_threads(2)
+param = torch.nn.Parameter(torch.randn(100000))
+opt = bf16opt.AdamW([param], backend="numba")
+param.grad = torch.randn(100000)
+opt.step()
+print(torch.get_num_threads())
+'''
+
+
+def test_the_first_numba_step_leaves_torchs_thread_count():
+    """Numba's OpenMP layer sets the OpenMP thread count to NUMBA_NUM_THREADS as its pool
+    starts; with a lower NUMBA_NUM_THREADS that was torch's intra-op count from then on."""
+    process = subprocess.run([sys.executable, "-c", TORCH_THREADS_CHILD], capture_output=True, text=True,
+                             timeout=CHILD_TIMEOUT * 2, env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.stdout.split() == ["2"]

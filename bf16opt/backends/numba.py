@@ -111,8 +111,24 @@ _cpu_modules: dict = {}  # (looked up here: a ``from`` import of a package's mod
 def _cpu_module(name: str):
     module = _cpu_modules.get(name)
     if module is None:
+        if not _cpu_modules and not _FORKED:  # (a fork child runs kernels serially: no pool)
+            _start_threads()
         module = _cpu_modules[name] = importlib.import_module(f"bf16opt._cpu.{name}")
     return module
+
+
+def _start_threads() -> None:
+    """Start Numba's thread pool, keeping torch's intra-op thread count: Numba's OpenMP layer
+    sets the OpenMP thread count to ``NUMBA_NUM_THREADS`` as its pool starts, which is torch's
+    count too where both use one OpenMP runtime (a lower ``NUMBA_NUM_THREADS`` slowed torch)."""
+    from numba.np.ufunc import parallel  # noqa: PLC0415  (numba is imported on the first step)
+    launch = getattr(parallel, "_launch_threads", None)
+    if launch is None:
+        return
+    before = torch.get_num_threads()
+    launch()
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 def threads() -> int:
@@ -127,7 +143,7 @@ def chunk_function(config: KernelConfig, unit: bool = False):
     telemetry and every flag but ``maximize`` (a run-time scalar, ``sign``) as constants;
     ``unit``: the variant for scalars of which :func:`unit_scalars` holds."""
     name, arguments, flags = chunk_arguments(config, unit)
-    return importlib.import_module(f"bf16opt._cpu.{name}").chunk_function(*arguments, **flags)
+    return _cpu_module(name).chunk_function(*arguments, **flags)
 
 
 def chunk_arguments(config: KernelConfig, unit: bool = False) -> tuple:
