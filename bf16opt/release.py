@@ -173,7 +173,8 @@ class ReleaseHooks:
             self.launches.pop(param, None)
             return
         ids = set(map(id, launch.params))
-        for first in [first for first, kept in self.launches.items() if not ids.isdisjoint(map(id, kept.params))]:
+        for first in [first for first, kept in self.launches.items()
+                      if not ids.isdisjoint(map(id, kept.params))]:
             del self.launches[first]
         self.launches[param] = launch
 

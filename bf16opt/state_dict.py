@@ -329,7 +329,8 @@ def _copy_param(param: torch.Tensor, master: torch.Tensor):
     if master.dtype != torch.float32 or param.dtype == master.dtype:
         return None
     rounded, value = encode(master, param.dtype), param.detach().resolve_neg()
-    same = (rounded.view(torch.int16) == value.view(torch.int16)) | (torch.isnan(rounded) & torch.isnan(value))
+    same = (rounded.view(torch.int16) == value.view(torch.int16)) | \
+        (torch.isnan(rounded) & torch.isnan(value))
     return None if bool(same.all()) else torch.empty_like(param).copy_(rounded)
 
 

@@ -237,7 +237,8 @@ def test_a_step_stopped_between_launches_leaves_each_group_stepped_or_untouched(
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     assert torch.equal(params[0], twins[0])
-    assert {k: v.tolist() for k, v in opt.state[params[0]].items()} == {k: v.tolist() for k, v in alone.state[twins[0]].items()}
+    assert {k: v.tolist() for k, v in opt.state[params[0]].items()} == \
+        {k: v.tolist() for k, v in alone.state[twins[0]].items()}
     for (state, value), param in zip(kept, params[1:]):
         assert torch.equal(param, value)
         assert all(torch.equal(v, state[k]) for k, v in opt.state[param].items())

@@ -461,8 +461,9 @@ def edited_copy_cases() -> list:
     for cases in CONFIGS.values():
         for name, config in cases:
             plan = config.plan
-            if config.weights == "copy" and not config.track and plan.rounding == "nearest" and \
-                    (config.algorithm.name != "sgd" or (config.flag("momentum") and not config.flag("first"))):
+            sgd = config.algorithm.name == "sgd"
+            momentum = not sgd or (config.flag("momentum") and not config.flag("first"))
+            if config.weights == "copy" and not config.track and plan.rounding == "nearest" and momentum:
                 chosen.setdefault((config.algorithm.name, plan.param, plan.exp_avg), (name, config))
     return list(chosen.values())
 

@@ -298,7 +298,8 @@ def check_integration_examples(rank: int, path: str) -> list:
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "integrations_dist.md"),
                 encoding="utf-8").read()
     blocks = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
-    failures = [] if len(blocks) == 5 else [f"docs/integrations_dist.md has {len(blocks)} python blocks, expected 5"]
+    failures = [] if len(blocks) == 5 else \
+        [f"docs/integrations_dist.md has {len(blocks)} python blocks, expected 5"]
     for number, block in enumerate(blocks):
         try:
             exec(compile(block, f"integrations_dist.md block {number}", "exec"),  # noqa: S102

@@ -257,8 +257,9 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_a_fork_child_updates_offloaded_params_in_backward():
     """The thread of the offloaded updates in backward does not survive a fork: the child's
     optimizer starts its own rather than waiting for the parent's at the end of backward."""
-    process = subprocess.run([sys.executable, "-c", RELEASE_CHILD, str(CHILD_TIMEOUT / 2)], capture_output=True,
-                             text=True, timeout=CHILD_TIMEOUT * 2, env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+    process = subprocess.run([sys.executable, "-c", RELEASE_CHILD, str(CHILD_TIMEOUT / 2)],
+                             capture_output=True, text=True, timeout=CHILD_TIMEOUT * 2,
+                             env={**os.environ, "NUMBA_NUM_THREADS": "1"})
     assert process.returncode == 0, process.stderr[-3000:]
 
 

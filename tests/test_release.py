@@ -875,15 +875,17 @@ def test_a_bad_setting_raises_before_a_backward_changes_anything_with_or_without
     assert_unchanged(opt, before)
 
 
-@pytest.mark.parametrize("start, edit", [({}, {"offload": "cpu"}),
-                                         ({"update_in_backward_bucket": 0}, {"update_in_backward_bucket": 1 << 20})])
+@pytest.mark.parametrize("start, edit", [
+    ({}, {"offload": "cpu"}),
+    ({"update_in_backward_bucket": 0}, {"update_in_backward_bucket": 1 << 20})])
 def test_state_replaced_by_a_precision_edit_is_freed(start, edit):
     """The launches kept between updates in backward must not hold the state a precision edit
     replaced (with offload switched on, or the buckets cut otherwise, at the same edit)."""
     torch.manual_seed(0)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)]).to(torch.bfloat16)
-    opt = bf16opt.AdamW(model.parameters(), precision="fp32", update_in_backward=True, backend="numba", **start)
+    opt = bf16opt.AdamW(model.parameters(), precision="fp32", update_in_backward=True, backend="numba",
+                        **start)
     for _ in range(2):
         model(x).float().sum().backward()
         opt.step()

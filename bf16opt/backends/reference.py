@@ -101,9 +101,9 @@ import functools
 
 import torch
 
-from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8, Q8_BLOCK, WEIGHTS, buffer_bits, decode, encode,
-                       encode_stochastic, join_copy, join_remainder, q8_decode, q8_encode, q8_signed,
-                       random_bits, split_remainder, stream_key, stream_of)
+from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8, Q8_BLOCK, WEIGHTS, buffer_bits, decode,
+                       encode, encode_stochastic, join_copy, join_remainder, q8_decode, q8_encode,
+                       q8_signed, random_bits, split_remainder, stream_key, stream_of)
 from .base import Bucket, check_scalars
 from .staging import check
 
