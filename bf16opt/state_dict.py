@@ -264,8 +264,8 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
     a master into it rewrites the param as the master's ties-away rounding (it differs from
     the round-to-nearest-even param only on exact ties).  A copy plan's param is its master's
     round to nearest even (a param that is not reads as edited: ``storage.join_copy``), so a
-    param that differs (the ties-away param of a remainder plan, a master saved beside other
-    params) is rewritten as that.
+    master joined from a remainder (whose ties-away param differs on ties) rewrites the param
+    as that; a saved copy leaves it, so a param edited since that copy was written wins.
     """
     if not isinstance(saved, Mapping):
         raise ValueError(f"state of param {index} must be a dict, got {type(saved).__name__}")
@@ -312,7 +312,8 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
         master = _saved_master(saved, param, index)
         if weights == "copy":
             state["master"] = _converted(master, param, needed["master"], f"master of param {index}")
-            new_param = _copy_param(param, state["master"])
+            if "master" not in saved:  # (a saved copy stays beside the param: an edit since wins)
+                new_param = _copy_param(param, state["master"])
         else:
             new_param, remainder = split_remainder(master)
             state["remainder"] = torch.empty_like(param, dtype=torch.int16).copy_(remainder)

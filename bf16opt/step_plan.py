@@ -81,7 +81,7 @@ class StepPlan:
     stale_launches: bool = False                       # kept launches of groups that are gone
     found_inf: Optional[torch.Tensor] = None           # GradScaler's inf flag of a captured step
     swept: list = field(default_factory=list)          # (number, group, settings): idle states fit these now
-    counted: set = field(default_factory=set)          # ids of the step counters found so far
+    counted: set = field(default_factory=set)          # (device, address) of the step counters so far
 
 
 def float64_backend(name: str):
@@ -241,10 +241,11 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         config = _state_config(optimizer, precision, param, original.numel(), flags, track, configs)
         state = _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
         counter = step_counter(state, number)
-        if id(counter) in plan.counted:  # (it would advance once per param that shares it)
+        place = (counter.device, counter.data_ptr())
+        if place in plan.counted:  # (it would advance once per param that shares it)
             raise ValueError(f"state['step'] of param {number} is another param's step counter; each "
                              f"param counts its own steps (give it its own tensor)")
-        plan.counted.add(id(counter))
+        plan.counted.add(place)
         if counter.device != (param.device if live else HOST):  # capturable: counters live on the device
             counter = counter.to(param.device if live else HOST)
             state = {**state, "step": counter}

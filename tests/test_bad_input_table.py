@@ -314,6 +314,8 @@ for row_id, change, opt_class in [
     ("state-step-bfloat16",
      lambda opt, a, b: _set(opt.state[b], "step", torch.tensor(1.0, dtype=torch.bfloat16)), bf16opt.AdamW),
     ("state-step-shared", lambda opt, a, b: _set(opt.state[b], "step", opt.state[a]["step"]), bf16opt.AdamW),
+    ("state-step-view-shared", lambda opt, a, b: _set(opt.state[b], "step", opt.state[a]["step"].view(())),
+     bf16opt.AdamW),
     ("state-moment-expanded", lambda opt, a, b: _set(opt.state[b], "exp_avg", torch.zeros(1).expand(3)),
      bf16opt.AdamW),
     ("state-moment-inference",

@@ -572,3 +572,35 @@ def test_a_moment_whose_flag_is_off_survives_a_checkpoint(backend):
         p.grad = grad(2)
         run.step()
     assert torch.equal(param, resumed)
+
+
+@pytest.mark.parametrize("model_first", [True, False])
+def test_a_param_edited_before_a_checkpoint_stays_edited_on_resume(model_first):
+    """Under a float32 master copy an edit of the param wins at the next step; a checkpoint
+    taken between the edit and that step resumes the same, whichever is loaded first, and a
+    precision change between them (to another copy plan) keeps the edit too."""
+    def run():
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+        opt = bf16opt.AdamW([param], lr=1e-2, precision="fp32", backend="numba")
+        param.grad = torch.randn(64).to(torch.bfloat16)
+        opt.step()
+        with torch.no_grad():
+            param[:32] = 0  # pruned after the step, before the checkpoint
+        return param, opt
+
+    live, live_opt = run()
+    saved, weights = copy.deepcopy(live_opt.state_dict()), live.detach().clone()
+    resumed = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    resumed_opt = bf16opt.AdamW([resumed], lr=1e-2, precision="fp32", backend="numba")
+    for load in ([lambda: resumed.data.copy_(weights), lambda: resumed_opt.load_state_dict(saved)]
+                 [::1 if model_first else -1]):
+        load()
+    converted, converted_opt = run()
+    converted_opt.param_groups[0]["precision"] = "bf16-states"
+    for p in (live, resumed, converted):
+        p.grad = torch.full_like(p, 0.5)
+    for o in (live_opt, resumed_opt, converted_opt):
+        o.step()
+    assert torch.equal(live, resumed)
+    assert float(converted[:32].abs().max()) < 0.02 and float(live[:32].abs().max()) < 0.02
