@@ -615,8 +615,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         implementation flags stay this optimizer's own.  Every state tensor is encoded
         into the dtype this optimizer's precision gives it (round to nearest even), so
         a state dict saved with one preset, or by ``torch.optim``, loads into another.
-        A master copy missing from the state dict is taken from the param.  Anything that
-        does not fit raises before the optimizer changes.
+        A master copy missing from the state dict is taken from the param.  The load writes a
+        param only where its new plan keeps part of the master in it (a remainder plan), or
+        where a master joined from a remainder is not the param's rounding (a copy plan); a
+        saved copy leaves the param as it is, so a param edited since wins at the next step.
+        Anything that does not fit raises before the optimizer changes.
         """
         if torch.is_inference_mode_enabled():  # (the loaded state must stay writable after it)
             with torch.inference_mode(False):

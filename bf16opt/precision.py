@@ -19,7 +19,8 @@ Rules that turn a request into a plan (documented in the README too):
   holds squared gradients, which leave float16's range).
 * ``rounding="stochastic"`` applies to the buffers that accumulate across steps and are
   16-bit: the master weights (when the 16-bit param is the master) and 16-bit moments.
-  A param written from a float32 master copy is a view of it and stays round-to-nearest.
+  A param written from a float32 master copy is its round to nearest even; a param edited
+  between steps is the master from then on (``storage.join_copy``).
 * ``compensation="kahan"`` adds a buffer (``compensation_dtype``, bfloat16 by default)
   that carries each step's rounding error of 16-bit master weights into the next step;
   with a float32 master there is nothing to compensate and no buffer is made.

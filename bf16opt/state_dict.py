@@ -38,8 +38,8 @@ from .checks import check_step_count
 from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
 from .q8_sharded import is_local_q8, is_rank_table, loaded_shard, rank_table, whole_moment
-from .storage import (Q8, Q8_BLOCK, decode, encode, join_remainder, q8_decode, q8_encode, q8_shape, q8_signed,
-                      split_remainder)
+from .storage import (Q8, Q8_BLOCK, decode, encode, join_copy, join_remainder, q8_decode, q8_encode, q8_shape,
+                      q8_signed, split_remainder)
 from .tensors import real_view, state_moved, wrapped
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "LoadPlan", "LoadTarget", "convert_state", "plan_load",
@@ -255,7 +255,8 @@ def _checked_step(saved: dict, index) -> float:
     return check_step_count(step, f"step of param {index}")
 
 
-def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index, optimizer_name: str) -> tuple:
+def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index, optimizer_name: str,
+                  live: bool = False) -> tuple:
     """(new state, new param bits or None) for one param; raises before changing anything.
 
     Every buffer of ``config`` found in ``saved`` is encoded into the config's dtype
@@ -309,7 +310,7 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
     new_param = None
     weights = config.weights
     if weights in ("copy", "remainder"):
-        master = _saved_master(saved, param, index)
+        master = _saved_master(saved, param, index, live)
         if weights == "copy":
             state["master"] = _converted(master, param, needed["master"], f"master of param {index}")
             if "master" not in saved:  # (a saved copy stays beside the param: an edit since wins)
@@ -352,10 +353,17 @@ def _check_loadable(value: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} has layout {value.layout}; saved state tensors are dense (strided)")
 
 
-def _saved_master(saved: dict, param: torch.Tensor, index) -> torch.Tensor:
-    """The float32 master a saved state holds: its copy, param + remainder, or the param."""
+def _saved_master(saved: dict, param: torch.Tensor, index, live: bool = False) -> torch.Tensor:
+    """The float32 master a saved state holds: its copy, param + remainder, or the param.
+    ``live``: the state is the optimizer's own and the param the user's now (a settings edit
+    converts it), so a param edited since the copy was written is the master there, as the
+    step would read it (``storage.join_copy``); a load cannot tell an edit from a param not
+    loaded yet, and keeps the copy."""
     if "master" in saved:
-        return _converted(saved["master"], param, torch.float32, f"master of param {index}")
+        master = _converted(saved["master"], param, torch.float32, f"master of param {index}")
+        if live and param.dtype in (torch.bfloat16, torch.float16):
+            return join_copy(param.detach().resolve_neg(), master)
+        return master
     if "remainder" in saved and param.dtype == torch.bfloat16:
         remainder = saved["remainder"]
         if not isinstance(remainder, torch.Tensor) or remainder.dtype != torch.int16 \

@@ -304,7 +304,8 @@ def _state_for(optimizer, plan: StepPlan, original, param, sharded: bool, config
     if not state_dicts.state_fits(state, config):
         # offloaded: contiguous host state (the pipeline walks it in flat pieces)
         like = param.detach().to(HOST).contiguous() if offloader else param
-        state, new_param = state_dicts.convert_state(config, state, like, number, type(optimizer).__name__)
+        state, new_param = state_dicts.convert_state(config, state, like, number, type(optimizer).__name__,
+                                                     live=True)
         if offloader:
             state = state_moved(state, offloader.to_host)
         changed = True

@@ -328,6 +328,21 @@ for row_id, change, opt_class in [
     case(row_id)(step_after(change, opt_class))
 
 
+def offloaded_step_after(change):
+    """step() row of an offloaded optimizer: ``change(opt, a, b)`` breaks something first."""
+    def make():
+        opt, a, b = live(offload="cpu")
+        change(opt, a, b)
+        return opt, opt.step
+    return make
+
+
+for row_id, change in [
+    ("offloaded-param-data-inference", lambda opt, a, b: setattr(b, "data", _inference_copy(b.data))),
+]:
+    case(row_id)(offloaded_step_after(change))
+
+
 def step_with(**arguments):
     """step() row with GradScaler's arguments (``grad_scale`` / ``found_inf``) as keywords."""
     def make():

@@ -604,3 +604,21 @@ def test_a_param_edited_before_a_checkpoint_stays_edited_on_resume(model_first):
         o.step()
     assert torch.equal(live, resumed)
     assert float(converted[:32].abs().max()) < 0.02 and float(live[:32].abs().max()) < 0.02
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("preset", ["fp32-remainder", "fp32-remainder-bf16-states", "bf16"])
+def test_a_precision_edit_after_a_param_edit_keeps_the_edit(backend, preset):
+    """fp32 (a float32 copy) to another master policy between a param edit and the next step:
+    the edited param is the master the conversion starts from, as the step would read it."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter((torch.randn(64) * 3).to(torch.bfloat16))
+    opt = bf16opt.AdamW([param], lr=1e-3, precision="fp32", backend=backend)
+    param.grad = torch.randn(64).to(torch.bfloat16)
+    opt.step()
+    with torch.no_grad():
+        param.fill_(0.5)
+    opt.param_groups[0]["precision"] = preset
+    param.grad = torch.ones_like(param)
+    opt.step()
+    assert float((param.float() - 0.5).abs().max()) < 0.01
