@@ -574,9 +574,10 @@ def master_value_remainder(param, companion):
 
 @njit
 def encode_master_copy(param_fmt, companion_fmt, param, companion, w0, w, random):
-    """float32 master copy, param = its round to nearest even."""
+    """float32 master copy, param = its round to nearest even; unchanged: the copy's encoding of
+    the master the update started from (an edited param's value: join_copy) is the new one."""
     encoded = encode_for(companion_fmt, w)
-    return encode_for(param_fmt, w), encoded, same_bits(companion, encoded)
+    return encode_for(param_fmt, w), encoded, same_bits(encode_for(companion_fmt, w0), encoded)
 
 
 @njit

@@ -299,13 +299,14 @@ struct Master {
     const float master = S::decode(c);
     return P::encode(master, EncodeContext{0u, 0u, false}) == p ? master : P::decode(p);
   }
+  // unchanged: the new copy is the encoding of the master the update started from (w0: an
+  // edited param's value, not the stale copy)
   template <class P>
-  static __device__ __forceinline__ bool write(float, float w, typename P::bits_t& p, bits_t& c,
+  static __device__ __forceinline__ bool write(float w0, float w, typename P::bits_t& p, bits_t& c,
                                                const EncodeContext& ctx) {
-    const bits_t old = c;
     c = S::encode(w, ctx);
     p = P::encode(w, ctx);
-    return c == old;
+    return c == S::encode(w0, ctx);
   }
 };
 

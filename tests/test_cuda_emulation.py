@@ -455,7 +455,7 @@ def test_sgd_matches_reference():
 
 
 def edited_copy_cases() -> list:
-    """An untracked instantiation per algorithm, 16-bit param and moment dtype of a float32
+    """An instantiation per algorithm, 16-bit param, moment dtype and telemetry of a float32
     master copy (the fp32 and bf16-states presets on bfloat16 and float16 params)."""
     chosen = {}
     for cases in CONFIGS.values():
@@ -463,8 +463,8 @@ def edited_copy_cases() -> list:
             plan = config.plan
             sgd = config.algorithm.name == "sgd"
             momentum = not sgd or (config.flag("momentum") and not config.flag("first"))
-            if config.weights == "copy" and not config.track and plan.rounding == "nearest" and momentum:
-                chosen.setdefault((config.algorithm.name, plan.param, plan.exp_avg), (name, config))
+            if config.weights == "copy" and plan.rounding == "nearest" and momentum:
+                chosen.setdefault((config.algorithm.name, plan.param, plan.exp_avg, config.track), (name, config))
     return list(chosen.values())
 
 

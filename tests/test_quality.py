@@ -432,3 +432,25 @@ def test_precision_stats_hold_only_the_last_steps_params(mode):
     stats = opt.precision_stats()
     assert sorted(stats, key=str) == [0, "total"]
     assert stats[0]["swallowed"] == 0.0 and stats["total"]["swallowed"] == 0.0
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_swallowed_counts_an_edited_param_from_its_edit(backend):
+    """Under a float32 master copy, an element edited since the last step updates from the
+    edit; telemetry counts its update against that value (as the exact remainder master does),
+    not against the stale copy."""
+    counts = {}
+    for preset in ("fp32", "fp32-remainder"):
+        for edit in (1.0, 2.0 ** 30):
+            param = torch.nn.Parameter(torch.full((16,), 1.01).to(torch.bfloat16))
+            opt = bf16opt.Lion([param], lr=1e-2, weight_decay=0.0, precision=preset, track_precision=True,
+                               backend=backend)
+            param.grad = torch.ones_like(param)
+            opt.step()
+            with torch.no_grad():
+                param.fill_(edit)
+            param.grad = -torch.ones_like(param)
+            opt.step()
+            counts[preset, edit] = opt.precision_stats()[0]["swallowed"]
+    assert counts["fp32", 1.0] == counts["fp32-remainder", 1.0] == 0.0
+    assert counts["fp32", 2.0 ** 30] == counts["fp32-remainder", 2.0 ** 30] == 1.0

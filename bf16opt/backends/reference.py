@@ -91,7 +91,8 @@ store_weights(w0, w), by plan:
 
 Telemetry (``bucket.counts``), per param: elements whose update ``u`` is non-zero but
 whose stored master (param, copy, or param + remainder) kept its bits — swallowed
-updates; and elements of exp_avg / exp_avg_sq whose float32 value is non-zero but
+updates (a copy's "kept": the new copy is the encoding of ``w0``, which for an edited param
+is the param's value, not the stale copy); and elements of exp_avg / exp_avg_sq whose float32 value is non-zero but
 whose stored value is zero — underflows.
 """
 
@@ -172,9 +173,13 @@ def _store_moment(bucket: Bucket, i: int, role: str, value: torch.Tensor, buffer
     return encoded
 
 
-def _stored_master_bits(bucket: Bucket, i: int) -> list:
-    """Copies of what holds the master, for telemetry's "unchanged" test."""
+def _stored_master_bits(bucket: Bucket, i: int, before: bool = False) -> list:
+    """Copies of what holds the master, for telemetry's "unchanged" test; ``before`` the update,
+    a copy's is the master the update starts from (``join_copy``: an edited param's value)."""
     weights = bucket.config.weights
+    if weights == "copy" and before:
+        companion = bucket["companion"][i]
+        return [encode(_master_value(bucket, i), companion.dtype)]
     held = [bucket["companion"][i] if weights == "copy" else bucket.params[i]]
     if weights == "remainder":
         held.append(bucket["companion"][i])
@@ -251,7 +256,7 @@ def _gradient(bucket: Bucket, i: int, s) -> torch.Tensor:
 def adam(bucket: Bucket, s) -> None:
     amsgrad, l2 = bucket.config.flag("amsgrad"), bucket.config.flag("l2")
     for i in range(len(bucket.params)):
-        before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
+        before = _stored_master_bits(bucket, i, True) if bucket.counts is not None else None
         g = _gradient(bucket, i, s)
         w0 = w = _master_value(bucket, i)
         if l2:
@@ -275,7 +280,7 @@ def adam(bucket: Bucket, s) -> None:
 
 def lion(bucket: Bucket, s) -> None:
     for i in range(len(bucket.params)):
-        before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
+        before = _stored_master_bits(bucket, i, True) if bucket.counts is not None else None
         g = _gradient(bucket, i, s)
         w0 = _master_value(bucket, i)
         w = torch.mul(w0, s.decay)
@@ -295,7 +300,7 @@ def sgd(bucket: Bucket, s) -> None:
     momentum, l2 = config.flag("momentum"), config.flag("l2")
     nesterov, first = config.flag("nesterov"), config.flag("first")
     for i in range(len(bucket.params)):
-        before = _stored_master_bits(bucket, i) if bucket.counts is not None else None
+        before = _stored_master_bits(bucket, i, True) if bucket.counts is not None else None
         g = _gradient(bucket, i, s)
         w0 = w = _master_value(bucket, i)
         if l2:
