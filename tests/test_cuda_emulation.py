@@ -464,7 +464,8 @@ def edited_copy_cases() -> list:
             sgd = config.algorithm.name == "sgd"
             momentum = not sgd or (config.flag("momentum") and not config.flag("first"))
             if config.weights == "copy" and plan.rounding == "nearest" and momentum:
-                chosen.setdefault((config.algorithm.name, plan.param, plan.exp_avg, config.track), (name, config))
+                key = (config.algorithm.name, plan.param, plan.exp_avg, config.track)
+                chosen.setdefault(key, (name, config))
     return list(chosen.values())
 
 

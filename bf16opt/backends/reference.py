@@ -92,8 +92,8 @@ store_weights(w0, w), by plan:
 Telemetry (``bucket.counts``), per param: elements whose update ``u`` is non-zero but
 whose stored master (param, copy, or param + remainder) kept its bits — swallowed
 updates (a copy's "kept": the new copy is the encoding of ``w0``, which for an edited param
-is the param's value, not the stale copy); and elements of exp_avg / exp_avg_sq whose float32 value is non-zero but
-whose stored value is zero — underflows.
+is the param's value, not the stale copy); and elements of exp_avg / exp_avg_sq whose
+float32 value is non-zero but whose stored value is zero — underflows.
 """
 
 from __future__ import annotations
