@@ -39,7 +39,7 @@ from .distributed import is_dtensor, local, shard_of
 from .precision import as_precision
 from .q8_sharded import is_local_q8, is_rank_table, loaded_shard, rank_table, whole_moment
 from .storage import (Q8, Q8_BLOCK, decode, encode, join_copy, join_remainder, q8_decode, q8_encode, q8_shape,
-                      q8_signed, split_remainder)
+                      q8_signed, split_remainder, written_from)
 from .tensors import real_view, state_moved, wrapped
 
 __all__ = ["IMPLEMENTATION_KEYS", "STATE_DICT_FORMAT", "LoadPlan", "LoadTarget", "convert_state", "plan_load",
@@ -330,10 +330,10 @@ def _copy_param(param: torch.Tensor, master: torch.Tensor):
     param holds them already (NaN: any NaN, the update reads a NaN either way)."""
     if master.dtype != torch.float32 or param.dtype == master.dtype:
         return None
-    rounded, value = encode(master, param.dtype), param.detach().resolve_neg()
-    same = (rounded.view(torch.int16) == value.view(torch.int16)) | \
-        (torch.isnan(rounded) & torch.isnan(value))
-    return None if bool(same.all()) else torch.empty_like(param).copy_(rounded)
+    value = param.detach().resolve_neg()
+    if bool((written_from(value, master) | (torch.isnan(master) & torch.isnan(value))).all()):
+        return None
+    return torch.empty_like(param).copy_(encode(master, param.dtype))
 
 
 def _every_moment(config: KernelConfig) -> dict:

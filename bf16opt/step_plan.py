@@ -240,12 +240,7 @@ def _entries(optimizer, plan: StepPlan, group: dict, first_index: int, precision
         param = real_view(shard)
         config = _state_config(optimizer, precision, param, original.numel(), flags, track, configs)
         state = _state_for(optimizer, plan, original, param, sharded, config, number, offloader)
-        counter = step_counter(state, number)
-        place = (counter.device, counter.data_ptr())
-        if place in plan.counted:  # (it would advance once per param that shares it)
-            raise ValueError(f"state['step'] of param {number} is another param's step counter; each "
-                             f"param counts its own steps (give it its own tensor)")
-        plan.counted.add(place)
+        counter = step_counter(state, number, plan.counted)
         if counter.device != (param.device if live else HOST):  # capturable: counters live on the device
             counter = counter.to(param.device if live else HOST)
             state = {**state, "step": counter}
@@ -499,7 +494,9 @@ def shard_offset(optimizer, param, number: int) -> int:
 COUNTER_DTYPES = (torch.float64, torch.float32, torch.int64, torch.int32)
 
 
-def step_counter(state: dict, number: int) -> torch.Tensor:
+def step_counter(state: dict, number: int, counted: set) -> torch.Tensor:
+    """A param's step counter, checked; ``counted``: the (device, address) of the counters
+    found so far this step, which it joins (a shared one would advance once per param)."""
     step = state.get("step")
     if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex():
         raise ValueError(f"state['step'] of param {number} must be a one-element tensor, got {step!r:.60}")
@@ -507,4 +504,9 @@ def step_counter(state: dict, number: int) -> torch.Tensor:
         raise ValueError(f"state['step'] of param {number} is {step.dtype}, which cannot count steps "
                          f"exactly; use a float64, float32, int64 or int32 tensor")
     check_writable(step, f"state['step'] of param {number}")
+    place = (step.device, step.data_ptr())
+    if place in counted:
+        raise ValueError(f"state['step'] of param {number} is another param's step counter; each "
+                         f"param counts its own steps (give it its own tensor)")
+    counted.add(place)
     return step

@@ -225,9 +225,14 @@ def join_copy(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     copy, or the param's own value where the param's bits are not the copy's round to nearest
     even (canonical NaN), i.e. where the param was edited since the last step.  Bits are
     compared, so -0 and +0 differ, and a NaN copy and the canonical NaN param it wrote agree."""
+    return torch.where(written_from(param, master), master, decode(param))
+
+
+def written_from(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Where a 16-bit ``param`` holds the bits a step writes from the float32 copy ``master``
+    (its round to nearest even, canonical NaN): the elements not edited since."""
     view = _INT_VIEW[param.dtype]
-    written = encode(master, param.dtype).view(view) == param.view(view)
-    return torch.where(written, master, decode(param))
+    return encode(master, param.dtype).view(view) == param.view(view)
 
 
 # ---------------------------------------------------------------- exact fp32 master in bf16 + int16
