@@ -339,18 +339,17 @@ class Offloader:
         it is written; the uploads published."""
         records = [self._records[p] for p in params]
         nvtx = bool(params) and params[0].is_cuda
-        reads_param = update.reads_param
         with phase(PHASES["pipeline"], nvtx):
             self._await_uploads(records, nvtx)
             update.start(self._inputs(update.pieces, records))
             try:
-                uploads, prints = self._upload_chunks(update, params, records, reads_param, nvtx)
+                uploads, prints = self._upload_chunks(update, params, records, nvtx)
             finally:
                 update.finish()  # nothing writes the host buffers any more (also after an error)
             with phase(PHASES["publish"], nvtx):
                 for engine in {id(self.engine(p.device)): self.engine(p.device) for p in params}.values():
                     engine.publish(uploads)
-        self._note_mirrors(params, records, reads_param, prints)
+        self._note_mirrors(params, records, prints)
 
     @staticmethod
     def _await_uploads(records: list, nvtx: bool) -> None:
@@ -376,12 +375,12 @@ class Offloader:
             inputs.append(waits)
         return inputs
 
-    def _upload_chunks(self, update, params: list, records: list, reads_param: bool, nvtx: bool) -> tuple:
+    def _upload_chunks(self, update, params: list, records: list, nvtx: bool) -> tuple:
         """(uploads started, fingerprints taken from the mirrors): in chunk order, each turn
         uploading the chunks written since the last, a param's adjacent pieces as one copy (a
         driving thread that falls behind the update makes fewer, larger copies)."""
         uploads, prints = [], [None] * len(params)
-        targets = [self._upload_target(param, record, reads_param) for param, record in zip(params, records)]
+        targets = [self._upload_target(param, record) for param, record in zip(params, records)]
         first, count = 0, len(update.pieces)
         while first < count:
             with phase(PHASES["chunk"], nvtx):
@@ -394,12 +393,12 @@ class Offloader:
             first = end
         return uploads, prints
 
-    def _upload_target(self, param: torch.Tensor, record: _HostParam, reads_param: bool) -> tuple:
+    def _upload_target(self, param: torch.Tensor, record: _HostParam) -> tuple:
         """(the param's flat view, or None when strided: uploaded whole after its last piece;
         its real view; its engine; whether its fingerprint is taken from the mirror)."""
         shard = real_view(local(param).detach())
         flat = shard.view(-1) if shard.is_contiguous() else None
-        return flat, shard, self.engine(param.device), reads_param and self._prints_from_mirror(shard, record)
+        return flat, shard, self.engine(param.device), self._prints_from_mirror(shard, record)
 
     @staticmethod
     def _upload(target: tuple, record: _HostParam, start: int, count: int, prints: list, i: int,
@@ -421,15 +420,13 @@ class Offloader:
                 prints[i] = fingerprint(record.mirror)
 
     @staticmethod
-    def _note_mirrors(params: list, records: list, reads_param: bool, prints: list) -> None:
-        """The mirror is what the param now holds (its fingerprint where the update reads it)."""
+    def _note_mirrors(params: list, records: list, prints: list) -> None:
+        """The mirror is what the param now holds, and its fingerprint (every master policy
+        reads the param: an edit of it is seen at the next step)."""
         for param, record, taken in zip(params, records, prints):
             shard = local(param)
             record.mirror_stamp = _stamp(shard)
-            if not reads_param:
-                record.mirror_print = None
-            else:
-                record.mirror_print = taken if taken is not None else fingerprint(shard)
+            record.mirror_print = taken if taken is not None else fingerprint(shard)
 
     @staticmethod
     def _prints_from_mirror(shard: torch.Tensor, record: _HostParam) -> bool:

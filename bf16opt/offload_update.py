@@ -82,7 +82,6 @@ class RowUpdate:
     def __init__(self, launch, threads: int, nvtx: bool):
         self.launch, self.threads, self.nvtx = launch, threads, nvtx
         self.pieces = launch.pieces
-        self.reads_param = True  # every master policy reads the param (a copy's: an edit wins over it)
         self._done = self._job = None
         self._started, self._seen = 0.0, 0  # when the update started; chunks known written
 
@@ -140,7 +139,6 @@ class PieceUpdate:
     def __init__(self, bucket, backend, scalars, pieces: list, threads: int, nvtx: bool):
         self.bucket, self.backend, self.scalars = bucket, backend, scalars
         self.pieces, self.threads, self.nvtx = pieces, threads, nvtx
-        self.reads_param = True
         self._inputs: list = []
 
     def start(self, inputs: list) -> None:
