@@ -63,9 +63,18 @@ ADAM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kwargs", ADAM_CASES, ids=lambda kw: ",".join(kw) or "defaults")
+def case_id(value) -> str:
+    if isinstance(value, bool):
+        return "cycled-momentum" if value else "fixed-momentum"
+    return value if isinstance(value, str) else ",".join(value) or "defaults"
+
+
+# OneCycleLR cycles momentum (Adam's beta1, SGD's momentum) unless told not to, which would
+# overwrite each case's own value: every case runs with it fixed, one case with it cycled.
+@pytest.mark.parametrize("kwargs,cycle_momentum", [(kw, False) for kw in ADAM_CASES] + [(ADAM_CASES[0], True)],
+                         ids=case_id)
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
-def test_adam_follows_torch(name, kwargs):
+def test_adam_follows_torch(name, kwargs, cycle_momentum):
     x, y = data()
     if kwargs.get("maximize"):
         y = -y  # maximizing the negated loss is the same training problem
@@ -74,8 +83,9 @@ def test_adam_follows_torch(name, kwargs):
     theirs = getattr(torch.optim, name)(theirs_model.parameters(), lr=3e-3, foreach=False, **kwargs)
     ours = getattr(bf16opt, name)(ours_model.parameters(), lr=3e-3, precision="fp32",
                                   backend="reference", **kwargs)
-    sched_theirs = torch.optim.lr_scheduler.OneCycleLR(theirs, max_lr=3e-3, total_steps=STEPS)
-    sched_ours = torch.optim.lr_scheduler.OneCycleLR(ours, max_lr=3e-3, total_steps=STEPS)
+    sched_theirs, sched_ours = (torch.optim.lr_scheduler.OneCycleLR(o, max_lr=3e-3, total_steps=STEPS,
+                                                                   cycle_momentum=cycle_momentum)
+                                for o in (theirs, ours))
     if kwargs.get("maximize"):
         loss_fn = nn.functional.mse_loss
         for i in range(STEPS):
@@ -91,6 +101,8 @@ def test_adam_follows_torch(name, kwargs):
         assert last_theirs < first  # the comparison is over real training, not a stalled model
     assert_params_close(ours_model, theirs_model)
     assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"]
+    assert ours.param_groups[0]["betas"] == theirs.param_groups[0]["betas"]
+    assert (ours.param_groups[0]["betas"][0] == kwargs.get("betas", (0.9,))[0]) is not cycle_momentum
 
 
 SGD_CASES = [
@@ -102,9 +114,11 @@ SGD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,backend", [(kw, "numba") for kw in SGD_CASES] + [(SGD_CASES[3], "reference")],
-                         ids=lambda v: v if isinstance(v, str) else ",".join(v) or "defaults")
-def test_sgd_follows_torch(kwargs, backend):
+@pytest.mark.parametrize("kwargs,backend,cycle_momentum",
+                         [(kw, "numba", False) for kw in SGD_CASES] + [(SGD_CASES[3], "reference", False),
+                                                                       (SGD_CASES[1], "numba", True)],
+                         ids=case_id)
+def test_sgd_follows_torch(kwargs, backend, cycle_momentum):
     x, y = data()
     if kwargs.get("maximize"):
         y = -y
@@ -112,7 +126,8 @@ def test_sgd_follows_torch(kwargs, backend):
     ours_model = copy.deepcopy(theirs_model)
     theirs = torch.optim.SGD(theirs_model.parameters(), lr=0.05, foreach=False, **kwargs)
     ours = bf16opt.SGD(ours_model.parameters(), lr=0.05, precision="fp32", backend=backend, **kwargs)
-    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS) for o in (theirs, ours)]
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS,
+                                                      cycle_momentum=cycle_momentum) for o in (theirs, ours)]
     sign = -1.0 if kwargs.get("maximize") else 1.0
     for i in range(STEPS):
         for model, opt, scheduler in zip((theirs_model, ours_model), (theirs, ours), schedulers):
@@ -121,7 +136,8 @@ def test_sgd_follows_torch(kwargs, backend):
             opt.step()
             scheduler.step()
     assert_params_close(ours_model, theirs_model)
-    if kwargs.get("momentum"):
+    assert (ours.param_groups[0]["momentum"] == kwargs.get("momentum", 0)) is not cycle_momentum
+    if ours.param_groups[0]["momentum"]:
         for p, q in zip(theirs_model.parameters(), ours_model.parameters()):
             scale = theirs.state[p]["momentum_buffer"].abs().max()
             assert torch.all((theirs.state[p]["momentum_buffer"] - ours.state[q]["momentum_buffer"]).abs()
