@@ -150,12 +150,8 @@ def small_chunks(monkeypatch):
 def scalars(algorithm: str, group: dict, step: int, inv_grad_scale: float = 1.0):
     """The step's float32 scalars, as the optimizer computes them (``inv_grad_scale``:
     GradScaler's folded unscale)."""
-    if algorithm == "adam":
-        values = adam_scalars(group, step)
-    elif algorithm == "lion":
-        values = lion_scalars(group)
-    else:
-        values = sgd_scalars(group)
+    values = {"adam": lambda: adam_scalars(group, step), "lion": lambda: lion_scalars(group),
+              "sgd": lambda: sgd_scalars(group)}[algorithm]()  # a new algorithm needs its entry
     return values._replace(inv_grad_scale=inv_grad_scale)
 
 

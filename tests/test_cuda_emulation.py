@@ -338,8 +338,10 @@ def group_for(config: KernelConfig, rng: np.random.Generator) -> dict:
         group = adam_group(rng, config.flag("l2"))
     elif kind == "lion":
         group = lion_group(rng)
-    else:
+    elif kind == "sgd":
         group = sgd_group(rng, config.flag("momentum"), config.flag("nesterov"), config.flag("l2"))
+    else:
+        raise KeyError(f"no test group for algorithm {kind!r}")
     return dict(group, inv_grad_scale=float(rng.choice(INV_GRAD_SCALES)))
 
 

@@ -65,6 +65,8 @@ def group_for(config) -> dict:
                     decoupled_weight_decay=not l2)
     if kind == "lion":
         return dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1)
+    if kind != "sgd":
+        raise KeyError(f"no test group for algorithm {kind!r}")
     nesterov = config.flag("nesterov")
     return sgd_group(lr=0.1, momentum=0.9, dampening=0.0 if nesterov else 0.1,
                      weight_decay=0.3 if l2 else 0.0, nesterov=nesterov)
