@@ -134,7 +134,7 @@ class Algorithm:
 #: bit of the CUDA kernels' ``flags`` argument shared by every algorithm (above their own
 #: bits): the grads are float32 while the param is bfloat16/float16 (cuda_src/multi_tensor.cuh's
 #: kFloat32Grad).  A run-time bit like maximize, not a template parameter: it would double
-#: the 360 instantiations (NVRTC time, the emulation build) for a one-instruction difference.
+#: every instantiation (NVRTC time, the emulation build) for a one-instruction difference.
 FLOAT32_GRAD_BIT = 1 << 15
 #: bit of a live step's launch (capturable=True, bf16opt/capture.py; kLiveLrDouble): the lr
 #: tensor the kernel reads is float64 (else float32)

@@ -245,7 +245,7 @@ def _form_holds(shim, tensor, form, start, answer, address_too):
     compared word by word up to the first difference: the type before any getter (any object
     has a type word) or the negative bit, and no getter on a tensor whose layout, device or dtype already differ
     (torch's shim raises on, and logs, e.g. a sparse tensor's strides).  A walk of its own: one
-    function reading or comparing by a flag measured 3-4x slower in the step's check."""
+    function reading or comparing by a flag was slower in the step's check."""
     if pointer_to(tensor + shim[0], np.int64)[0] != form[start] or _is_negative(shim, tensor):
         return False
     handle, place = tensor + shim[1], answer.ctypes.data

@@ -12,7 +12,7 @@ before computing any (DeepSpeedCPUAdam's form) is faster, with the same arithmet
 from Numba source (512-bit vectors, forced interleaving, blocked loops: measured, none
 faster), so it is written here as LLVM vector IR, from an ``@intrinsic`` per algorithm.
 On Intel CPUs each block also first asks for its arrays' lines ``PREFETCH_DISTANCE`` bytes on
-(:meth:`_Block.prefetch`): streamed steps 0.73-0.95x the time without.
+(:meth:`_Block.prefetch`): streamed steps take less time with them (docs/performance.md).
 
 Bits: each operation is the element loop's (so ``reference.py``'s), in its order, on
 ``LANES`` lanes at once -- IEEE multiplication, addition, square root and division, each
@@ -20,8 +20,8 @@ rounded on its own (no fused multiply-add: LLVM only fuses operations marked ``c
 -- bfloat16 decoded and encoded as ``storage.decode_bf16`` / ``storage.encode_bf16`` do (a
 shift; round to nearest even on the integer lanes, or the same bits from the CPU's
 conversion where it has AVX512-BF16: :meth:`_Block.encode_bf16_native`, the conversion alone
-for the vectors without a NaN or subnormal lane (SGD ``bf16`` 0.68x the kernel's time in cache,
-Lion 0.79x, AdamW 0.88x); or stochastically,
+for the vectors without a NaN or subnormal lane, faster in cache than the integer rounding;
+or stochastically,
 with ``storage.random_bits``' bits of each element), and every stored NaN made canonical.
 The tests that compare the kernels with the reference element for element run this path
 wherever it is on.
@@ -107,9 +107,9 @@ def prefetch_ahead(j, n, block):
     shorter than a chunk -- its tensor's last -- where a prefetch of a 2-byte array would reach
     past the tensor's end, into memory another thread may be writing (its last
     ``PREFETCH_DISTANCE / 2 + block`` elements).  A full row's prefetches run on into the next
-    row (the tensor's, or past a tensor of whole chunks).  Measured: prefetching past every row
-    made the in-cache benchmark, where each thread steps its own short tensor, up to 2.2x slower;
-    stopping short of every row's end made streamed steps 1-5% slower than running on."""
+    row (the tensor's, or past a tensor of whole chunks): prefetching past every row slowed the
+    in-cache benchmark, where each thread steps its own short tensor, and stopping short of every
+    row's end slowed streamed steps (docs/performance.md, "Prefetching in the blocks")."""
     return PREFETCH_DISTANCE if n >= CHUNK or j + PREFETCH_DISTANCE // 2 + block <= n else 0
 
 
@@ -180,7 +180,7 @@ class _Block:
         block spans (``prefetcht0``, a cache line each), before the block's first load.  Why:
         LLVM schedules each load next to its arithmetic, behind the divisions of the vectors
         before it, and the hardware prefetchers alone kept fewer lines in flight (the exact C
-        loop GCC schedules with its loads first ran 3-7% ahead of the blocks).  A compiler-only
+        loop, which GCC schedules with its loads first, ran ahead of the blocks).  A compiler-only
         fence keeps the prefetches first: without it LLVM sank them among the arithmetic, where
         they gained nothing.  A prefetch past an array's end is dropped by the CPU, never a
         fault.  ``moment_bytes``: a moment's bytes in the block where they are not its elements'

@@ -9,14 +9,12 @@ path for sm_90).
 
 The instantiations are all plans of ``all_plans(quality=True)`` x each algorithm's
 template flags (Adam's amsgrad, SGD's momentum) x telemetry on/off
-(``all_kernel_names``: 228 Adam + 54 Lion + 78 SGD; maximize, L2, nesterov, ... are
-run-time flags), a part of them compiled for compute_80 on each run (the part chosen by the run's
+(``all_kernel_names``; maximize, L2, nesterov, ... are run-time flags), a part of them compiled for compute_80 on each run (the part chosen by the run's
 seed: ``tests/sweeps.py``, so consecutive days' runs take every name in turn;
 ``$BF16OPT_SWEEP=all`` compiles all), and one program of each kind and telemetry
-setting for compute_90 (``SAMPLE`` names spread over the plans).  NVRTC takes ~0.1 s per instantiation
-and grows faster than linearly with the number of name expressions in one program
-(160 names: 16.6 s in one program, 8.8 s in programs of 16), so they are compiled in
-programs of ``BATCH`` names, two worker processes at a time.
+setting for compute_90 (``SAMPLE`` names spread over the plans).  NVRTC's time grows faster
+than linearly with the number of name expressions in one program (docs/performance.md), so
+they are compiled in programs of ``BATCH`` names, two worker processes at a time.
 
 The PTX is also checked for the numerics contract (docs/numerics.md): no fused
 multiply-add, no flush-to-zero, IEEE-rounded division and square root; and for the
