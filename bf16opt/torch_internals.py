@@ -184,19 +184,24 @@ def _tensor_offset(examples: list) -> Optional[int]:
     return None
 
 
+#: words of a TensorImpl the negative-bit probe reads: its 64-bit layout's size (the key set is
+#: word 21 in torch 2.13, word 22 in 2.11); reading further could leave its allocation
+_IMPL_WORDS = 24
+
+
 def _negative_bit(tensor_offset: int, examples: list) -> Optional[list]:
     """[byte offset, mask] of the one bit a negative view sets in its ``TensorImpl`` (private
-    layout: ``key_set_``'s Negative key), if exactly one word of the first 22 differs between
-    every example and its ``_neg_view()`` by the same single bit, clear in every example and
-    in a plain view; else None."""
+    layout: ``key_set_``'s Negative key), if exactly one word of the first ``_IMPL_WORDS``
+    differs between every example and its ``_neg_view()`` by the same single bit, clear in
+    every example and in a plain view; else None."""
     def impl_words(tensor) -> list:
         impl = _word(id(tensor) + tensor_offset)
-        return [_word(impl + at) for at in range(0, 176, 8)]
+        return [_word(impl + 8 * k) for k in range(_IMPL_WORDS)]
 
     plain = [t.detach() for t in examples]
     pairs = [(impl_words(t), impl_words(t._neg_view()), impl_words(t.view(t.shape))) for t in plain]
     found = set()
-    for k in range(1, 22):
+    for k in range(1, _IMPL_WORDS):
         bits = {before[k] ^ negative[k] for before, negative, _ in pairs}
         if len(bits) == 1:
             bit = bits.pop()
