@@ -389,4 +389,5 @@ def test_doc_has_examples():
 def test_doc_example_runs(index):
     import torch._dynamo
     torch._dynamo.reset()
-    exec(compile(doc_examples()[index], f"{DOC.name} example {index}", "exec"), {"__name__": "example"})
+    # as a script: torch.compile imports the module a function's globals name
+    exec(compile(doc_examples()[index], f"{DOC.name} example {index}", "exec"), {"__name__": "__main__"})
