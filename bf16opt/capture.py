@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .backends.base import LiveInputs, f32
+from .tensors import capturing
 
 #: what capturable=True cannot be combined with (key, why)
 UNSUPPORTED = (
@@ -42,11 +43,6 @@ UNSUPPORTED = (
 
 #: the most rows a bias-correction table may have (16 bytes each)
 MAX_BIAS_ROWS = 1 << 21
-
-
-def capturing() -> bool:
-    """Whether a CUDA graph is being captured on the current stream (no CUDA: never)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def check_group(group: dict) -> None:

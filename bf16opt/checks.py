@@ -9,10 +9,9 @@ from typing import Optional
 
 import torch
 
-from . import capture
 from .distributed import check_known_tensor, local
 from .precision import FLOAT64, PARAM_DTYPES
-from .tensors import check_writable
+from .tensors import capturing, check_writable
 
 def check_number(value, argument: str, label: Optional[str] = None, *, low: float = 0.0,
                  high: Optional[float] = None, high_inclusive: bool = False) -> float:
@@ -31,7 +30,7 @@ def check_number(value, argument: str, label: Optional[str] = None, *, low: floa
             raise TypeError(f"{argument} must be a real number, got a complex tensor")
         if value.is_meta:
             raise ValueError(f"{argument} is a meta tensor, which holds no value")
-        if value.device.type != "cpu" and capture.capturing():  # (read when the graph runs, as in torch)
+        if value.device.type != "cpu" and capturing():  # (read when the graph runs, as in torch)
             return math.nan
         shown = value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

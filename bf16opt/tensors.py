@@ -1,8 +1,8 @@
 """Where a param's tensors live and how the kernels see them: real views of complex
 params, local shards of DTensors, and state moved between devices.
 
-A leaf module: it imports nothing from bf16opt but ``distributed`` (itself a leaf), so the
-optimizer, the step planner and the state-dict code can all use it.
+A leaf module: it imports nothing from bf16opt but ``distributed`` and ``storage`` (leaves
+themselves), so the optimizer, the step planner and the state-dict code can all use it.
 """
 
 from __future__ import annotations
@@ -102,3 +102,8 @@ def check_not_conjugate(param, name: str) -> None:
         raise ValueError(f"{name} is a conjugate view (is_conj(): its memory holds the conjugates of "
                          f"its values), which bf16opt cannot update in place as (re, im) pairs; pass "
                          f"a resolved tensor (param.resolve_conj())")
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (no CUDA: never)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
