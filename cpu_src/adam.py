@@ -70,7 +70,7 @@ def _chunk(row, scalars, keys, counts):
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsgrad: bool = False,
+def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bool, amsgrad: bool = False,
                    l2: bool = False, unit: bool = False, q8_rounding: str = "nearest"):
     """The compiled Adam chunk function of one configuration (memoised; on-disk cached).
 
@@ -79,7 +79,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     max_exp_avg_sq; absent roles any class), which is also the row's address order; the
     grad's class is the param's or np.float32;
     ``weights``: a key of ``storage.WEIGHT_POLICIES`` (how the master is held);
-    ``moments``: a key of ``storage.MOMENT_ROUNDINGS``;
+    ``moment_rounding``: a key of ``storage.MOMENT_ROUNDINGS``;
     ``track``: count telemetry into the row's counters; ``unit``: the step's unscaling
     factor (``inv_grad_scale * sign``) is exactly 1 and its multiplication per element is left
     out -- the same bits (``x * 1`` is exact; the grad only enters arithmetic, which quiets a
@@ -93,20 +93,21 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
     exp_avg_format, exp_avg_sq_format = rows.element_class(stored_exp_avg), rows.element_class(stored_exp_avg_sq)
     quantized = np.uint8 in (stored_exp_avg, stored_exp_avg_sq)
     q8_stochastic = rows.checked_q8_rounding(q8_rounding)
-    weights, moments = rows.checked_policies(weights, moments)
+    weights, moment_rounding = rows.checked_policies(weights, moment_rounding)
     amsgrad, l2, track, unit = bool(amsgrad), bool(l2), bool(track), bool(unit)
     # whole blocks hand-vectorised where vector_blocks.py covers the configuration, with
     # stochastic rounding only where they prefetch (without, AdamW's blocks were slower than
     # the paired loop: docs/performance.md)
-    stochastic = weights == "param-stochastic" or moments == "stochastic"
+    stochastic = weights == "param-stochastic" or moment_rounding == "stochastic"
     if amsgrad or (stochastic and not vector_blocks.prefetching()):
         form = None
     elif quantized:  # whole q8 blocks where both moments are q8 (q8_blocks.py)
         form = q8_blocks.form(weights, param_format, grad_format, companion_format,
-                              (stored_exp_avg, stored_exp_avg_sq), moments, track, unit, l2, q8_stochastic)
+                              (stored_exp_avg, stored_exp_avg_sq), moment_rounding, track, unit, l2,
+                              q8_stochastic)
     else:
         form = vector_blocks.form(weights, param_format, grad_format, companion_format,
-                                  (exp_avg_format, exp_avg_sq_format), moments, track, unit, l2)
+                                  (exp_avg_format, exp_avg_sq_format), moment_rounding, track, unit, l2)
 
     @inline_jit
     def begin(row, scalars, keys):
@@ -140,13 +141,15 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
             v_max = decode(x)
             # a if (a > b or a is NaN) else b, a = the stored maximum
             v_hat = v_max if (v_max > v or v_max != v_max) else v
-            x = encode_moment(moments, exp_avg_sq_format, v_hat, buffer_bits(random_1, MAX_EXP_AVG_SQ))[0]
+            x = encode_moment(moment_rounding, exp_avg_sq_format, v_hat,
+                              buffer_bits(random_1, MAX_EXP_AVG_SQ))[0]
         else:
             v_hat = v
         u = _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps)
         w = w - u
-        m_stored, m_value = encode_moment(moments, exp_avg_format, m, buffer_bits(random_0, EXP_AVG))
-        v_stored, v_value = encode_moment(moments, exp_avg_sq_format, v, buffer_bits(random_1, EXP_AVG_SQ))
+        m_stored, m_value = encode_moment(moment_rounding, exp_avg_format, m, buffer_bits(random_0, EXP_AVG))
+        v_stored, v_value = encode_moment(moment_rounding, exp_avg_sq_format, v,
+                                          buffer_bits(random_1, EXP_AVG_SQ))
         p, c, same = encode_master(weights, param_format, companion_format, p, c, w0, w,
                                    buffer_bits(random_0, WEIGHTS))
         return (p, c, (m_stored, v_stored, x),
@@ -167,6 +170,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, amsg
                            q8_block)
     states = (rows.q8_state(stored_exp_avg, True, EXP_AVG), rows.q8_state(stored_exp_avg_sq, False, EXP_AVG_SQ),
               rows.q8_state(stored_exp_avg_sq, False, MAX_EXP_AVG_SQ, amsgrad, amsgrad))
-    return rows.chunk_function((formats, weights, moments, track, amsgrad, l2, unit, form, q8_stochastic),
+    return rows.chunk_function((formats, weights, moment_rounding, track, amsgrad, l2, unit, form,
+                                q8_stochastic),
                                (param_format, grad_format, companion_format), weights, states, 3, track, math,
                                _chunk)

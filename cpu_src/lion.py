@@ -22,7 +22,7 @@ def _chunk(row, scalars, keys, counts):
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit: bool = False,
+def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bool, unit: bool = False,
                    q8_rounding: str = "nearest"):
     """The compiled Lion chunk function of one configuration (memoised; on-disk cached).
 
@@ -34,12 +34,15 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
     param_format, grad_format, companion_format, stored_exp_avg = formats
     exp_avg_format = rows.element_class(stored_exp_avg)  # (q8: float32 to update, see adam.py)
     q8_stochastic = rows.checked_q8_rounding(q8_rounding)
-    weights, moments = rows.checked_policies(weights, moments)
+    weights, moment_rounding = rows.checked_policies(weights, moment_rounding)
     track, unit = bool(track), bool(unit)
     quantized = stored_exp_avg is np.uint8
-    form = q8_blocks.form(weights, param_format, grad_format, companion_format, (stored_exp_avg,), moments, track,
-                          unit, stochastic=q8_stochastic) if quantized else vector_blocks.form(
-        weights, param_format, grad_format, companion_format, (exp_avg_format,), moments, track, unit)
+    if quantized:
+        form = q8_blocks.form(weights, param_format, grad_format, companion_format, (stored_exp_avg,),
+                              moment_rounding, track, unit, stochastic=q8_stochastic)
+    else:
+        form = vector_blocks.form(weights, param_format, grad_format, companion_format, (exp_avg_format,),
+                                  moment_rounding, track, unit)
 
     @inline_jit
     def begin(row, scalars, keys):
@@ -71,7 +74,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
         m = m_old * beta2
         t = g * one_minus_beta2
         m = m + t
-        m_stored, m_value = encode_moment(moments, exp_avg_format, m, buffer_bits(random, EXP_AVG))
+        m_stored, m_value = encode_moment(moment_rounding, exp_avg_format, m, buffer_bits(random, EXP_AVG))
         p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w,
                                       buffer_bits(random, WEIGHTS))
         swallowed = (u != np.float32(0.0)) & same
@@ -88,6 +91,6 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, unit
 
     math = rows.block_math(begin, update, form, quantized, q8_stochastic, block, vector_blocks.LION_BLOCK,
                            q8_block)
-    return rows.chunk_function((formats, weights, moments, track, unit, form, q8_stochastic),
+    return rows.chunk_function((formats, weights, moment_rounding, track, unit, form, q8_stochastic),
                                (param_format, grad_format, companion_format), weights,
                                (rows.q8_state(stored_exp_avg, True, EXP_AVG),), 2, track, math, _chunk)

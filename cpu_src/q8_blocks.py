@@ -55,15 +55,15 @@ Q8_STOCHASTIC = 1 << 20      # a form's bit (beside vector_blocks'): the q8 mome
 KEY_SHIFT = 16
 
 
-def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple, moments: str,
-         track: bool, unit: bool, l2: bool = False, stochastic: bool = False):
+def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple,
+         moment_rounding: str, track: bool, unit: bool, l2: bool = False, stochastic: bool = False):
     """The q8 blocks' form for a chunk function's configuration, or None where they do not
     apply: every moment q8 (np.uint8) and ``vector_blocks.form`` covering the rest (the
     moments as float32)."""
     if not moment_formats or any(f is not np.uint8 for f in moment_formats):
         return None
     flags = vector_blocks.form(weights, param_format, grad_format, companion_format,
-                               (np.float32,) * len(moment_formats), moments, track, unit, l2)
+                               (np.float32,) * len(moment_formats), moment_rounding, track, unit, l2)
     return None if flags is None else flags | Q8_STOCHASTIC * bool(stochastic)
 
 

@@ -113,11 +113,11 @@ def checked_q8_rounding(rounding: str) -> bool:
     return rounding == "stochastic"
 
 
-def checked_policies(weights: str, moments: str) -> tuple:
+def checked_policies(weights: str, moment_rounding: str) -> tuple:
     """``(weights, moments)`` as plain strings (closure constants), refused unless known."""
-    if weights not in WEIGHT_POLICIES or moments not in MOMENT_ROUNDINGS:
-        raise ValueError(f"unknown storage policy {weights!r} / rounding {moments!r}")
-    return str(weights), str(moments)
+    if weights not in WEIGHT_POLICIES or moment_rounding not in MOMENT_ROUNDINGS:
+        raise ValueError(f"unknown storage policy {weights!r} / rounding {moment_rounding!r}")
+    return str(weights), str(moment_rounding)
 
 
 def padded(values, filler):

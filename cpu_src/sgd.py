@@ -24,7 +24,7 @@ def _chunk(row, scalars, keys, counts):
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_function(formats: tuple, weights: str, moments: str, track: bool, momentum: bool = False,
+def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bool, momentum: bool = False,
                    l2: bool = False, nesterov: bool = False, first: bool = False, unit: bool = False,
                    q8_rounding: str = "nearest"):
     """The compiled SGD chunk function of one configuration (memoised; on-disk cached).
@@ -41,7 +41,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     param_format, grad_format, companion_format, stored_buffer = formats
     buffer_format = rows.element_class(stored_buffer)  # (q8: float32 to update, see adam.py)
     q8_stochastic = rows.checked_q8_rounding(q8_rounding)
-    weights, moments = rows.checked_policies(weights, moments)
+    weights, moment_rounding = rows.checked_policies(weights, moment_rounding)
     track = bool(track)
     momentum, l2, nesterov, first, unit = bool(momentum), bool(l2), bool(nesterov), bool(first), bool(unit)
     reads_buffer = momentum and not first
@@ -49,11 +49,11 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
     if not reads_buffer:
         form = None
     elif quantized:
-        form = q8_blocks.form(weights, param_format, grad_format, companion_format, (stored_buffer,), moments,
-                              track, unit, l2, q8_stochastic)
+        form = q8_blocks.form(weights, param_format, grad_format, companion_format, (stored_buffer,),
+                              moment_rounding, track, unit, l2, q8_stochastic)
     else:
-        form = vector_blocks.form(weights, param_format, grad_format, companion_format, (buffer_format,), moments,
-                                  track, unit, l2)
+        form = vector_blocks.form(weights, param_format, grad_format, companion_format, (buffer_format,),
+                                  moment_rounding, track, unit, l2)
     if form is not None and nesterov:
         form |= vector_blocks.NESTEROV
 
@@ -90,7 +90,7 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
                 g = g + t
             else:
                 g = b_new
-            b, b_value = encode_moment(moments, buffer_format, b_new, buffer_bits(random, EXP_AVG))
+            b, b_value = encode_moment(moment_rounding, buffer_format, b_new, buffer_bits(random, EXP_AVG))
             b_underflow = (b_new != np.float32(0.0)) & (b_value == np.float32(0.0))
         u = g * lr
         w = w - u
@@ -109,8 +109,8 @@ def chunk_function(formats: tuple, weights: str, moments: str, track: bool, mome
 
     math = rows.block_math(begin, update, form, quantized, q8_stochastic, block, vector_blocks.SGD_BLOCK,
                            q8_block)
-    return rows.chunk_function((formats, weights, moments, track, momentum, l2, nesterov, first, unit, form,
-                                q8_stochastic),
+    return rows.chunk_function((formats, weights, moment_rounding, track, momentum, l2, nesterov, first, unit,
+                                form, q8_stochastic),
                                (param_format, grad_format, companion_format), weights,
                                (rows.q8_state(stored_buffer, True, EXP_AVG, reads_buffer, momentum),), 2, track,
                                math, _chunk)

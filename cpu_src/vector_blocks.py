@@ -121,8 +121,8 @@ def native_bf16() -> bool:
     return "+avx512bf16" in features and "+avx512dq" in features
 
 
-def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple, moments: str,
-         track: bool, unit: bool, l2: bool = False):
+def form(weights: str, param_format, grad_format, companion_format, moment_formats: tuple,
+         moment_rounding: str, track: bool, unit: bool, l2: bool = False):
     """The blocks' form (the flags above) for a chunk function's configuration, or None where
     they do not apply: moments all float32 or all bfloat16, nothing counted, a float32 or
     bfloat16 grad, a float32 or bfloat16 param as its own master (rounded to nearest or
@@ -139,7 +139,8 @@ def form(weights: str, param_format, grad_format, companion_format, moment_forma
             or grad_format not in (np.float32, np.int16) or not available():
         return None
     param16, remainder, kahan = param_format is np.int16, weights == "remainder", weights == "kahan"
-    sr_weights, sr_moments = weights == "param-stochastic" and param16, moments == "stochastic" and moment16
+    sr_weights = weights == "param-stochastic" and param16
+    sr_moments = moment_rounding == "stochastic" and moment16
     # some value is rounded to nearest bfloat16
     nearest16 = (param16 and not remainder and not sr_weights) or (moment16 and not sr_moments)
     return (L2 * bool(l2) | UNIT * bool(unit) | PARAM16 * param16 | GRAD16 * (grad_format is np.int16)

@@ -131,7 +131,7 @@ def test_numba_chunk_function_reads_every_role(name):
 
     module = pytest.importorskip(f"bf16opt._cpu.{name}")
     parameters = list(inspect.signature(module.chunk_function).parameters)
-    assert parameters[:4] == ["formats", "weights", "moments", "track"]
+    assert parameters[:4] == ["formats", "weights", "moment_rounding", "track"]
     # (``unit``: the variant without multiplications by 1, chosen per call from the scalars;
     # ``q8_rounding``: how q8 moments round, a storage setting rather than a flag)
     assert set(parameters[4:]) - {"unit", "q8_rounding"} == set(ALGORITHMS[name].flags) - {"maximize"}
