@@ -102,7 +102,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _live_rates(self, group: dict) -> tuple:
-        """(decoupled weight-decay rate, Adam's betas or None) of a live step (capture.py)."""
+        """A live step's (capture.py) decoupled weight-decay rate, and the betas whose bias
+        corrections it reads from a table by step, or None where the update has none."""
         raise NotImplementedError
 
     def _force_group_entries(self, group: dict) -> None:
