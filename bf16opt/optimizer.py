@@ -81,6 +81,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             super().__init__(params, defaults)
         finally:
             del self.__dict__["_constructing"]
+        release.check_sole_owner(self, self.param_groups)
+        release.register(self)
         self._record_offloaded([p for group in self.param_groups if group.get("offload") == "cpu"
                                 for p in group["params"]])
         self._sync_release_hooks()
@@ -145,6 +147,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise ValueError(f"params of one param group must be on one device, got "
                              f"{sorted(str(d) for d in devices)}; put each device in its own group")
         self._check_group(group, tensors)
+        if not self.__dict__.get("_constructing"):
+            release.check_sole_owner(self, [*groups, {**group, "params": tensors}])
         group["params"] = params
         super().add_param_group(group)
         if self.__dict__.get("_constructing"):
@@ -426,6 +430,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        release.register(self)  # (a copy's params are copies too)
         self._sync_release_hooks()  # (hooks are not pickled: a copy makes its own)
 
     @contextlib.contextmanager
@@ -448,6 +453,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._finish_pending()
         scaler = any(getattr(self, name, None) is not None for name in ("grad_scale", "found_inf"))
         release.check_step(self.param_groups, closure, grad_scale, found_inf, scaler)
+        release.check_sole_owner(self, self.param_groups)  # (a group switched on since)
         loss = self._full_step(closure, grad_scale, found_inf)
         self._sync_release_hooks()
         self._release.checked = False
@@ -497,6 +503,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         backward that raised left them running); then the hooks of ``update_in_backward``
         follow the groups' settings (a group switched on updates from its next backward)."""
         self._finish_pending()
+        if release.wanted(self.param_groups):
+            release.check_sole_owner(self, self.param_groups)  # (a group switched on since)
         super().zero_grad(set_to_none)
         self._sync_release_hooks()
 

@@ -32,6 +32,7 @@ stochastic-rounding stream, so its bits are the normal step's for the same grads
 from __future__ import annotations
 
 import functools
+import gc
 import numbers
 import os
 import queue
@@ -66,6 +67,54 @@ PHASES = {
 def wanted(groups: list) -> bool:
     """Whether any group asks for updates in backward."""
     return any(group.get(KEY) for group in groups)
+
+
+#: every live bf16opt optimizer: a param one of them updates in backward must be in no other
+_OPTIMIZERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register(optimizer) -> None:
+    _OPTIMIZERS.add(optimizer)
+
+
+def check_sole_owner(optimizer, groups: list) -> None:
+    """Refuse (ValueError) a param of ``groups`` that another live bf16opt optimizer also lists
+    where either updates it in backward: that update frees the grad the other steps from, so
+    one of the two would silently skip it."""
+    clash = _shared_with_another(optimizer, groups)
+    if clash is not None:
+        gc.collect()  # (an optimizer no longer referenced but not yet collected is no owner)
+        clash = _shared_with_another(optimizer, groups)
+    if clash is None:
+        return
+    name, other, theirs = clash
+    mode = "updates it in backward" if theirs else "lists it"
+    raise ValueError(f"{name} is also a param of another live bf16opt optimizer "
+                     f"({type(other).__name__} at {id(other):#x}), which {mode}: an update in backward "
+                     f"frees the grad, so one optimizer would silently skip the param. A param updated "
+                     f"in backward belongs to one optimizer: delete the other (del it, with every "
+                     f"reference, e.g. a scheduler or a notebook's Out[]) or set update_in_backward=False")
+
+
+def _shared_with_another(optimizer, groups: list):
+    """(the param's name, the other optimizer, whether it updates it in backward) of the first
+    param that clashes, or None."""
+    others = [other for other in list(_OPTIMIZERS) if other is not optimizer]
+    if not others:
+        return None
+    listed, in_backward = {}, set()
+    for other in others:
+        for group in other.param_groups:
+            for param in group["params"]:
+                listed.setdefault(id(param), other)
+                if group.get(KEY):
+                    in_backward.add(id(param))
+    for number, group in enumerate(groups):
+        for position, param in enumerate(group["params"]):
+            other = listed.get(id(param))
+            if other is not None and (group.get(KEY) or id(param) in in_backward):
+                return f"param {position} of group {number}", other, id(param) in in_backward
+    return None
 
 
 def check_reduced_grads(params: list, number: int) -> None:

@@ -155,6 +155,7 @@ for row_id, opt_class, kwargs in [
     ("update-in-backward-string", bf16opt.AdamW, dict(update_in_backward="yes")),
     ("update-in-backward-bucket-negative", bf16opt.AdamW, dict(update_in_backward_bucket=-1)),
     ("update-in-backward-bucket-float", bf16opt.AdamW, dict(update_in_backward_bucket=1e6)),
+    ("update-in-backward-shared-param", bf16opt.AdamW, dict(update_in_backward=True)),
     ("max-grad-norm-per-param-zero", bf16opt.AdamW, dict(max_grad_norm_per_param=0.0)),
 ]:
     case(row_id)(construct(opt_class, **kwargs))

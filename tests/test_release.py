@@ -898,3 +898,50 @@ def test_state_replaced_by_a_precision_edit_is_freed(start, edit):
         opt.zero_grad()
     gc.collect()
     assert [ref for ref in old if ref() is not None] == []
+
+
+# ---------------------------------------------------------------- a param of one optimizer only
+def test_a_param_updated_in_backward_belongs_to_one_live_optimizer():
+    """An update in backward frees the grad another optimizer of the same param would step
+    from: a second optimizer over such params is refused, in either mode and either order, and
+    the first trains on as before (a notebook cell run again while the old optimizer lives)."""
+    model, first = make(update_in_backward=True)
+    data = batches(3)
+    twin, alone = make(update_in_backward=True)
+    for kwargs in (dict(update_in_backward=True), dict()):
+        with pytest.raises(ValueError, match="also a param of another live bf16opt optimizer"):
+            bf16opt.AdamW(model.parameters(), **kwargs)
+    with pytest.raises(ValueError, match="updates it in backward"):
+        bf16opt.SGD([model.b1], lr=0.1)
+    assert [p._post_accumulate_grad_hooks is not None for p in model.parameters()] == [True] * 4
+    train(model, first, data)
+    train(twin, alone, data)
+    assert all(same_bits(a.detach(), b.detach()) for a, b in zip(model.parameters(), twin.parameters()))
+    del first
+    gc.collect()
+    second = bf16opt.AdamW(model.parameters(), update_in_backward=True)  # (the old one is gone)
+    assert second.param_groups[0]["update_in_backward"] is True
+
+
+def test_a_group_joining_update_in_backward_is_refused_where_another_optimizer_has_its_params():
+    """Two optimizers may share a param as torch.optim's do, while neither updates it in
+    backward; switching a group to update in backward then is refused by zero_grad() and
+    step() before they change anything, and add_param_group refuses such a group."""
+    model, first = make()
+    other = bf16opt.SGD([model.b1], lr=0.1)
+    for x in batches(1):
+        loss_of(model, x).backward()
+    first.param_groups[0]["update_in_backward"] = True
+    grads = [p.grad.clone() for p in model.parameters()]
+    before = snapshot(first)
+    for call in (first.zero_grad, first.step):
+        with pytest.raises(ValueError, match="param 1 of group 0 is also a param of another"):
+            call()
+        assert_unchanged(first, before)
+        assert all(same_bits(p.grad, g) for p, g in zip(model.parameters(), grads))
+    first.param_groups[0]["update_in_backward"] = False
+    first.step()  # (shared again without update in backward: fine)
+    lone = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="param 1 of group 1 is also a param of another"):
+        other.add_param_group(dict(params=[lone, model.w1], update_in_backward=True))
+    assert len(other.param_groups) == 1 and lone._post_accumulate_grad_hooks is None
