@@ -310,7 +310,10 @@ class ReleaseHooks:
         groups = optimizer.param_groups
         if number < len(groups) and bucket.holds(groups[number]["params"]):
             self.updated.update(map(id, bucket.params.values()))
-            optimizer._update_in_backward(number, bucket.first_index, bucket.start, bucket.stop)
+            update = optimizer._update_in_backward
+            if torch.compiler.is_compiling():  # (compiled autograd traces the hook: the update runs eagerly)
+                update = _not_traced(update)
+            update(number, bucket.first_index, bucket.start, bucket.stop)
 
     def end_backward_here(self) -> bool:
         """Have the running backward call :meth:`_at_backward_end` at its end, once; False where
@@ -406,6 +409,14 @@ def _in_a_nested_backward() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _not_traced(function):
+    """``function`` as Dynamo runs it eagerly, behind a graph break (only asked while compiling,
+    so torch._dynamo is loaded already)."""
+    import torch._dynamo  # noqa: PLC0415
+
+    return torch._dynamo.disable(function)
 
 
 def _grad_ready(owner_ref, param: torch.Tensor) -> None:

@@ -796,7 +796,8 @@ def test_an_offloaded_bucket_of_empty_params_alone_steps():
 
 def test_update_in_backward_under_compiled_autograd_gives_the_normal_steps_bits():
     """Compiled autograd traces the hooks with Dynamo, which refuses the engine's end-of-backward
-    callback unless fullgraph: then each bucket is updated at once, with the same bits."""
+    callback unless fullgraph: then each bucket is updated at once, eagerly (Dynamo does not
+    trace the kept launch), with the same bits, step after step."""
     compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
     if not hasattr(compiled_autograd, "_enable"):
         pytest.skip("this torch has no torch._dynamo.compiled_autograd._enable")
@@ -807,11 +808,14 @@ def test_update_in_backward_under_compiled_autograd_gives_the_normal_steps_bits(
         model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(torch.bfloat16)
         opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision="bf16", backend="numba",
                             update_in_backward=release)
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-        loss = (model(x).float() - x.float()).pow(2).mean()
-        with compiled_autograd._enable(torch.compile(backend="eager")):
-            loss.backward()
-        opt.step()
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(4):  # (from the third, a kept launch)
+            x = torch.randn(8, 16, generator=generator).to(torch.bfloat16)
+            loss = (model(x).float() - x.float()).pow(2).mean()
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
         runs.append((model, opt))
     assert_same_run(*runs[0], *runs[1])
 
