@@ -231,7 +231,7 @@ def _limit_call(job: dict, passes: int):
 def child(jobs_file: pathlib.Path, asm_dir) -> None:
     """Run every counted call once (uncounted, which loads or compiles it), then counted, in
     order; print the labels of the dumps as JSON."""
-    all_jobs = json.loads(jobs_file.read_text())
+    all_jobs = json.loads(jobs_file.read_text(encoding="utf-8"))
     _import_kernels(all_jobs[0]["kernels"])
     llvm.initialize_native_asmparser()  # the client requests are inline assembly
     labels, calls = [], []
@@ -333,7 +333,7 @@ def parent(args) -> None:
         labels = json.loads(result.stdout.strip().splitlines()[-1])
         counts = []
         for k in range(1, len(labels) + 1):
-            text = (pathlib.Path(tmp) / f"callgrind.out.{k}").read_text()
+            text = (pathlib.Path(tmp) / f"callgrind.out.{k}").read_text(encoding="utf-8")
             counts.append(int(re.search(r"^totals:\s+(\d+)", text, re.M).group(1)))
     per_element = {}
     for k in range(0, len(labels), 2):
@@ -354,8 +354,8 @@ def parent(args) -> None:
         line = f"{name:36} {kinds['bf16opt']:8.2f} {kinds['limit']:8.2f} {kinds['bf16opt'] / kinds['limit']:5.2f}x"
         if asm_dir:
             stem = _stem(name)
-            line += (f" {hot_loop((asm_dir / f'{stem}.bf16opt.s').read_text()):>18}"
-                     f" {hot_loop((asm_dir / f'{stem}.limit.s').read_text()):>16}")
+            line += (f" {hot_loop((asm_dir / f'{stem}.bf16opt.s').read_text(encoding="utf-8")):>18}"
+                     f" {hot_loop((asm_dir / f'{stem}.limit.s').read_text(encoding="utf-8")):>16}")
         print(line, flush=True)
 
 

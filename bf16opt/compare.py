@@ -162,7 +162,7 @@ class StepPeakMemory:
 
     @staticmethod
     def _status(field: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path("/proc/self/status").read_text(encoding="utf-8").splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
         return 0

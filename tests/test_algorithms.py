@@ -39,7 +39,7 @@ def enum_entries(source: str, enum: str) -> dict:
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_cuda_role_and_flag_enums_follow_the_description(name):
     algorithm = ALGORITHMS[name]
-    source = (CUDA_SRC / f"{name}.cu").read_text()
+    source = (CUDA_SRC / f"{name}.cu").read_text(encoding="utf-8")
     prefix = "k" + camel(name)
     roles = {f"{prefix}{camel(role.name)}": k for k, role in enumerate(algorithm.roles)}
     roles[f"{prefix}Roles"] = len(algorithm.roles)
@@ -54,7 +54,7 @@ def test_cuda_shared_flag_bit_follows_the_description():
     run-time bits."""
     from bf16opt.algorithms import FLOAT32_GRAD_BIT, LIVE_LR_DOUBLE_BIT
 
-    source = (CUDA_SRC / "multi_tensor.cuh").read_text()
+    source = (CUDA_SRC / "multi_tensor.cuh").read_text(encoding="utf-8")
     for bit in (15, 13):
         source = source.replace(f"1 << {bit}", str(1 << bit))
     assert enum_entries(source, "SharedFlag") == {"kFloat32Grad": FLOAT32_GRAD_BIT,
@@ -81,7 +81,7 @@ def test_grad_dtype_is_part_of_the_configuration():
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_cuda_kernel_takes_the_description_scalars_in_order(name):
     algorithm = ALGORITHMS[name]
-    source = (CUDA_SRC / f"{name}.cu").read_text()
+    source = (CUDA_SRC / f"{name}.cu").read_text(encoding="utf-8")
     match = re.search(r"__global__\s+void\s+" + name + r"_kernel\s*\(([^)]*)\)", source)
     assert match, f"{name}_kernel not found"
     parameters = [p.split()[-1] for p in match.group(1).replace("\n", " ").split(",")]

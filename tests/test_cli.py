@@ -328,7 +328,7 @@ def test_run_writes_csvs_plot_json_and_prints_both_tables(tmp_path, corpus, caps
     # the peak-memory row says how it was measured
     (peak_row,) = [line for line in printed.splitlines() if line.startswith("| step peak extra RSS")]
     assert compare.StepPeakMemory().label in peak_row
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert results["settings"]["presets"] == ["fp32", "bf16-kahan"]
     assert results["settings"]["corpus"] == str(corpus)
     assert results["peak_memory_method"] == compare.StepPeakMemory().label
@@ -453,7 +453,7 @@ def readme_commands() -> list[list[str]]:
     import re
     import shlex
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```bash\n(.*?)```", readme, re.DOTALL)
     return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()
             if line.startswith("bf16opt ")]

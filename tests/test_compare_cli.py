@@ -85,5 +85,5 @@ def test_a_run_of_one_step_measures_no_step_time_or_peak(tmp_path, capsys, no_pl
     assert peak_row.endswith("| n/a |")
     loss_row = next(line for line in printed.splitlines() if line.startswith("| bf16 |"))
     assert "| n/a |" in loss_row
-    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    saved = json.loads((tmp_path / "out" / "results.json").read_text(encoding="utf-8"))
     assert saved["loss"][0]["mean_step_ms"] is None and saved["memory"][0]["step_peak_extra_mib"] is None

@@ -72,7 +72,7 @@ def test_dry_run_writes_every_row_and_its_ratios(tmp_path):
     done = run("--dry-run", "--log2-params", "10", "--shapes", "one,64,gpt2,one-gpt2", "--rows",
                "Lion,SGD", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    figures = json.loads((tmp_path / "gpu_step.json").read_text())
+    figures = json.loads((tmp_path / "gpu_step.json").read_text(encoding="utf-8"))
     assert figures["dry_run"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_step.json", "gpu_step.md"]
     results = {(r["row"], r["shape"]): r for r in figures["results"]}
@@ -94,7 +94,7 @@ def test_dry_run_writes_every_row_and_its_ratios(tmp_path):
             assert r["params"] == results[(row, one)]["params"]
         else:
             assert r["vs_one_tensor"] is None
-    table = (tmp_path / "gpu_step.md").read_text()
+    table = (tmp_path / "gpu_step.md").read_text(encoding="utf-8")
     assert table.count("\n| ") == 1 + len(results) and "x torch" in table and "dry-run" in table
 
 

@@ -217,13 +217,13 @@ def test_accelerate_prepare_changes_no_bit(tmp_path):
 
 # ---------------------------------------------------------------- the document
 def snippets_run_here() -> list[str]:
-    source = Path(__file__).read_text()
+    source = Path(__file__).read_text(encoding="utf-8")
     return [textwrap.dedent(block).strip()
             for block in re.findall(r"# --- as in the document\n(.*?)\n *# ---\n", source, re.DOTALL)]
 
 
 def document_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", DOCUMENT.read_text(), re.DOTALL)
+    return re.findall(r"```python\n(.*?)```", DOCUMENT.read_text(encoding="utf-8"), re.DOTALL)
 
 
 def stripped_lines(text: str) -> str:
@@ -240,7 +240,7 @@ def test_document_examples_are_the_tested_code():
     assert len(snippets) == 3
     for snippet in snippets:
         assert any(stripped_lines(snippet) in block for block in blocks), snippet
-    text = DOCUMENT.read_text()
+    text = DOCUMENT.read_text(encoding="utf-8")
     for words in ("optimizers=", "optimizer_cls_and_kwargs", 'precision="bf16-true"', "accelerator.prepare"):
         assert words in text
 

@@ -105,7 +105,7 @@ def kwargs_of(opt_name, amsgrad) -> dict:
 def test_table_covers_every_preset_and_agrees_with_the_readme():
     """TABLE and README_ADAM_BYTES list every preset; the README's table says the same numbers."""
     assert set(TABLE) == {(preset, dtype) for preset in bf16opt.PRESETS for dtype in DTYPES}
-    rows = re.findall(r'^\| `"([\w-]+)"`.*\| ([\d.]+) \|$', (ROOT / "README.md").read_text(), re.MULTILINE)
+    rows = re.findall(r'^\| `"([\w-]+)"`.*\| ([\d.]+) \|$', (ROOT / "README.md").read_text(encoding="utf-8"), re.MULTILINE)
     assert {preset: float(nbytes) for preset, nbytes in rows} == README_ADAM_BYTES
     for preset, nbytes in README_ADAM_BYTES.items():
         if preset not in Q8_PRESETS:

@@ -44,7 +44,7 @@ PLANS = {
 
 def _cuda_tables() -> dict:
     """cuda_src/q8_maps.cuh's tables by name, as uint32 arrays."""
-    text = (pathlib.Path(__file__).parents[1] / "cuda_src" / "q8_maps.cuh").read_text()
+    text = (pathlib.Path(__file__).parents[1] / "cuda_src" / "q8_maps.cuh").read_text(encoding="utf-8")
     return {name: np.array([int(word, 16) for word in re.findall(r"0x([0-9A-F]{8})u", body)], dtype=np.uint32)
             for name, body in re.findall(r"(kQ8\w+)\[256\] = \{(.*?)\};", text, re.S)}
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import bf16opt
-from gloo_ranks import needs_gloo, run_on_ranks
+from gloo_ranks import needs_cpu_fsdp2, needs_gloo, run_on_ranks
 from test_distributed import _fsdp2_model, bits, make_model
 
 
@@ -281,6 +281,7 @@ def check_ddp_is_refused(rank: int) -> list:
 
 
 @needs_gloo
+@needs_cpu_fsdp2
 def test_fsdp2_updates_in_backward_with_the_normal_steps_bits():
     """FSDP2 runs the hooks after its reduce-scatter: each shard is updated in backward from the
     reduced grad and its grad freed, with the normal step's bits (AdamW with stochastic rounding,

@@ -14,7 +14,7 @@ pytest.importorskip("numba")
 def test_algorithm_files_leave_the_loops_to_the_row_driver(name):
     import bf16opt._cpu
 
-    source = (Path(bf16opt._cpu.__file__).parent / f"{name}.py").read_text()
+    source = (Path(bf16opt._cpu.__file__).parent / f"{name}.py").read_text(encoding="utf-8")
     loops = [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.For, ast.While))]
     assert loops == [], f"cpu_src/{name}.py has loops at lines {loops}: they belong in rows.py"
     assert "rows.chunk_function(" in source

@@ -920,6 +920,8 @@ def test_a_change_drops_the_kept_launch_and_results_stay_right(spy, change, buil
 @pytest.mark.parametrize("change", ["grad dtype", "grad layout", "grad missing", "grad appears", "grad shape",
                                     "grad sparse", "grad without memory", "grad negative view"])
 def test_a_change_of_grads_refuses_the_kept_launch(spy, change):
+    if change == "grad dtype" and not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip("float32 grads of 16-bit params need torch >= 2.10 (Tensor.grad_dtype)")
     twins = Twins()
     for params in twins.params.values():
         params[2].requires_grad_(change != "grad appears")

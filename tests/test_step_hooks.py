@@ -127,7 +127,7 @@ def test_an_execution_trace_without_a_profiler_shows_the_step():
         finally:
             observer.stop()
             observer.unregister_callback()
-        names = [node.get("name") for node in json.loads(path.read_text()).get("nodes", [])]
+        names = [node.get("name") for node in json.loads(path.read_text(encoding="utf-8")).get("nodes", [])]
         seen[cls] = names.count(f"Optimizer.step#{cls.__name__}.step")
     assert seen[bf16opt.AdamW] == seen[torch.optim.AdamW] == 1
 

@@ -51,7 +51,7 @@ _PRAGMA_ONCE = re.compile(r'^\s*#\s*pragma\s+once\s*$')
 
 def _inline(path: Path, seen: set) -> list:
     lines = [f'#line 1 "{path.as_posix()}"']
-    text = path.read_text().splitlines()
+    text = path.read_text(encoding="utf-8").splitlines()
     for number, line in enumerate(text, start=1):
         match = _INCLUDE.match(line)
         if match is None:

@@ -147,7 +147,7 @@ def build_library(units: list = None, prefix: str = "kernels") -> Path:
     instantiation the adapter can request); returns its path."""
     units = _translation_units() if units is None else units
     digest = hashlib.sha256()
-    for item in (CXX, _compiler_version(), " ".join(CXXFLAGS), (HERE / "emulation.h").read_text()):
+    for item in (CXX, _compiler_version(), " ".join(CXXFLAGS), (HERE / "emulation.h").read_text(encoding="utf-8")):
         digest.update(item.encode())
     for filename, text in units:
         digest.update(filename.encode() + b"\0" + text.encode())
