@@ -354,8 +354,8 @@ def parent(args) -> None:
         line = f"{name:36} {kinds['bf16opt']:8.2f} {kinds['limit']:8.2f} {kinds['bf16opt'] / kinds['limit']:5.2f}x"
         if asm_dir:
             stem = _stem(name)
-            line += (f" {hot_loop((asm_dir / f'{stem}.bf16opt.s').read_text(encoding="utf-8")):>18}"
-                     f" {hot_loop((asm_dir / f'{stem}.limit.s').read_text(encoding="utf-8")):>16}")
+            line += (f" {hot_loop((asm_dir / f'{stem}.bf16opt.s').read_text(encoding='utf-8')):>18}"
+                     f" {hot_loop((asm_dir / f'{stem}.limit.s').read_text(encoding='utf-8')):>16}")
         print(line, flush=True)
 
 

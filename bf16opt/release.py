@@ -310,10 +310,11 @@ class ReleaseHooks:
         groups = optimizer.param_groups
         if number < len(groups) and bucket.holds(groups[number]["params"]):
             self.updated.update(map(id, bucket.params.values()))
-            update = optimizer._update_in_backward
             if torch.compiler.is_compiling():  # (compiled autograd traces the hook: the update runs eagerly)
-                update = _not_traced(update)
-            update(number, bucket.first_index, bucket.start, bucket.stop)
+                update = _not_traced(type(optimizer)._update_in_backward)
+                update(optimizer, number, bucket.first_index, bucket.start, bucket.stop)
+            else:
+                optimizer._update_in_backward(number, bucket.first_index, bucket.start, bucket.stop)
 
     def end_backward_here(self) -> bool:
         """Have the running backward call :meth:`_at_backward_end` at its end, once; False where
@@ -411,12 +412,18 @@ def _in_a_nested_backward() -> bool:
     return False
 
 
+_NOT_TRACED: dict = {}  # function -> itself behind a graph break (kept: a new one each time recompiles)
+
+
 def _not_traced(function):
     """``function`` as Dynamo runs it eagerly, behind a graph break (only asked while compiling,
     so torch._dynamo is loaded already)."""
-    import torch._dynamo  # noqa: PLC0415
+    eager = _NOT_TRACED.get(function)
+    if eager is None:
+        import torch._dynamo  # noqa: PLC0415
 
-    return torch._dynamo.disable(function)
+        eager = _NOT_TRACED[function] = torch._dynamo.disable(function)
+    return eager
 
 
 def _grad_ready(owner_ref, param: torch.Tensor) -> None:
