@@ -16,10 +16,12 @@ needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with the gloo backend is not in this torch build")
 
 
-# FSDP2 on CPU params was checked right on torch 2.11 and 2.13: 2.6 stops in its all-gather (no
-# record_event on CPU streams), 2.7 sums the reduce-scattered grads of two gloo ranks
-needs_cpu_fsdp2 = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11),
-                                     reason="FSDP2 on CPU params with gloo needs torch >= 2.11 here")
+# FSDP2 on CPU params: torch 2.6 stops in its all-gather (no record_event on CPU streams); 2.7
+# sums the reduce-scattered grads of two gloo ranks (right on 2.11 and 2.13)
+_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
+needs_cpu_fsdp2 = pytest.mark.skipif(_TORCH < (2, 7), reason="FSDP2 on CPU params needs torch >= 2.7")
+needs_two_rank_cpu_fsdp2 = pytest.mark.skipif(
+    _TORCH < (2, 11), reason="FSDP2's reduce-scatter of CPU grads over gloo ranks needs torch >= 2.11")
 
 
 def run_on_ranks(checks: dict, world: int = 2) -> dict:

@@ -22,7 +22,7 @@ from torch import nn
 
 import bf16opt
 from bf16opt.distributed import shard_of
-from gloo_ranks import needs_cpu_fsdp2, needs_gloo, run_on_ranks
+from gloo_ranks import needs_cpu_fsdp2, needs_gloo, needs_two_rank_cpu_fsdp2, run_on_ranks
 
 PRESETS = ("fp32", "bf16", "bf16-sr", "bf16-kahan", "fp32-remainder")
 
@@ -310,7 +310,7 @@ def check_integration_examples(rank: int, path: str) -> list:
 
 
 @needs_gloo
-@needs_cpu_fsdp2
+@needs_two_rank_cpu_fsdp2
 def test_fsdp2_tensor_parallel_dcp_zero_and_ddp_on_two_ranks():
     """FSDP2 (uneven shards, an empty shard) equals one process bit for bit for every preset,
     Lion and SGD with stochastic rounding, offload='cpu'; Shard(1) placements; DCP save/load
