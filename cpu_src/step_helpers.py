@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, literally, njit, types
+from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -464,22 +464,6 @@ def _record_integer(record, name):
         return None
     at = _INTEGER_SLOTS[name.literal_value]
     return lambda record, name: record[at]
-
-
-@njit
-def record_array_facts(record, name):
-    """(data address, size, item size, first element) of the array ``name`` of a record as
-    compiled code reads it: for the test that packing and reading agree."""
-    array = record_array(record, literally(name))
-    out = np.zeros(4)
-    out[0], out[1], out[2], out[3] = array.ctypes.data, array.size, array.itemsize, array.ravel()[0]
-    return out
-
-
-@njit
-def record_integer_value(record, name):
-    """The integer ``name`` of a record as compiled code reads it (for the same test)."""
-    return record_integer(record, literally(name))
 
 
 #: :func:`checked_relaunch`'s answers (``UNCOMPILED + unit``: the chunk function of that variant)

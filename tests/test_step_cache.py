@@ -326,15 +326,35 @@ def test_a_single_group_step_runs_in_one_compiled_call(spy, form_checks):
     assert spy.counts() == (3 + 4, 0, 1 + 2) and spy.alone == (3 if compiled else 0)
 
 
+def _record_readers():
+    """(array facts, integer) readers of a record as compiled code reads it by name: each
+    array's (data address, size, item size, first element), and an integer slot."""
+    from numba import literally, njit  # noqa: PLC0415
+
+    record_array, record_integer = numba_backend.helpers().record_array, numba_backend.helpers().record_integer
+
+    @njit
+    def array_facts(record, name):
+        array = record_array(record, literally(name))
+        out = np.zeros(4)
+        out[0], out[1], out[2], out[3] = array.ctypes.data, array.size, array.itemsize, array.ravel()[0]
+        return out
+
+    @njit
+    def integer_value(record, name):
+        return record_integer(record, literally(name))
+
+    return array_facts, integer_value
+
+
 def test_the_one_calls_record_reads_back_each_array_and_integer():
     """checked_relaunch's records (step_helpers.pack_record, each layout), read in compiled code
-    by name (record_array_facts, record_integer_value): each array at its own data address with
+    by name (``_record_readers``): each array at its own data address with
     its size, item size and first element (a float read as an integer would differ), then the
     integers; an array of another dtype, dimension count or layout, a read-only one, or a name
     missing is refused."""
-    import numpy as np  # noqa: PLC0415
-
     helpers = numba_backend.helpers()
+    array_facts, integer_value = _record_readers()
     for kind, (layout, integer_names) in helpers.RECORD_LAYOUTS.items():
         arrays = {name: np.full((k + 2, 3) if dims == 2 else k + 1, True if dtype == np.bool_ else k + 1.5,
                                 dtype=dtype)
@@ -342,10 +362,10 @@ def test_the_one_calls_record_reads_back_each_array_and_integer():
         integers = {name: 100 + k for k, name in enumerate(integer_names)}
         record = helpers.pack_record(kind, **arrays, **integers)
         for name, array in arrays.items():
-            assert helpers.record_array_facts(record, name).tolist() == \
+            assert array_facts(record, name).tolist() == \
                 [array.ctypes.data, array.size, array.itemsize, float(array.flat[0])], name
         for name, value in integers.items():
-            assert helpers.record_integer_value(record, name) == value, name
+            assert integer_value(record, name) == value, name
         name, dtype, dims = layout[0]
         other = np.zeros((2, 2) if dims == 1 else 4, dtype=np.int32 if dtype != np.int32 else np.int64)
         with pytest.raises(TypeError, match=name):
