@@ -36,7 +36,8 @@ from .precision import StoragePlan
 from .storage import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS
 
 __all__ = ["ADAM", "ALGORITHMS", "FLOAT32_GRAD_BIT", "LION", "LIVE_LR_DOUBLE_BIT", "SGD", "AdamScalars", "Algorithm",
-           "KernelConfig", "LionScalars", "Role", "SGDScalars", "grad_dtypes", "kernel_config"]
+           "KernelConfig", "LionScalars", "Role", "SCALAR_SOURCES", "SGDScalars", "grad_dtypes",
+           "kernel_config"]
 
 
 # ---------------------------------------------------------------- per-step scalars
@@ -74,6 +75,15 @@ class SGDScalars(NamedTuple):
     lr: float
     weight_decay: float               # L2 coefficient (torch.optim.SGD's weight_decay)
     inv_grad_scale: float = 1.0       # float32(1 / loss scale); 1.0 without GradScaler
+
+
+#: the hyper-parameters each scalar is computed from, for the errors that name them
+SCALAR_SOURCES = {
+    "beta1": ("betas[0]",), "one_minus_beta1": ("betas[0]",), "beta2": ("betas[1]",),
+    "one_minus_beta2": ("betas[1]",), "step_size": ("lr", "betas[0]"), "inv_sqrt_bias_correction2": ("betas[1]",),
+    "eps": ("eps",), "weight_decay": ("weight_decay",), "decay": ("lr", "weight_decay"), "lr": ("lr",),
+    "momentum": ("momentum",), "one_minus_dampening": ("dampening",), "inv_grad_scale": ("the loss scale",),
+}
 
 
 # ---------------------------------------------------------------- descriptions

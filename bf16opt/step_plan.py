@@ -26,7 +26,7 @@ import torch
 
 from . import state_dict as state_dicts
 from . import capture, clipping, step_cache
-from .algorithms import KernelConfig, grad_dtypes, kernel_config
+from .algorithms import SCALAR_SOURCES, KernelConfig, grad_dtypes, kernel_config
 from .backends import Bucket, f32, reference, resolve_backend
 from .checks import check_param_names, check_params_listed_once, check_step_count
 from .distributed import check_known_tensor, dtensor_type, global_offset, is_dtensor, local
@@ -421,8 +421,12 @@ def _buckets(group: dict, entries: list, steps: Optional[list], live: bool = Fal
 def _check_finite(scalars, number: int, step: int) -> None:
     bad = [name for name, value in zip(scalars._fields, scalars) if not math.isfinite(value)]
     if bad:
-        raise ValueError(f"param group {number}: its hyper-parameters give non-finite "
-                         f"float32 {', '.join(bad)} at step {step}; lower lr or weight_decay")
+        sources = dict.fromkeys(source for name in bad for source in SCALAR_SOURCES.get(name, (name,)))
+        names = list(sources)
+        named = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        verb = "gives" if len(names) == 1 else "give"
+        raise ValueError(f"param group {number}: {named} {verb} a non-finite float32 scalar "
+                         f"({', '.join(bad)}) at step {step}; float32 holds magnitudes up to about 3.4e38")
 
 
 def params_with_grad(optimizer, group: dict, first_index: int = 0) -> list:

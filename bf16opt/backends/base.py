@@ -18,8 +18,10 @@ from ..algorithms import KernelConfig
 
 
 def f32(value: float) -> float:
-    """Round a host scalar to float32 once (returned as an exactly representable float)."""
-    return float(np.float32(value))
+    """Round a host scalar to float32 once (returned as an exactly representable float); one
+    beyond float32's range becomes inf, which the step refuses by name (numpy's warning is noise)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
 
 
 class LiveInputs(NamedTuple):
