@@ -187,7 +187,7 @@ def chunk_function(algorithm: str, storage: Storage, contract: bool = False, pre
             if adam:
                 new = w0 * decay
                 first = first * beta1 + grad * one_minus_beta1
-                second = second * beta2 + (grad * grad) * one_minus_beta2
+                second = second * beta2 + (grad * one_minus_beta2) * grad
                 d = np.sqrt(second) * inv_sqrt_bc2 + eps
                 new = new - (first / d) * step_size
             elif lion:
@@ -388,7 +388,7 @@ def q8_chunk_function(algorithm: str, storage: Storage, prefetch: bool = False):
                     beta1, beta2, one_minus_beta1, one_minus_beta2 = scalars[0], scalars[1], scalars[2], scalars[3]
                     new = w0 * scalars[7]
                     first_moment = first_moment * beta1 + grad * one_minus_beta1
-                    second = vs[j] * beta2 + (grad * grad) * one_minus_beta2
+                    second = vs[j] * beta2 + (grad * one_minus_beta2) * grad
                     d = np.sqrt(second) * scalars[5] + scalars[6]
                     new = new - (first_moment / d) * scalars[4]
                     vs[j] = second

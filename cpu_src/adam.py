@@ -47,8 +47,8 @@ def _adam_moments(g, m, v, beta1, beta2, one_minus_beta1, one_minus_beta2):
     t = g * one_minus_beta1
     m = m + t
     v = v * beta2
-    t = g * g
-    t = t * one_minus_beta2
+    t = g * one_minus_beta2  # before the square, as torch: g * g overflows for |g| > 1.8e19
+    t = t * g
     v = v + t
     return m, v
 

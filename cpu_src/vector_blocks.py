@@ -491,7 +491,7 @@ def adam_math(flags: int):
             g = builder.fadd(g, builder.fmul(w, weight_decay))
         w = builder.fmul(w, decay)
         m = builder.fadd(builder.fmul(m, beta1), builder.fmul(g, one_minus_beta1))
-        v = builder.fadd(builder.fmul(v, beta2), builder.fmul(builder.fmul(g, g), one_minus_beta2))
+        v = builder.fadd(builder.fmul(v, beta2), builder.fmul(builder.fmul(g, one_minus_beta2), g))
         d = builder.call(_sqrt(builder, block.vector), [v])
         d = builder.fadd(builder.fmul(d, inv_sqrt_bias_correction2), eps)
         w = builder.fsub(w, builder.fmul(builder.fdiv(m, d), step_size))

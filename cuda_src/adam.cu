@@ -11,7 +11,7 @@
 //   if l2: t = w * weight_decay;  g = g + t
 //   w = w * decay
 //   m = decode(exp_avg) * beta1;  t = g * one_minus_beta1;  m = m + t
-//   v = decode(exp_avg_sq) * beta2;  t = g * g;  t = t * one_minus_beta2;  v = v + t
+//   v = decode(exp_avg_sq) * beta2;  t = g * one_minus_beta2;  t = t * g;  v = v + t
 //   v_hat = amsgrad ? max(decode(max_exp_avg_sq), v) : v
 //   d = sqrt(v_hat);  d = d * inv_sqrt_bias_correction2;  d = d + eps
 //   u = m / d;  u = u * step_size;  w = w - u
@@ -128,8 +128,8 @@ struct AdamUpdate {
       t = g * c.one_minus_beta1;
       m = m + t;
       float v = EAS::decode(v_bits[k]) * c.beta2;
-      t = g * g;
-      t = t * c.one_minus_beta2;
+      t = g * c.one_minus_beta2;
+      t = t * g;
       v = v + t;
       float v_hat = v;
       if constexpr (AMSGRAD) {

@@ -63,7 +63,7 @@ def adam_f32(w, g, m, v, vmax, s, *, maximize, l2, amsgrad):
         g = g + w * f(s.weight_decay)
     w = w * f(s.decay)
     m = m * f(s.beta1) + g * f(s.one_minus_beta1)
-    v = v * f(s.beta2) + (g * g) * f(s.one_minus_beta2)
+    v = v * f(s.beta2) + (g * f(s.one_minus_beta2)) * g
     v_hat = np.where((vmax > v) | np.isnan(vmax), vmax, v) if amsgrad else v
     d = np.sqrt(v_hat) * f(s.inv_sqrt_bias_correction2) + f(s.eps)
     w = w - (m / d) * f(s.step_size)

@@ -144,6 +144,27 @@ def test_sgd_follows_torch(kwargs, backend, cycle_momentum):
                              <= 1e-5 * scale)
 
 
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_a_gradient_whose_square_overflows_float32_does_not_freeze_its_element(name, backend):
+    """|g| = 1e20: g * g overflows float32, (1 - beta2) * g * g does not.  torch multiplies by
+    1 - beta2 first, so exp_avg_sq stays finite, decays and the element moves again; with the
+    square first it would be +inf for ever and the element never move again."""
+    params = {}
+    for cls in (getattr(torch.optim, name), getattr(bf16opt, name)):
+        p = nn.Parameter(torch.ones(4))
+        kwargs = {"backend": backend} if cls is getattr(bf16opt, name) else {}
+        opt = cls([p], lr=1e-3, **kwargs)
+        for step in range(10):
+            p.grad = torch.full((4,), 1e20 if step == 0 else 1.0)
+            opt.step()
+        assert torch.isfinite(opt.state[p]["exp_avg_sq"]).all(), cls
+        params[cls] = p.detach()
+    expected, actual = params.values()
+    assert (actual < 1.0).all()
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=0.0)
+
+
 def test_lion_follows_float64_formula():
     x, y = data()
     model = small_network()

@@ -114,7 +114,7 @@ def test_a_non_finite_element_gets_its_code_and_leaves_its_block_alone(values, w
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("zeros_beside", [False, True], ids=["in-a-block-of-values", "in-a-block-of-zeros"])
 def test_a_second_moment_that_overflows_stops_the_update_as_float32_moments_do(backend, zeros_beside):
-    """A finite grad whose square overflows float32: exp_avg_sq is +inf, in q8 as in float32,
+    """A finite grad whose (1 - beta2) * g * g overflows float32: exp_avg_sq is +inf, in q8 as in float32,
     so the element's update m / (sqrt(inf) + eps) is 0 and its weight stays finite."""
     results = {}
     for preset in ("fp32-remainder", "fp32-remainder-q8"):
@@ -124,7 +124,7 @@ def test_a_second_moment_that_overflows_stops_the_update_as_float32_moments_do(b
         for step in range(3):
             g = torch.zeros(300) if zeros_beside else torch.full((300,), 1e-3)
             if step == 0:
-                g[5] = 1e20
+                g[5] = 1e30
             p.grad = g
             opt.step()
         results[preset] = (p.detach().clone(), opt.state[p]["exp_avg_sq"])

@@ -33,7 +33,7 @@ Adam / AdamW, per element (``w`` is the master value, ``g`` the gradient)::
     if l2:  t = w * weight_decay;  g = g + t            # Adam's L2 decay, only if wd != 0
     w  = w * decay                                      # AdamW: 1 - lr*wd; Adam: 1.0
     m  = decode(exp_avg) * beta1;  t = g * one_minus_beta1;  m = m + t
-    v  = decode(exp_avg_sq) * beta2;  t = g * g;  t = t * one_minus_beta2;  v = v + t
+    v  = decode(exp_avg_sq) * beta2;  t = g * one_minus_beta2;  t = t * g;  v = v + t   # torch's order
     if amsgrad: v_hat = max(decode(max_exp_avg_sq), v)  else: v_hat = v
     d  = sqrt(v_hat);  d = d * inv_sqrt_bias_correction2;  d = d + eps
     u  = m / d;  u = u * step_size
@@ -264,7 +264,7 @@ def adam(bucket: Bucket, s) -> None:
         w = torch.mul(w, s.decay)
         m = torch.add(torch.mul(_moment(bucket, i, "exp_avg"), s.beta1), torch.mul(g, s.one_minus_beta1))
         v = torch.add(torch.mul(_moment(bucket, i, "exp_avg_sq"), s.beta2),
-                      torch.mul(torch.mul(g, g), s.one_minus_beta2))
+                      torch.mul(torch.mul(g, s.one_minus_beta2), g))
         v_hat = _maximum(_moment(bucket, i, "max_exp_avg_sq"), v) if amsgrad else v
         d = torch.add(torch.mul(_sqrt(v_hat), s.inv_sqrt_bias_correction2), s.eps)
         u = torch.mul(torch.div(m, d), s.step_size)
