@@ -38,6 +38,7 @@ import os
 import queue
 import sys
 import threading
+import warnings
 import weakref
 from typing import Callable
 
@@ -153,7 +154,8 @@ def check_step(groups: list, closure, grad_scale, found_inf, scaler_attributes: 
     if closure is not None:
         raise ValueError(f"step(closure) is not supported with update_in_backward=True (param groups "
                          f"{names}): the params are updated during backward, so call backward "
-                         f"yourself, then step() without a closure")
+                         f"yourself, then step() without a closure (under Lightning, which passes a "
+                         f"closure to every step: docs/integrations_ecosystem.md)")
     if grad_scale is not None or found_inf is not None or scaler_attributes:
         raise RuntimeError(f"torch.amp.GradScaler cannot be used with update_in_backward=True (param groups "
                            f"{names}): it finds infs and unscales after backward, when these params were "
@@ -173,6 +175,14 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+UNSTEPPED_BACKWARDS = (
+    "update_in_backward: a second backward updated params with no step() or zero_grad() since the "
+    "previous one, so each backward made an update of its own. If they are micro-batches of one step "
+    "(gradient accumulation, e.g. a training library's gradient_accumulation_steps), run all but the "
+    "last inside `with opt.accumulating():`, or set update_in_backward=False; if each backward is a "
+    "step, call opt.step() after it. (Warned once per optimizer.)")
+
+
 class ReleaseHooks:
     """The post-accumulate-grad hooks of an optimizer's release groups."""
 
@@ -190,6 +200,8 @@ class ReleaseHooks:
         self.pending: dict = {}         # group number -> its params waiting for one update (_Bucket)
         self._ends_task = None          # the backward whose end updates the rest (its graph task id)
         self.updated = set()            # ids of the params updated in this backward (see on_grad)
+        self.updating_backwards = 0     # backwards that updated since the last step() or zero_grad()
+        self.warned_unstepped = False
         self._nesting = (None, False)   # (graph task id, whether it is a nested backward) last asked
         weakref.finalize(optimizer, ReleaseHooks._remove_all, self._handles)
 
@@ -203,6 +215,7 @@ class ReleaseHooks:
                 for param in group["params"] if param.requires_grad}
         self.pending.clear()  # (a step or zero_grad: the grads left are the step's, or gone)
         self.updated.clear()
+        self.updating_backwards = 0
         self.checked = False
         for param in [param for param in self._handles if param not in keep]:
             self._handles.pop(param).remove()
@@ -342,7 +355,11 @@ class ReleaseHooks:
                 self._ends_task = None  # (hooks that a later end-of-backward callback runs queue another)
                 for number in list(self.pending):
                     self._flush(optimizer, number)
+                self.updating_backwards += bool(self.updated)
                 self.updated.clear()
+            if self.updating_backwards > 1 and not self.warned_unstepped:
+                self.warned_unstepped = True
+                warnings.warn(UNSTEPPED_BACKWARDS, UserWarning, stacklevel=2)
         finally:
             self.checked = False  # (the next backward checks the settings again)
             background = optimizer.__dict__.get("_background_instance")

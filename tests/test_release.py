@@ -191,6 +191,7 @@ def test_the_bucket_size_is_a_group_setting_a_load_leaves_as_it_is():
     assert [g["update_in_backward_bucket"] for g in opt.param_groups] == [0, 1 << 30]
 
 
+@pytest.mark.filterwarnings("ignore:update_in_backward. a second backward:UserWarning")  # (by design here)
 def test_a_hook_run_after_the_buckets_were_updated_is_updated_in_the_same_backward():
     """FSDP2 runs the last units' hooks from its own end-of-backward callback; one that runs
     after the optimizer's (which updated the buckets) must still be updated in this backward."""
@@ -350,6 +351,7 @@ def test_the_state_dict_is_the_same_in_both_modes_but_the_mode_and_loads_into_ei
     assert_same_run(*runs[0], *runs[1])
 
 
+@pytest.mark.filterwarnings("ignore:update_in_backward. a second backward:UserWarning")  # (by design here)
 def test_backwards_without_a_step_update_each_time():
     model_a, opt_a = make("SGD-momentum", backend="numba", update_in_backward=True)
     model_b, opt_b = make("SGD-momentum", backend="numba")
@@ -402,6 +404,31 @@ def test_inside_accumulating_the_hooks_update_nothing():
         loss_of(model, batches()[1]).backward()
     assert_unchanged(opt, before)
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("between", ["nothing", "step", "zero_grad", "accumulating"])
+def test_backwards_that_update_with_no_step_between_warn_once(between):
+    """Two updating backwards with no step() or zero_grad() between them are what a training
+    library's gradient accumulation does (Trainer, accelerate): each makes its own update from
+    part of the grads, which the user did not ask for.  Warned once per optimizer; a step,
+    zero_grad or accumulating() between them is the documented loop, and warns nothing."""
+    import warnings  # noqa: PLC0415
+
+    model, opt = make(update_in_backward=True, backend="reference")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(3):
+            if between == "accumulating" and k < 2:
+                with opt.accumulating():
+                    loss_of(model, batches()[k]).backward()
+            else:
+                loss_of(model, batches()[k]).backward()
+            if between in ("step", "zero_grad"):
+                getattr(opt, between)()
+    texts = [str(w.message) for w in caught if "update_in_backward: a second backward" in str(w.message)]
+    assert len(texts) == (1 if between == "nothing" else 0), texts
+    if texts:
+        assert "accumulating()" in texts[0] and "step()" in texts[0]
 
 
 # ---------------------------------------------------------------- refused by name, changing nothing
@@ -658,6 +685,7 @@ def test_offloaded_updates_in_backward_give_the_normal_steps_bits(opt_name, pres
                for key, value in s.items())
 
 
+@pytest.mark.filterwarnings("ignore:update_in_backward. a second backward:UserWarning")  # (by design here)
 def test_offloaded_accumulation_switches_and_backwards_without_a_step():
     data = batches(6)
     model_a, opt_a = make(precision="bf16-sr", backend="numba")
@@ -758,6 +786,7 @@ def test_the_updates_in_backward_are_ranges_on_the_profiler_timeline():
     model, opt = make(backend="numba", offload="cpu", update_in_backward=True)
     offloaded(opt)
     loss_of(model, batches()[0]).backward()  # (compiled outside the profile)
+    opt.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         loss_of(model, batches()[1]).backward()
         opt.step()
