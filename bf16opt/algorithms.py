@@ -14,14 +14,16 @@ of them names a buffer.
 Roles every algorithm has, first and in this order: ``param``, ``grad`` and
 ``companion`` -- the master policy's array: the float32 master copy, the Kahan
 compensation or the int16 remainder (a plan has at most one of them; see
-``StoragePlan.weights``).  Then the algorithm's state buffers (moments), each with its
-stochastic-rounding buffer number (``storage.WEIGHTS``...: which half of which random stream's
-bits it rounds with, ``storage.buffer_bits``).
+``StoragePlan.weights``).  Then the algorithm's state buffers (moments), each a row of
+``bf16opt._cpu.roles.STATE_ROLES``, the one statement of its stochastic-rounding buffer
+(``Role.buffer``: which half of which random stream's bits it rounds with,
+``storage.buffer_bits``) and of its q8 map (signed or not), which every backend reads.
 
-Adding an optimizer: a description here, its math in ``backends/reference.py``, a Numba
-chunk function ``cpu_src/<name>.py`` and a CUDA kernel ``cuda_src/<name>.cu`` whose role
-and flag enums follow the description (``tests/test_algorithms.py`` checks them), and the
-``torch.optim`` subclass with its hyper-parameter checks and ``scalars``.
+Adding an optimizer: a description here (a state with a new name: a row of
+``STATE_ROLES`` first), its math in ``backends/reference.py``, a Numba chunk function
+``cpu_src/<name>.py`` and a CUDA kernel ``cuda_src/<name>.cu`` whose role and flag enums
+follow the description (``tests/test_algorithms.py`` checks them), and the ``torch.optim``
+subclass with its hyper-parameter checks and ``scalars``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._cpu.roles import buffer_of
 from .precision import StoragePlan
-from .storage import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS
 
 __all__ = ["ADAM", "ALGORITHMS", "FLOAT32_GRAD_BIT", "LION", "LIVE_LR_DOUBLE_BIT", "SGD", "AdamScalars", "Algorithm",
            "KernelConfig", "LionScalars", "Role", "SCALAR_SOURCES", "SGDScalars", "grad_dtypes",
@@ -92,20 +94,27 @@ class Role:
     """One array of the update, per param.
 
     ``storage``: the StoragePlan field giving its dtype (``"param"``, ``"companion"`` or a
-    moment field such as ``"exp_avg"``); ``stream``: its stochastic-rounding buffer number;
-    ``when``: a flag that must be set for the role to exist (amsgrad's maximum).
+    moment field such as ``"exp_avg"``); ``when``: a flag that must be set for the role to
+    exist (amsgrad's maximum); ``rounded``: it has a stochastic-rounding buffer (:attr:`buffer`).
     """
 
     name: str
     storage: str
     written: bool = True
-    stream: Optional[int] = None
     when: Optional[str] = None
+    rounded: bool = True
+
+    @property
+    def buffer(self) -> Optional[int]:
+        """Its stochastic-rounding buffer number (``roles.buffer_of``: ``WEIGHTS`` for the param,
+        a state's row of ``roles.STATE_ROLES``); None for the grad and the companion."""
+        return buffer_of(self.name) if self.rounded else None
 
 
-PARAM = Role("param", "param", stream=WEIGHTS)
-GRAD = Role("grad", "param", written=False)  # the param's dtype, or float32 (kernel_config's ``grad``)
-COMPANION = Role("companion", "companion")
+PARAM = Role("param", "param")
+# the grads: the param's dtype, or float32 (kernel_config's ``grad``)
+GRAD = Role("grad", "param", written=False, rounded=False)
+COMPANION = Role("companion", "companion", rounded=False)
 
 
 @dataclass(frozen=True, eq=False)  # one object per algorithm: hashed and compared by identity
@@ -127,6 +136,10 @@ class Algorithm:
     storage_parameters: tuple
     counters: tuple
     required_state: tuple = ()
+
+    def __post_init__(self):
+        for role in self.roles:  # each state's row of roles.STATE_ROLES, or a ValueError at import
+            role.buffer  # noqa: B018
 
     @property
     def flags(self) -> tuple:
@@ -161,9 +174,9 @@ def grad_dtypes(param: torch.dtype) -> tuple:
 ADAM = Algorithm(
     name="adam",
     roles=(PARAM, GRAD, COMPANION,
-           Role("exp_avg", "exp_avg", stream=EXP_AVG),
-           Role("exp_avg_sq", "exp_avg_sq", stream=EXP_AVG_SQ),
-           Role("max_exp_avg_sq", "exp_avg_sq", stream=MAX_EXP_AVG_SQ, when="amsgrad")),
+           Role("exp_avg", "exp_avg"),
+           Role("exp_avg_sq", "exp_avg_sq"),
+           Role("max_exp_avg_sq", "exp_avg_sq", when="amsgrad")),
     scalars=AdamScalars,
     template_flags=("amsgrad",),
     runtime_flags=("maximize", "l2"),
@@ -174,7 +187,7 @@ ADAM = Algorithm(
 
 LION = Algorithm(
     name="lion",
-    roles=(PARAM, GRAD, COMPANION, Role("exp_avg", "exp_avg", stream=EXP_AVG)),
+    roles=(PARAM, GRAD, COMPANION, Role("exp_avg", "exp_avg")),
     scalars=LionScalars,
     template_flags=(),
     runtime_flags=("maximize",),
@@ -183,11 +196,12 @@ LION = Algorithm(
     required_state=("step", "exp_avg"),
 )
 
-# The momentum buffer is SGD's first moment: stored as Precision.exp_avg, stream EXP_AVG.
+# The momentum buffer is SGD's first moment: stored as Precision.exp_avg (its buffer and q8
+# map: roles.STATE_ROLES).
 SGD = Algorithm(
     name="sgd",
     roles=(PARAM, GRAD, COMPANION,
-           Role("momentum_buffer", "exp_avg", stream=EXP_AVG, when="momentum")),
+           Role("momentum_buffer", "exp_avg", when="momentum")),
     scalars=SGDScalars,
     template_flags=("momentum",),
     runtime_flags=("maximize", "l2", "nesterov", "first"),

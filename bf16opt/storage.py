@@ -21,7 +21,8 @@ of one per buffer (figures: docs/performance.md):
 
 * ``fmix32`` is MurmurHash3's 32-bit finaliser; all arithmetic is modulo 2**32.
 * buffers pair up into streams: buffer ``b`` (``WEIGHTS``, ``EXP_AVG``, ``EXP_AVG_SQ``,
-  ``MAX_EXP_AVG_SQ``: 0-3) draws from stream ``s = b >> 1``.
+  ``MAX_EXP_AVG_SQ``: 0-3) draws from stream ``s = b >> 1``; the param's buffer is ``WEIGHTS``,
+  a state's is its row of ``bf16opt._cpu.roles.STATE_ROLES`` (as is its q8 map, ``q8_signed``).
 * ``stream_key(seed, step, tensor_index, s)`` (host, once per tensor, stream and step)::
 
       k = 0
@@ -61,6 +62,10 @@ import hashlib
 import math
 
 import torch
+
+# each state's buffer and q8 map: the one table every backend reads (bf16opt._cpu.roles, no numba)
+from ._cpu.roles import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, STREAMS, WEIGHTS,  # noqa: F401
+                         q8_signed, stream_of)
 
 CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -113,14 +118,8 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ---------------------------------------------------------------- stochastic rounding
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
-# Buffer numbers: buffer b rounds with one half of stream b >> 1's bits (see the module doc).
-WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
-STREAMS = 2  # random streams per tensor and step
-
-
-def stream_of(buffer: int) -> int:
-    """The random stream whose hash gives ``buffer`` its bits."""
-    return buffer >> 1
+# The buffer numbers (WEIGHTS, EXP_AVG, ...), STREAMS and stream_of: imported above from
+# bf16opt._cpu.roles (buffer b rounds with one half of stream b >> 1's bits, see the module doc).
 
 
 def fmix32_int(h: int) -> int:
@@ -266,9 +265,6 @@ Q8_BLOCK = 256             # elements per block
 Q8_SCALE_BYTES = 4         # one float32 scale per block
 Q8_ROW = Q8_BLOCK + Q8_SCALE_BYTES
 Q8_LEVELS = 255            # codes with a map value; the 256th code is non-finite
-#: the map of each moment: a signed one for the first moments, an unsigned one for the second
-Q8_SIGNED_ROLES = ("exp_avg", "momentum_buffer")
-Q8_UNSIGNED_ROLES = ("exp_avg_sq", "max_exp_avg_sq")
 
 
 def q8_shape(numel: int) -> tuple:
@@ -281,15 +277,6 @@ def q8_piece(q: torch.Tensor, start: int, count: int) -> torch.Tensor:
     if start % Q8_BLOCK:
         raise ValueError(f"a piece of a q8 tensor starts on a block of {Q8_BLOCK}, got element {start}")
     return q[start // Q8_BLOCK:(start + count + Q8_BLOCK - 1) // Q8_BLOCK]
-
-
-def q8_signed(role: str) -> bool:
-    """Whether the state ``role`` uses the signed map (first moments) or the unsigned one."""
-    if role in Q8_SIGNED_ROLES:
-        return True
-    if role in Q8_UNSIGNED_ROLES:
-        return False
-    raise ValueError(f"no q8 map for state {role!r}")
 
 
 def _round_f32(values) -> list:

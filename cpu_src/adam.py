@@ -34,8 +34,8 @@ from numba import njit
 
 from . import q8_blocks, rows, vector_blocks
 from .chunks import inline_jit, update_jit
-from .storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, WEIGHTS, buffer_bits, decode, encode_master,
-                      encode_moment, master_value, random_bits)
+from .storage import (WEIGHTS, buffer_bits, decode, encode_master, encode_moment, master_value, random_words,
+                      stream_keys)
 
 __all__ = ["chunk_function"]
 
@@ -108,15 +108,18 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
     else:
         form = vector_blocks.form(weights, param_format, grad_format, companion_format,
                                   (exp_avg_format, exp_avg_sq_format), moment_rounding, track, unit, l2)
+    states = (rows.state("exp_avg", stored_exp_avg), rows.state("exp_avg_sq", stored_exp_avg_sq),
+              rows.state("max_exp_avg_sq", stored_exp_avg_sq, amsgrad, amsgrad))
+    m_buffer, v_buffer, x_buffer = (state.buffer for state in states)  # (constants of update)
 
     @inline_jit
     def begin(row, scalars, keys):
         """The row's arrays (ADAM.roles), length and first element; the update's scalars."""
         scale = scalars[9] * scalars[10]  # inv_grad_scale * sign (see the module docstring)
         # beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps,
-        # weight_decay, decay, scale, and the keys of the streams 0 and 1
+        # weight_decay, decay, scale, and the streams' keys
         now = (scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], scalars[5], scalars[6], scalars[7],
-               scalars[8], scale, keys[0], keys[1])
+               scalars[8], scale, stream_keys(keys))
         return row[0], row[1], row[2], (row[3], row[4], row[5]), row[6], row[7], now, scale
 
     @update_jit
@@ -125,10 +128,9 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
         the elements to store and the telemetry flags (swallowed, exp_avg / exp_avg_sq
         underflow) out."""
         beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_sqrt_bias_correction2, eps, \
-            weight_decay, decay, scale, key_0, key_1 = now
+            weight_decay, decay, scale, keys = now
         m, v, x = states
-        # stochastic rounding's streams (dead code without it): weights and exp_avg; exp_avg_sq and max
-        random_0, random_1 = random_bits(key_0, element), random_bits(key_1, element)
+        randoms = random_words(keys, element)  # stochastic rounding's streams (dead code without it)
         g = decode(g) if unit else decode(g) * scale
         w0 = master_value(weights, p, c)
         w = w0
@@ -141,17 +143,16 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
             v_max = decode(x)
             # a if (a > b or a is NaN) else b, a = the stored maximum
             v_hat = v_max if (v_max > v or v_max != v_max) else v
-            x = encode_moment(moment_rounding, exp_avg_sq_format, v_hat,
-                              buffer_bits(random_1, MAX_EXP_AVG_SQ))[0]
+            x = encode_moment(moment_rounding, exp_avg_sq_format, v_hat, buffer_bits(randoms, x_buffer))[0]
         else:
             v_hat = v
         u = _adam_update(m, v_hat, step_size, inv_sqrt_bias_correction2, eps)
         w = w - u
-        m_stored, m_value = encode_moment(moment_rounding, exp_avg_format, m, buffer_bits(random_0, EXP_AVG))
+        m_stored, m_value = encode_moment(moment_rounding, exp_avg_format, m, buffer_bits(randoms, m_buffer))
         v_stored, v_value = encode_moment(moment_rounding, exp_avg_sq_format, v,
-                                          buffer_bits(random_1, EXP_AVG_SQ))
+                                          buffer_bits(randoms, v_buffer))
         p, c, same = encode_master(weights, param_format, companion_format, p, c, w0, w,
-                                   buffer_bits(random_0, WEIGHTS))
+                                   buffer_bits(randoms, WEIGHTS))
         return (p, c, (m_stored, v_stored, x),
                 ((u != np.float32(0.0)) & same, (m != np.float32(0.0)) & (m_value == np.float32(0.0)),
                  (v != np.float32(0.0)) & (v_value == np.float32(0.0))))
@@ -168,8 +169,6 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
 
     math = rows.block_math(begin, update, form, quantized, q8_stochastic, block, vector_blocks.ADAM_BLOCK,
                            q8_block)
-    states = (rows.q8_state(stored_exp_avg, True, EXP_AVG), rows.q8_state(stored_exp_avg_sq, False, EXP_AVG_SQ),
-              rows.q8_state(stored_exp_avg_sq, False, MAX_EXP_AVG_SQ, amsgrad, amsgrad))
     return rows.chunk_function((formats, weights, moment_rounding, track, amsgrad, l2, unit, form,
                                 q8_stochastic),
                                (param_format, grad_format, companion_format), weights, states, 3, track, math,

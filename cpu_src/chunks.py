@@ -38,6 +38,8 @@ from llvmlite import ir
 from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic
 
+from .roles import STREAMS
+
 __all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KERNEL_SOURCES", "KEYS", "balanced_bounds",
            "build_chunk_table", "cached_njit", "chunk_compiler", "rows_done", "run_chunks",
            "run_chunks_serial", "run_rows_in_order", "run_rows_in_order_serial", "inline_jit",
@@ -47,9 +49,9 @@ __all__ = ["CHUNK", "CHUNK_SIGNATURE", "COUNTERS", "KERNEL_SOURCES", "KEYS", "ba
 CHUNK = 1 << 15
 #: columns after the buffer addresses: length, first element index, tensor index
 TRAILING_COLUMNS = 3
-#: random-stream keys per tensor: stream 0 (WEIGHTS and EXP_AVG), stream 1 (EXP_AVG_SQ and
-#: MAX_EXP_AVG_SQ) -- bf16opt/storage.py's STREAMS
-KEYS = 2
+#: random-stream keys per tensor: stream 0 (buffers WEIGHTS and EXP_AVG), stream 1 (EXP_AVG_SQ and
+#: MAX_EXP_AVG_SQ) -- roles.py's STREAMS
+KEYS = STREAMS
 #: telemetry counters per row (swallowed, exp_avg underflow, exp_avg_sq underflow)
 COUNTERS = 3
 #: a range's rows still to run, packed in one int64 word (claimed with one compare-exchange):

@@ -9,8 +9,8 @@ import numpy as np
 
 from . import q8_blocks, rows, vector_blocks
 from .chunks import inline_jit, update_jit
-from .storage import (EXP_AVG, WEIGHTS, buffer_bits, decode, encode_master, encode_moment, master_value,
-                      random_bits)
+from .storage import (WEIGHTS, buffer_bits, decode, encode_master, encode_moment, master_value, random_words,
+                      stream_keys)
 
 __all__ = ["chunk_function"]
 
@@ -43,21 +43,24 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
     else:
         form = vector_blocks.form(weights, param_format, grad_format, companion_format, (exp_avg_format,),
                                   moment_rounding, track, unit)
+    states = (rows.state("exp_avg", stored_exp_avg),)
+    m_buffer = states[0].buffer  # (a constant of update)
 
     @inline_jit
     def begin(row, scalars, keys):
         """The row's arrays (LION.roles), length and first element; the update's scalars."""
         scale = scalars[6] * scalars[7]  # inv_grad_scale * sign (see adam.py's module docstring)
-        # beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, key
-        now = (scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], scalars[5], scale, keys[0])
+        # beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, the streams' keys
+        now = (scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], scalars[5], scale,
+               stream_keys(keys))
         return row[0], row[1], row[2], (row[3],), row[4], row[5], now, scale
 
     @update_jit
     def update(g, p, comp, states, element, now):
         """Stored elements of grad, param, companion, (exp_avg,) in; the elements to store
         and the telemetry flags (swallowed, exp_avg underflow) out."""
-        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, key = now
-        random = random_bits(key, element)  # stochastic rounding's stream: weights, exp_avg (or dead code)
+        beta1, beta2, one_minus_beta1, one_minus_beta2, lr, decay, scale, keys = now
+        randoms = random_words(keys, element)  # stochastic rounding's streams (dead code without it)
         g = decode(g) if unit else decode(g) * scale
         w0 = master_value(weights, p, comp)
         w = w0 * decay
@@ -74,9 +77,9 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
         m = m_old * beta2
         t = g * one_minus_beta2
         m = m + t
-        m_stored, m_value = encode_moment(moment_rounding, exp_avg_format, m, buffer_bits(random, EXP_AVG))
+        m_stored, m_value = encode_moment(moment_rounding, exp_avg_format, m, buffer_bits(randoms, m_buffer))
         p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w,
-                                      buffer_bits(random, WEIGHTS))
+                                      buffer_bits(randoms, WEIGHTS))
         swallowed = (u != np.float32(0.0)) & same
         return p, comp, (m_stored,), (swallowed, (m != np.float32(0.0)) & (m_value == np.float32(0.0)))
 
@@ -92,5 +95,5 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
     math = rows.block_math(begin, update, form, quantized, q8_stochastic, block, vector_blocks.LION_BLOCK,
                            q8_block)
     return rows.chunk_function((formats, weights, moment_rounding, track, unit, form, q8_stochastic),
-                               (param_format, grad_format, companion_format), weights,
-                               (rows.q8_state(stored_exp_avg, True, EXP_AVG),), 2, track, math, _chunk)
+                               (param_format, grad_format, companion_format), weights, states, 2, track, math,
+                               _chunk)

@@ -43,7 +43,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import q8, vector_blocks
-from .storage import EXP_AVG, EXP_AVG_SQ
+from .roles import state_role
+from .storage import EXP_AVG
 from .vector_blocks import LANES, PREFETCH, _Block, _intrinsic
 
 __all__ = ["BLOCK", "Q8_STOCHASTIC", "adam_q8_block", "count_vector", "decode_row", "form", "lion_q8_block",
@@ -306,12 +307,14 @@ class _Q8:
         return builder.select(top, lo, builder.add(lo, builder.zext(up, block.words)))
 
 
-def _q8_block_codegen(flags: int, scalar_count: int, update, signs: tuple):
+def _q8_block_codegen(flags: int, scalar_count: int, update, roles: tuple):
     """The codegen of a q8 block intrinsic with the arguments (form, param, grad, companion, the
     moments' row addresses..., scalars, scale, keys, element, ahead): every moment's codes
     decoded, the masters and grads loaded, ``update`` on each vector (as
     ``vector_blocks._block_codegen``), the masters stored, then each moment quantized.
-    ``signs``: whether each moment's map is signed (its buffer: EXP_AVG, EXP_AVG_SQ...)."""
+    ``roles``: the moments', whose rows of ``roles.STATE_ROLES`` give their maps and buffers."""
+    entries = [state_role(role) for role in roles]
+
     def codegen(context, builder, sig, args):
         param_at, grad_at, companion_at, *rows_at, scalars_at, scale, keys_at, element, ahead = args[1:]
         element = builder.trunc(element, ir.IntType(32)) if element.type.width > 32 else element
@@ -319,8 +322,8 @@ def _q8_block_codegen(flags: int, scalar_count: int, update, signs: tuple):
         if flags & PREFETCH:
             block.prefetch(param_at, grad_at, companion_at, rows_at, ahead, moment_bytes=q8.ROW)
         values = [block.scalar(k) for k in range(scalar_count)]
-        moments = [_Q8(block, at, signed, buffer, bool(flags & Q8_STOCHASTIC))
-                   for at, signed, buffer in zip(rows_at, signs, (EXP_AVG, EXP_AVG_SQ))]
+        moments = [_Q8(block, at, entry.q8_signed, entry.buffer, bool(flags & Q8_STOCHASTIC))
+                   for at, entry in zip(rows_at, entries)]
         decoded = [moment.decode(_byte_permutes()) for moment in moments]
         ws, gs = block.masters(), block.grads(scale)
         results = [update(block, values, w, g, old) for w, g, *old in zip(ws, gs, *decoded)]
@@ -338,34 +341,37 @@ def _q8_block_codegen(flags: int, scalar_count: int, update, signs: tuple):
 @intrinsic(prefer_literal=True)
 def adam_q8_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element,
                   ahead):
-    """``vector_blocks.adam_block`` over one q8 block (256 elements) with q8 exp_avg (signed map)
-    and exp_avg_sq (unsigned); ``form``: :func:`form`'s."""
+    """``vector_blocks.adam_block`` over one q8 block (256 elements) with q8 exp_avg and
+    exp_avg_sq; ``form``: :func:`form`'s."""
     if not isinstance(form, types.IntegerLiteral):
         return None
     flags = form.literal_value
     return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element, ahead),
-            _q8_block_codegen(flags, vector_blocks.ADAM_SCALARS, vector_blocks.adam_math(flags), (True, False)))
+            _q8_block_codegen(flags, vector_blocks.ADAM_SCALARS, vector_blocks.adam_math(flags),
+                              ("exp_avg", "exp_avg_sq")))
 
 
 @intrinsic(prefer_literal=True)
 def lion_q8_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead):
-    """``vector_blocks.lion_block`` over one q8 block with a q8 exp_avg (signed map)."""
+    """``vector_blocks.lion_block`` over one q8 block with a q8 exp_avg."""
     if not isinstance(form, types.IntegerLiteral) or form.literal_value & vector_blocks.L2:
         return None
     flags = form.literal_value
     return (types.void(form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead),
-            _q8_block_codegen(flags, vector_blocks.LION_SCALARS, vector_blocks.lion_math(flags), (True,)))
+            _q8_block_codegen(flags, vector_blocks.LION_SCALARS, vector_blocks.lion_math(flags),
+                              ("exp_avg",)))
 
 
 @intrinsic(prefer_literal=True)
 def sgd_q8_block(typingctx, form, param, grad, companion, momentum_buffer, scalars, scale, keys, element,
                  ahead):
-    """``vector_blocks.sgd_block`` over one q8 block with a q8 momentum buffer (signed map)."""
+    """``vector_blocks.sgd_block`` over one q8 block with a q8 momentum buffer."""
     if not isinstance(form, types.IntegerLiteral):
         return None
     flags = form.literal_value
     return (types.void(form, param, grad, companion, momentum_buffer, scalars, scale, keys, element, ahead),
-            _q8_block_codegen(flags, vector_blocks.SGD_SCALARS, vector_blocks.sgd_math(flags), (True,)))
+            _q8_block_codegen(flags, vector_blocks.SGD_SCALARS, vector_blocks.sgd_math(flags),
+                              ("momentum_buffer",)))
 
 
 @intrinsic(prefer_literal=True)

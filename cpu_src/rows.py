@@ -44,11 +44,12 @@ from numba.core.extending import overload
 
 from . import q8
 from .chunks import COUNTERS, chunk_compiler, inline_jit
+from .roles import state_role
 from .storage import (MOMENT_ROUNDINGS, WEIGHT_ARRAYS, WEIGHT_POLICIES, element_index, high_half, low_half,
                       pair_word, pointer_to)
 from .vector_blocks import prefetch_ahead
 
-__all__ = ["STATES", "Math", "State", "block_math", "checked_policies", "chunk_function"]
+__all__ = ["STATES", "Math", "State", "block_math", "checked_policies", "chunk_function", "state"]
 
 #: the most state arrays of one algorithm (Adam's exp_avg, exp_avg_sq, max_exp_avg_sq)
 STATES = 3
@@ -56,9 +57,9 @@ _SIXTEEN_BITS = (np.int16, np.uint16)
 
 
 class State(NamedTuple):
-    """One state array of a configuration: its element class, whether the update reads and
-    whether it writes its elements; a q8 state (``q8.SIGNED`` or ``q8.UNSIGNED``, format
-    np.uint8) and its stochastic-rounding buffer number."""
+    """One state array of a configuration (:func:`state`): its element class, whether the
+    update reads and whether it writes its elements; a q8 state's map (``q8.SIGNED`` or
+    ``q8.UNSIGNED``, format np.uint8; 0: not q8) and its stochastic-rounding buffer number."""
     format: type
     reads: bool = True
     writes: bool = True
@@ -93,11 +94,13 @@ def block_math(begin, update, form, quantized: bool, q8_stochastic: bool, block,
     return Math(begin, update, block, block_size)
 
 
-def q8_state(format, signed: bool, buffer: int, reads: bool = True, writes: bool = True) -> State:
-    """A state array of element class ``format``: a q8 one (np.uint8, ``signed`` or not: its
-    map) rounding with ``buffer``'s random bits, or an element one."""
-    kind = (q8.SIGNED if signed else q8.UNSIGNED) if format is np.uint8 else 0
-    return State(format, reads, writes, kind, buffer)
+def state(role: str, format, reads: bool = True, writes: bool = True) -> State:
+    """The state array ``role`` of element class ``format`` (q8: np.uint8): its map and its
+    buffer are its row of ``roles.STATE_ROLES``; the update takes the buffer, a constant, from
+    ``State.buffer`` (``storage.buffer_bits``)."""
+    row = state_role(role)
+    kind = (q8.SIGNED if row.q8_signed else q8.UNSIGNED) if format is np.uint8 else 0
+    return State(format, reads, writes, kind, row.buffer)
 
 
 def element_class(format):

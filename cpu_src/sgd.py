@@ -11,8 +11,8 @@ import numpy as np
 
 from . import q8_blocks, rows, vector_blocks
 from .chunks import inline_jit, update_jit
-from .storage import (EXP_AVG, WEIGHTS, buffer_bits, decode, encode_master, encode_moment, master_value,
-                      random_bits)
+from .storage import (WEIGHTS, buffer_bits, decode, encode_master, encode_moment, master_value, random_words,
+                      stream_keys)
 
 __all__ = ["chunk_function"]
 
@@ -56,21 +56,24 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
                                   moment_rounding, track, unit, l2)
     if form is not None and nesterov:
         form |= vector_blocks.NESTEROV
+    states = (rows.state("momentum_buffer", stored_buffer, reads_buffer, momentum),)
+    b_buffer = states[0].buffer  # (a constant of update)
 
     @inline_jit
     def begin(row, scalars, keys):
         """The row's arrays (SGD.roles), length and first element; the update's scalars."""
         scale = scalars[4] * scalars[5]  # inv_grad_scale * sign (see adam.py's module docstring)
-        now = (scalars[0], scalars[1], scalars[2], scalars[3], scale, keys[0])  # momentum_factor ... key
+        # momentum_factor, one_minus_dampening, lr, weight_decay, scale, the streams' keys
+        now = (scalars[0], scalars[1], scalars[2], scalars[3], scale, stream_keys(keys))
         return row[0], row[1], row[2], (row[3],), row[4], row[5], now, scale
 
     @update_jit
     def update(g, p, comp, states, element, now):
         """Stored elements of grad, param, companion, (momentum buffer,) in; the elements to
         store and the telemetry flags (swallowed, buffer underflow) out."""
-        momentum_factor, one_minus_dampening, lr, weight_decay, scale, key = now
+        momentum_factor, one_minus_dampening, lr, weight_decay, scale, keys = now
         (b,) = states
-        random = random_bits(key, element)  # stochastic rounding's stream: weights, buffer (or dead code)
+        randoms = random_words(keys, element)  # stochastic rounding's streams (dead code without it)
         g = decode(g) if unit else decode(g) * scale
         w0 = master_value(weights, p, comp)
         w = w0
@@ -90,12 +93,12 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
                 g = g + t
             else:
                 g = b_new
-            b, b_value = encode_moment(moment_rounding, buffer_format, b_new, buffer_bits(random, EXP_AVG))
+            b, b_value = encode_moment(moment_rounding, buffer_format, b_new, buffer_bits(randoms, b_buffer))
             b_underflow = (b_new != np.float32(0.0)) & (b_value == np.float32(0.0))
         u = g * lr
         w = w - u
         p, comp, same = encode_master(weights, param_format, companion_format, p, comp, w0, w,
-                                      buffer_bits(random, WEIGHTS))
+                                      buffer_bits(randoms, WEIGHTS))
         return p, comp, (b,), ((u != np.float32(0.0)) & same, b_underflow)
 
     @inline_jit
@@ -111,6 +114,5 @@ def chunk_function(formats: tuple, weights: str, moment_rounding: str, track: bo
                            q8_block)
     return rows.chunk_function((formats, weights, moment_rounding, track, momentum, l2, nesterov, first, unit,
                                 form, q8_stochastic),
-                               (param_format, grad_format, companion_format), weights,
-                               (rows.q8_state(stored_buffer, True, EXP_AVG, reads_buffer, momentum),), 2, track,
-                               math, _chunk)
+                               (param_format, grad_format, companion_format), weights, states, 2, track, math,
+                               _chunk)

@@ -30,7 +30,8 @@ plus one line in ``_DECODERS`` / ``_ENCODERS``.
 Also here, as additions the kernels pick at compile time (section "storage policies"):
 
 * stochastic rounding: ``random_bits(key, element)`` (the counter-based hash, 32-bit
-  lanes), ``buffer_bits(random, buffer)`` (a buffer's half of its stream's bits) and
+  lanes), ``random_words(keys, element)`` (every stream's: a buffer's stream follows from its
+  number), ``buffer_bits(random, buffer)`` (a buffer's half of its stream's bits) and
   ``encode_stochastic_for`` per format (``_STOCHASTIC_ENCODERS``);
 * the exact float32 master as bfloat16 param + int16 remainder (``split_param``,
   ``split_remainder``, ``join_remainder``);
@@ -51,13 +52,16 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from .roles import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, STREAMS, WEIGHTS
+
 __all__ = [
     "CANONICAL_NAN_F32", "CANONICAL_NAN_BF16", "CANONICAL_NAN_F16",
     "f32_to_bits", "bits_to_f32",
     "decode_bf16", "decode_f16", "encode_f32", "bf16_rounding_bits", "encode_bf16", "encode_f16",
     "load", "store", "pointer_to", "encode_for", "encode_like", "decode", "round_for", "same_bits",
     "low_half", "high_half", "pair_word",
-    "element_index", "random_bits", "buffer_bits", "WEIGHTS", "EXP_AVG", "EXP_AVG_SQ", "MAX_EXP_AVG_SQ",
+    "element_index", "random_bits", "stream_keys", "random_words", "buffer_bits",
+    "WEIGHTS", "EXP_AVG", "EXP_AVG_SQ", "MAX_EXP_AVG_SQ",
     "encode_bf16_stochastic", "encode_f16_stochastic", "encode_stochastic_for",
     "join_remainder", "split_param", "split_remainder",
     "WEIGHT_POLICIES", "MOMENT_ROUNDINGS", "WEIGHT_ARRAYS", "master_value", "encode_master", "encode_moment",
@@ -411,22 +415,46 @@ def random_bits(key, element):
     return _random_bits_i32(key, element)
 
 
-# Buffer numbers (bf16opt/storage.py's): buffer b rounds with one half of stream b >> 1's bits.
-WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
+# Buffer numbers: roles.py's (a state's buffer is its row of roles.STATE_ROLES); buffer b rounds
+# with one half of stream b >> 1's bits.
+assert STREAMS == 2  # (stream_keys and random_words name the streams)
+
+
+# (inlined by Numba: the caller's code is what it was with the keys and hashes written out there)
+@njit(inline="always")
+def stream_keys(keys):
+    """The keys of every stream of a row's tensor (``keys``: its ``chunks.KEYS`` keys), read once
+    per row, for :func:`random_words`."""
+    return keys[0], keys[1]
+
+
+@njit(inline="always")
+def random_words(keys, element):
+    """``random_bits`` of element ``element`` in every stream (``keys``: :func:`stream_keys`'),
+    a tuple from which :func:`buffer_bits` takes a buffer's stream; a stream no buffer of the
+    configuration rounds with is dead code."""
+    return random_bits(keys[0], element), random_bits(keys[1], element)
 
 
 @intrinsic(prefer_literal=True)
 def buffer_bits(typingctx, random, buffer):
-    """The random word buffer ``buffer`` (a constant: WEIGHTS...) rounds with, from its stream's
-    ``random_bits``: its half of the bits as the word's upper 16 (``bf16opt/storage.py``):
-    ``random & 0xFFFF0000`` for an even buffer, ``random << 16`` for an odd one, on i32 lanes."""
-    if not isinstance(random, types.Integer) or not isinstance(buffer, types.IntegerLiteral):
+    """The random word buffer ``buffer`` (a constant: WEIGHTS, a state's ``State.buffer``...)
+    rounds with, from its stream's ``random_bits`` (``random``: those, or every stream's,
+    :func:`random_words`, of which the buffer's stream ``buffer >> 1`` is taken): its half of the
+    bits as the word's upper 16 (``bf16opt/storage.py``): ``random & 0xFFFF0000`` for an even
+    buffer, ``random << 16`` for an odd one, on i32 lanes."""
+    if not isinstance(buffer, types.IntegerLiteral):
+        return None
+    stream = buffer.literal_value >> 1
+    of_streams = isinstance(random, types.UniTuple) and isinstance(random.dtype, types.Integer)
+    if not (of_streams and 0 <= stream < random.count) and not isinstance(random, types.Integer):
         return None
     odd = buffer.literal_value % 2 == 1
 
     def codegen(context, builder, signature, args):
         i32 = ir.IntType(32)
-        r = args[0] if args[0].type.width == 32 else builder.trunc(args[0], i32)
+        r = builder.extract_value(args[0], stream) if of_streams else args[0]
+        r = r if r.type.width == 32 else builder.trunc(r, i32)
         return builder.shl(r, ir.Constant(i32, 16)) if odd else builder.and_(r, ir.Constant(i32, 0xFFFF0000))
 
     return types.uint32(random, buffer), codegen

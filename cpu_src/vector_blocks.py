@@ -37,6 +37,7 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from .chunks import CHUNK
+from .roles import WEIGHTS, buffer_of
 from .storage import CANONICAL_NAN_F32, GOLDEN
 
 __all__ = ["ADAM_BLOCK", "COMPANION16", "COPY", "GRAD16", "KAHAN", "L2", "LION_BLOCK", "MOMENT16", "NATIVE16",
@@ -400,7 +401,7 @@ class _Block:
                 builder.store(builder.shuffle_vector(both, both, ir.Constant(
                     self.words, list(range(half * LANES, (half + 1) * LANES)))), pointer, align=2)
             return
-        self.store(w, self.param_pointers[k], self.param16, 0 if self.sr_weights else None, k)
+        self.store(w, self.param_pointers[k], self.param16, WEIGHTS if self.sr_weights else None, k)
         if self.copy:
             self.store(w, self.master_pointers[k], False)
 
@@ -451,11 +452,14 @@ def _sqrt(builder, vector):
     return _intrinsic(builder, f"llvm.sqrt.v{LANES}f32", vector, [vector])
 
 
-def _block_codegen(flags: int, span: int, scalar_count: int, update):
+def _block_codegen(flags: int, span: int, scalar_count: int, update, roles: tuple):
     """The codegen of a block intrinsic with the arguments (form, param, grad, companion, the
     moments' addresses..., scalars, scale, keys, element): the block's masters, grads and moments loaded,
     ``update(block, values, w, g, moments) -> (w, moments)`` on each vector (``values``: the
-    first ``scalar_count`` scalars, splatted), then every result stored."""
+    first ``scalar_count`` scalars, splatted), then every result stored (``roles``: the moments',
+    whose buffers, ``roles.buffer_of``, round them with ``SR_MOMENTS``)."""
+    buffers = [buffer_of(role) if flags & SR_MOMENTS else None for role in roles]
+
     def codegen(context, builder, sig, args):
         param_at, grad_at, companion_at, *moments_at, scalars_at, scale, keys_at, element, ahead = args[1:]
         element = builder.trunc(element, ir.IntType(32)) if element.type.width > 32 else element
@@ -469,8 +473,8 @@ def _block_codegen(flags: int, span: int, scalar_count: int, update):
         results = [update(block, values, w, g, moments) for w, g, *moments in zip(ws, gs, *loaded)]
         for k, (w, moments) in enumerate(results):
             block.store_master(k, ws[k], w)
-            for buffer, (x, moment) in enumerate(zip(moments, pointers), start=1):  # EXP_AVG, EXP_AVG_SQ
-                block.store(x, moment[k], block.moment16, buffer if block.sr_moments else None, k)
+            for x, moment, buffer in zip(moments, pointers, buffers):
+                block.store(x, moment[k], block.moment16, buffer, k)
         return context.get_dummy_value()
 
     return codegen
@@ -555,7 +559,7 @@ def adam_block(typingctx, form, param, grad, companion, exp_avg, exp_avg_sq, sca
 
     return (types.void(form, param, grad, companion, exp_avg, exp_avg_sq, scalars, scale, keys, element,
                        ahead),
-            _block_codegen(flags, ADAM_SPAN, ADAM_SCALARS, adam_math(flags)))
+            _block_codegen(flags, ADAM_SPAN, ADAM_SCALARS, adam_math(flags), ("exp_avg", "exp_avg_sq")))
 
 
 @intrinsic(prefer_literal=True)
@@ -569,7 +573,8 @@ def lion_block(typingctx, form, param, grad, companion, exp_avg, scalars, scale,
         return None
 
     return (types.void(form, param, grad, companion, exp_avg, scalars, scale, keys, element, ahead),
-            _block_codegen(form.literal_value, LION_SPAN, LION_SCALARS, lion_math(form.literal_value)))
+            _block_codegen(form.literal_value, LION_SPAN, LION_SCALARS, lion_math(form.literal_value),
+                           ("exp_avg",)))
 
 
 @intrinsic(prefer_literal=True)
@@ -585,4 +590,4 @@ def sgd_block(typingctx, form, param, grad, companion, momentum_buffer, scalars,
     flags = form.literal_value
 
     return (types.void(form, param, grad, companion, momentum_buffer, scalars, scale, keys, element, ahead),
-            _block_codegen(flags, SGD_SPAN, SGD_SCALARS, sgd_math(flags)))
+            _block_codegen(flags, SGD_SPAN, SGD_SCALARS, sgd_math(flags), ("momentum_buffer",)))

@@ -163,7 +163,8 @@ __device__ __forceinline__ u32 q8_quantize_lane(const float* values, int count, 
 }
 
 // One state array of an update, for update_q8_chunks: its chunk-table role, storage type,
-// random buffer (storage.EXP_AVG...) and telemetry column (-1: none).  Off unless S is q8.
+// random buffer (its row of cpu_src/roles.py's STATE_ROLES) and telemetry column (-1: none);
+// its map is S's (Q8<signed, ...>, from the same row).  Off unless S is q8.
 template <int ROLE, class S, int BUFFER, int COLUMN, bool PRESENT = true>
 struct Q8Slot {
   static constexpr bool kOn = PRESENT && IsQ8<S>::value;

@@ -45,6 +45,8 @@ typedef unsigned long long u64;
 inline constexpr u32 kGolden = 0x9E3779B9u;
 
 // Buffer numbers (storage.WEIGHTS, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ) and streams per tensor.
+// Which buffer each state rounds with is its row of cpu_src/roles.py's STATE_ROLES; a kernel's
+// streams.at(kBuffer, i) and Q8Slot<..., kBuffer, ...> follow it (tests/test_algorithms.py).
 enum Buffer { kWeights = 0, kExpAvg = 1, kExpAvgSq = 2, kMaxExpAvgSq = 3, kBuffers = 4 };
 enum { kStreams = 2 };
 

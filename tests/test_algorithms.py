@@ -138,3 +138,60 @@ def test_numba_chunk_function_reads_every_role(name):
     assert "unit" in parameters and "q8_rounding" in parameters
     source = inspect.getsource(module.chunk_function)
     assert f"row[{len(ALGORITHMS[name].roles)}]" in source  # the element count follows the roles
+
+
+# ---------------------------------------------------------------- each state's buffer and q8 map
+# bf16opt._cpu.roles.STATE_ROLES states them once; the Python side of every backend reads it,
+# the CUDA sources name the buffers in C++: these tests tie them to the table.
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_states_of_one_update_round_with_their_own_buffers(name):
+    """No two arrays an update rounds share a buffer (their roundings would be correlated)."""
+    buffers = [role.buffer for role in ALGORITHMS[name].roles if role.buffer is not None]
+    assert len(buffers) == len(set(buffers))
+
+
+def test_cuda_buffer_numbers_follow_the_table():
+    from bf16opt._cpu.roles import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, STREAMS, WEIGHTS
+
+    source = (CUDA_SRC / "storage.cuh").read_text(encoding="utf-8")
+    assert enum_entries(source, "Buffer") == {"kWeights": WEIGHTS, "kExpAvg": EXP_AVG,
+                                              "kExpAvgSq": EXP_AVG_SQ, "kMaxExpAvgSq": MAX_EXP_AVG_SQ,
+                                              "kBuffers": 4}
+    assert int(re.search(r"enum\s*\{\s*kStreams\s*=\s*(\d+)\s*\}", source).group(1)) == STREAMS
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_cuda_states_round_with_their_table_buffers(name):
+    """cuda_src/<name>.cu rounds each state with its row's buffer: in the element loop (the
+    bits ``load_bits`` read from the state's array, encoded with ``streams.at(kBuffer, i)``)
+    and in the q8 blocks (``Q8Slot<role, S, kBuffer, ...>``); the param with kWeights."""
+    algorithm = ALGORITHMS[name]
+    source = (CUDA_SRC / f"{name}.cu").read_text(encoding="utf-8")
+    numbers = enum_entries((CUDA_SRC / "storage.cuh").read_text(encoding="utf-8"), "Buffer")
+    bits_of = dict(re.findall(r"load_bits<VEC>\((\w+), index, (\w+)\)", source))
+    encoded = {bits: numbers[buffer] for bits, buffer
+               in re.findall(r"(\w+)\[k\] = \w+::encode\([^;]*streams\.at\((k\w+), i\)\)", source)}
+    slots = {role: numbers[buffer] for role, buffer in re.findall(r"Q8Slot<(k\w+), \w+, (k\w+)", source)}
+    for role in algorithm.moment_roles:
+        assert encoded[bits_of[role.name]] == role.buffer, f"{name}.cu: {role.name}'s element encode"
+        assert slots[f"k{camel(name)}{camel(role.name)}"] == role.buffer, f"{name}.cu: {role.name}'s Q8Slot"
+    assert "streams.at(kWeights, i)" in source and numbers["kWeights"] == algorithm.roles[0].buffer
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_cuda_q8_template_arguments_follow_the_table(name):
+    """The CuPy adapter instantiates each q8 moment as ``Q8<signed, ...>`` with its states' map
+    (one template argument per plan field: Adam's exp_avg_sq and max_exp_avg_sq share one)."""
+    from bf16opt.backends.cupy import kernel_configs
+    from bf16opt.storage import Q8, q8_signed
+
+    algorithm = ALGORITHMS[name]
+    for kernel, config in kernel_configs(name).items():
+        used = {role.storage for _, role, _, _ in config.present()}
+        expected = []
+        for field in algorithm.storage_parameters:
+            if field in used and getattr(config.plan, field) == Q8:
+                signs = {q8_signed(role.name) for role in algorithm.moment_roles if role.storage == field}
+                assert len(signs) == 1
+                expected.append("true" if signs.pop() else "false")
+        assert re.findall(r"bf16opt::Q8<(true|false),", kernel) == expected, kernel

@@ -539,7 +539,7 @@ def test_stochastic_rounding_past_step_2_32(kind):
         results[step] = expected
     low, high = results[5], results[2 ** 32 + 5]
     for role, column_low, column_high in zip(config.algorithm.roles, low.tensors, high.tensors):
-        if role.stream is None or column_low[0] is None:
+        if role.buffer is None or column_low[0] is None:
             continue
         a = np.concatenate([bits(t) for t in column_low])
         b = np.concatenate([bits(t) for t in column_high])

@@ -35,7 +35,7 @@ import torch
 
 from ..algorithms import ALGORITHMS, LIVE_LR_DOUBLE_BIT, KernelConfig, kernel_config
 from ..precision import all_plans, q8_plans
-from ..storage import Q8, Q8_BLOCK
+from ..storage import Q8, Q8_BLOCK, q8_signed
 from .base import Bucket, check_scalars
 from .cuda_compile import cached_nvrtc_compile, compile_options, device_arch, kernel_source
 from .staging import Staged, check, stage
@@ -55,13 +55,25 @@ def _cxx_bool(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-def _storage(dtype, stochastic: bool, field: str = None, q8_stochastic: bool = False) -> str:
+def _storage(dtype, stochastic: bool, signed: bool = False, q8_stochastic: bool = False) -> str:
     """Storage type of a buffer: stochastic rounding only for 16-bit storage; a q8 moment
-    (``field``'s map: signed for exp_avg) as ``Q8<signed, stochastic>``."""
+    as ``Q8<signed, stochastic>`` (``signed``: its map, :func:`_field_q8_signed`)."""
     if dtype == Q8:
-        return f"bf16opt::Q8<{_cxx_bool(field == 'exp_avg')}, {_cxx_bool(q8_stochastic)}>"
+        return f"bf16opt::Q8<{_cxx_bool(signed)}, {_cxx_bool(q8_stochastic)}>"
     base = STORAGE_TYPES[dtype]
     return f"bf16opt::Stochastic<{base}>" if stochastic and dtype != torch.float32 else base
+
+
+@functools.lru_cache(maxsize=None)  # (asked at every launch)
+def _field_q8_signed(algorithm, field: str) -> bool:
+    """The q8 map of ``algorithm``'s states stored as the plan field ``field`` (their rows of
+    ``roles.STATE_ROLES``): one template argument serves them all (Adam's exp_avg_sq and
+    max_exp_avg_sq), so they share one map."""
+    signs = {q8_signed(role.name) for role in algorithm.moment_roles if role.storage == field}
+    if len(signs) != 1:
+        raise ValueError(f"{algorithm.name}: the states stored as {field!r} need one q8 map, "
+                         f"got {sorted(signs)}")
+    return signs.pop()
 
 
 _MASTER_POLICIES = {"param": "bf16opt::NoMaster", "param-stochastic": "bf16opt::NoMaster",
@@ -86,9 +98,9 @@ def kernel_name(config: KernelConfig, live: bool = False) -> str:
     algorithm, plan = config.algorithm, config.plan
     used = {role.storage for _, role, _, _ in config.present()}
     arguments = [_storage(plan.param, config.weights == "param-stochastic"), _master_policy(config)]
-    arguments += [_storage(getattr(plan, field), plan.rounding == "stochastic", field,
-                           plan.q8_rounding == "stochastic") if field in used
-                  else STORAGE_TYPES[torch.float32] for field in algorithm.storage_parameters]
+    arguments += [_storage(getattr(plan, field), plan.rounding == "stochastic",
+                           _field_q8_signed(algorithm, field), plan.q8_rounding == "stochastic")
+                  if field in used else STORAGE_TYPES[torch.float32] for field in algorithm.storage_parameters]
     arguments += [_cxx_bool(flag) for flag in (*config.template_flags, config.track)] + (["true"] if live else [])
     return f"bf16opt::{algorithm.name}_kernel<{', '.join(arguments)}>"
 

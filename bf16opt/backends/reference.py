@@ -61,7 +61,7 @@ SGD (torch.optim.SGD's order), per element::
         if nesterov: t = b * momentum;  g = g + t
         else:        g = b
     u  = g * lr;  w = w - u
-    store b (stream EXP_AVG); store_weights(w0, w).
+    store b; store_weights(w0, w).
 
 float64 params run the same listings in float64 math with unrounded float64 scalars (torch
 keeps float64 params in float64 too); their float32 or bfloat16 moments are encoded from the
@@ -71,11 +71,11 @@ float64 result rounded to float32.
 join_remainder(param, remainder).  join_copy is the copy, or decode(param) where the param's
 bits are not encode(copy): a param edited between steps (docs/numerics.md).  The moments used
 in an update are the float32 results before encoding; what is stored is their encoding: round
-to nearest even, or stochastic rounding (plan.rounding) for 16-bit moments with streams
-EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ.  A q8 moment is decoded with ``storage.q8_decode`` and stored
-with ``storage.q8_encode`` (per block of 256 elements; stochastic when plan.q8_rounding says
-so, on the same buffers' bits), the signed map for exp_avg and momentum_buffer, the
-unsigned one for exp_avg_sq and max_exp_avg_sq.
+to nearest even, or stochastic rounding (plan.rounding) for 16-bit moments, each with its
+own buffer's bits.  A q8 moment is decoded with ``storage.q8_decode`` and stored with
+``storage.q8_encode`` (per block of 256 elements; stochastic when plan.q8_rounding says so, on
+the same buffer's bits) in its own map.  A moment's buffer and map are its row of
+``bf16opt._cpu.roles.STATE_ROLES`` (first moments: a signed map, second moments: unsigned).
 
 store_weights(w0, w), by plan:
 
@@ -102,9 +102,10 @@ import functools
 
 import torch
 
-from ..storage import (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, Q8, Q8_BLOCK, WEIGHTS, buffer_bits, decode,
-                       encode, encode_stochastic, join_copy, join_remainder, q8_decode, q8_encode,
-                       q8_signed, random_bits, split_remainder, stream_key, stream_of)
+from .._cpu.roles import buffer_of
+from ..storage import (Q8, Q8_BLOCK, WEIGHTS, buffer_bits, decode, encode, encode_stochastic, join_copy,
+                       join_remainder, q8_decode, q8_encode, q8_signed, random_bits, split_remainder,
+                       stream_key, stream_of)
 from .base import Bucket, check_scalars
 from .staging import check
 
@@ -153,10 +154,11 @@ def _encode(bucket: Bucket, i: int, x: torch.Tensor, dtype: torch.dtype, buffer:
     return encode(x, dtype)
 
 
-def _store_moment(bucket: Bucket, i: int, role: str, value: torch.Tensor, buffer: int):
-    """Store a moment's new value; returns what telemetry compares (the stored value's
-    encoding, or for a q8 moment its decoding)."""
-    target = bucket[role][i]
+def _store_moment(bucket: Bucket, i: int, role: str, value: torch.Tensor):
+    """Store a moment's new value (rounding with ``role``'s buffer, ``roles.buffer_of``);
+    returns what telemetry compares (the stored value's encoding, or for a q8 moment its
+    decoding)."""
+    target, buffer = bucket[role][i], buffer_of(role)
     if target.dtype == Q8:
         value = value.float()
         random = _random_word(bucket, i, value.shape, value.device, buffer) \
@@ -269,10 +271,10 @@ def adam(bucket: Bucket, s) -> None:
         d = torch.add(torch.mul(_sqrt(v_hat), s.inv_sqrt_bias_correction2), s.eps)
         u = torch.mul(torch.div(m, d), s.step_size)
         w = torch.sub(w, u)
-        stored_m = _store_moment(bucket, i, "exp_avg", m, EXP_AVG)
-        stored_v = _store_moment(bucket, i, "exp_avg_sq", v, EXP_AVG_SQ)
+        stored_m = _store_moment(bucket, i, "exp_avg", m)
+        stored_v = _store_moment(bucket, i, "exp_avg_sq", v)
         if amsgrad:
-            _store_moment(bucket, i, "max_exp_avg_sq", v_hat, MAX_EXP_AVG_SQ)
+            _store_moment(bucket, i, "max_exp_avg_sq", v_hat)
         _store_weights(bucket, i, w0, w)
         if before is not None:
             _count(bucket, i, before, u, [(m, stored_m), (v, stored_v)])
@@ -289,7 +291,7 @@ def lion(bucket: Bucket, s) -> None:
         u = torch.mul(_sign(c), s.lr)
         w = torch.sub(w, u)
         m = torch.add(torch.mul(m_old, s.beta2), torch.mul(g, s.one_minus_beta2))
-        stored_m = _store_moment(bucket, i, "exp_avg", m, EXP_AVG)
+        stored_m = _store_moment(bucket, i, "exp_avg", m)
         _store_weights(bucket, i, w0, w)
         if before is not None:
             _count(bucket, i, before, u, [(m, stored_m)])
@@ -313,7 +315,7 @@ def sgd(bucket: Bucket, s) -> None:
                 b = torch.add(torch.mul(_moment(bucket, i, "momentum_buffer"), s.momentum),
                               torch.mul(g, s.one_minus_dampening))
             g = torch.add(g, torch.mul(b, s.momentum)) if nesterov else b
-            moments.append((b, _store_moment(bucket, i, "momentum_buffer", b, EXP_AVG)))
+            moments.append((b, _store_moment(bucket, i, "momentum_buffer", b)))
         u = torch.mul(g, s.lr)
         w = torch.sub(w, u)
         _store_weights(bucket, i, w0, w)
