@@ -660,9 +660,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._force_group_entries(group)
             self._check_group(group, params)
 
+        def in_use() -> set:  # (a state dict of another live optimizer is copied, not shared)
+            return state_dicts.storages_of(state for other in release.other_optimizers(self)
+                                           for state in other.state.values())
+
         return state_dicts.LoadTarget(type(self).__name__, self.algorithm.name, self.param_groups,
                                       self._SAVED_GROUP_KEYS, self._FOREIGN_GROUP_KEYS, normalise_group,
-                                      self._state_config, lambda value: self._offloader.to_host(value))
+                                      self._state_config, lambda value: self._offloader.to_host(value),
+                                      in_use)
 
 
 def _run_step(optimizer: MixedPrecisionOptimizer, closure, grad_scale, found_inf):

@@ -78,6 +78,11 @@ def register(optimizer) -> None:
     _OPTIMIZERS.add(optimizer)
 
 
+def other_optimizers(optimizer) -> list:
+    """The live bf16opt optimizers but ``optimizer``."""
+    return [other for other in list(_OPTIMIZERS) if other is not optimizer]
+
+
 def check_sole_owner(optimizer, groups: list) -> None:
     """Refuse (ValueError) a param of ``groups`` that another live bf16opt optimizer also lists
     where either updates it in backward: that update frees the grad the other steps from, so
@@ -100,7 +105,7 @@ def check_sole_owner(optimizer, groups: list) -> None:
 def _shared_with_another(optimizer, groups: list):
     """(the param's name, the other optimizer, whether it updates it in backward) of the first
     param that clashes, or None."""
-    others = [other for other in list(_OPTIMIZERS) if other is not optimizer]
+    others = other_optimizers(optimizer)
     if not others:
         return None
     listed, in_backward = {}, set()

@@ -111,6 +111,7 @@ class LoadTarget(NamedTuple):
     normalise_group: Callable[[dict, list], None]  # pins and checks a new group in place (raises)
     config_of: Callable[[dict, torch.Tensor, int], KernelConfig]  # a param's state's config (real view, numel)
     to_host: Callable[[torch.Tensor], torch.Tensor]  # an offloaded buffer into host memory
+    in_use: Callable[[], set] = set  # storage addresses other live optimizers' states hold
 
 
 class LoadPlan(NamedTuple):
@@ -148,6 +149,8 @@ def plan_load(target: LoadTarget, state_dict) -> LoadPlan:
                                 f"type {type(index).__name__}")
             param_of_index[index] = (param, group)
     new_state, param_writes = defaultdict(dict), []
+    taken = target.in_use() | {_storage_address(param)
+                               for group in target.groups for param in group["params"]}
     for index, saved_state in state_dict["state"].items():
         if not isinstance(index, Hashable) or index not in param_of_index:
             raise ValueError(f"loaded state dict holds state for param index {index!r}, "
@@ -155,7 +158,7 @@ def plan_load(target: LoadTarget, state_dict) -> LoadPlan:
         if isinstance(saved_state, Mapping) and not saved_state:
             continue  # no state yet (a read of the state defaultdict leaves {}; torch loads it too)
         param, group = param_of_index[index]
-        new_state[param], new_param = _loaded_state(target, param, group, saved_state, index)
+        new_state[param], new_param = _loaded_state(target, param, group, saved_state, index, taken)
         if new_param is not None:
             real = real_view(local(param))
             param_writes.append((real, new_param.to(real.device)))
@@ -201,8 +204,9 @@ def _loaded_group(target: LoadTarget, live: dict, saved, number: int, legacy: bo
     return group
 
 
-def _loaded_state(target: LoadTarget, param, group: dict, saved_state, index) -> tuple:
-    """(the param's new state, new param bits or None) from its saved state."""
+def _loaded_state(target: LoadTarget, param, group: dict, saved_state, index, taken: set) -> tuple:
+    """(the param's new state, new param bits or None) from its saved state (``taken``: see
+    :func:`_adopted`)."""
     real = real_view(local(param))  # a DTensor param: its local shard
     config = target.config_of(group, real, param.numel())
     offloaded = group.get("offload") == "cpu"  # its state lives in host RAM
@@ -214,7 +218,8 @@ def _loaded_state(target: LoadTarget, param, group: dict, saved_state, index) ->
         saved_state = {key: whole_moment(value, key, tuple(real.shape), f"{key} of param {index}")
                        if key != "step" and _is_gathered_table(value, real) else value
                        for key, value in saved_state.items()}
-    state, new_param = convert_state(config, saved_state, like, index, target.name)
+    state, new_param = convert_state(config, saved_state, like, index, target.name,
+                                     taken=None if is_dtensor(param) else taken)
     if offloaded:
         state = state_moved(state, target.to_host)
     return wrapped(state, param), new_param
@@ -256,8 +261,10 @@ def _checked_step(saved: dict, index) -> float:
 
 
 def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index, optimizer_name: str,
-                  live: bool = False) -> tuple:
+                  live: bool = False, taken: set = None) -> tuple:
     """(new state, new param bits or None) for one param; raises before changing anything.
+    ``taken``: the storages already in use, where a saved tensor that needs no conversion
+    may become the state itself (:func:`_adopted`); None: every buffer is a new tensor.
 
     Every buffer of ``config`` found in ``saved`` is encoded into the config's dtype
     (round to nearest even).  The master comes from the saved copy, param + remainder, or
@@ -306,10 +313,14 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
         needed = {**_every_moment(config), **needed}
     for key in moments:
         if key in saved and key in needed:
-            state[key] = _converted(saved[key], param, needed[key], f"{key} of param {index}", key)
+            state[key] = _converted(saved[key], param, needed[key], f"{key} of param {index}", key, taken)
     new_param = None
     weights = config.weights
-    if weights in ("copy", "remainder"):
+    kept_master = None if live or taken is None or "master" not in saved else \
+        _adopted(saved["master"], param, needed.get("master"), None, taken)
+    if kept_master is not None and weights == "copy":  # (the saved copy, as the param's master)
+        state["master"] = kept_master
+    elif weights in ("copy", "remainder"):
         master = _saved_master(saved, param, index, live)
         if weights == "copy":
             state["master"] = _converted(master, param, needed["master"], f"master of param {index}")
@@ -321,7 +332,7 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
             new_param = torch.empty_like(param).copy_(new_param)
     if weights == "kahan" and "compensation" in saved:
         state["compensation"] = _converted(saved["compensation"], param, needed["compensation"],
-                                           f"compensation of param {index}")
+                                           f"compensation of param {index}", taken=taken)
     return state, new_param
 
 
@@ -389,9 +400,14 @@ def _is_q8(value: torch.Tensor, param: torch.Tensor) -> bool:
     return value.dtype == Q8 and tuple(value.shape) == q8_shape(param.numel())
 
 
-def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str, role: str = None) -> torch.Tensor:
-    """A new tensor laid out like ``param`` holding ``encode(value, dtype)``; a q8 moment
-    (``role`` names its map) is dequantized from, or quantized into, to nearest."""
+def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str, role: str = None,
+               taken: set = None) -> torch.Tensor:
+    """A new tensor laid out like ``param`` holding ``encode(value, dtype)``, or ``value``
+    itself where that would be a copy of it (:func:`_adopted`); a q8 moment (``role`` names its
+    map) is dequantized from, or quantized into, to nearest."""
+    adopted = _adopted(value, param, dtype, role, taken)
+    if adopted is not None:
+        return adopted
     if role is not None and isinstance(value, torch.Tensor) and _is_q8(value, param):
         value = value.detach().to(param.device)
         if dtype == Q8:  # the same codes and scales
@@ -411,3 +427,47 @@ def _converted(value, param: torch.Tensor, dtype: torch.dtype, what: str, role: 
     result = torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
     result.copy_(encode(value_f32, dtype))
     return result
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    return real_view(local(tensor)).untyped_storage().data_ptr()
+
+
+def storages_of(states) -> set:
+    """The storage addresses of the tensors of ``states`` (per-param state dicts)."""
+    return {_storage_address(value) for state in states for value in state.values()
+            if isinstance(value, torch.Tensor)}
+
+
+#: elements per pass of the NaN check of an adopted tensor (a bool per element at a time)
+_NAN_CHECK_ELEMENTS = 1 << 24
+
+
+def _adopted(value, param: torch.Tensor, dtype: torch.dtype, role, taken) -> "torch.Tensor | None":
+    """``value`` itself, to be the state, where a converted copy would hold its bits in its
+    layout, as torch.optim keeps loaded tensors that need no conversion (a resumed run then
+    holds its state once, not twice): a plain contiguous tensor of ``dtype`` on the param's
+    device and of its shape (q8: of its codes' shape), not needing grad, whose storage no param,
+    no state adopted before and no other live bf16opt optimizer's state holds (``taken``, which
+    it joins: ``opt2.load_state_dict(opt1.state_dict())`` copies), and without a NaN (a copy
+    stores NaN canonical).  Else None."""
+    if taken is None or type(value) is not torch.Tensor or value.requires_grad or value.dtype != dtype:
+        return None
+    quantized = dtype == Q8
+    if quantized != (role is not None and _is_q8(value, param)):
+        return None
+    if value.device != param.device or not value.is_contiguous() or not param.is_contiguous():
+        return None
+    if not quantized and (value.shape != param.shape or dtype not in (torch.float32, torch.bfloat16,
+                                                                      torch.float16)):
+        return None
+    address = value.untyped_storage().data_ptr()
+    if address in taken:
+        return None
+    if not quantized:
+        flat = value.view(-1)
+        for start in range(0, flat.numel(), _NAN_CHECK_ELEMENTS):
+            if bool(torch.isnan(flat[start:start + _NAN_CHECK_ELEMENTS]).any()):
+                return None
+    taken.add(address)
+    return value

@@ -69,6 +69,73 @@ def test_round_trip_is_bit_exact_and_resumes_identically(opt_class, kwargs, pres
         assert same_bits(p.detach(), q.detach())
 
 
+def _address(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _resumed(model, preset, saved):
+    resumed_model = copy.deepcopy(model)
+    resumed = bf16opt.AdamW(resumed_model.parameters(), lr=1e-2, precision=preset, backend="numba")
+    resumed.load_state_dict(saved)
+    return resumed_model, resumed
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-sr", "bf16-kahan", "fp32-remainder-q8"])
+def test_a_loaded_state_that_needs_no_conversion_is_kept_not_copied(preset):
+    """As torch.optim does, loaded tensors that are already what the state holds (dtype,
+    device, layout) become the state, so a resumed run holds its state once; it resumes bit
+    for bit.  (A remainder is split again from the joined master: a new tensor.)"""
+    model, batches = model_and_batches()
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision=preset, backend="numba")
+    train(model, opt, batches[:2])
+    saved = save_and_load(opt.state_dict())
+    loaded = {(index, key): value for index, state in saved["state"].items()
+              for key, value in state.items() if key not in ("step", "remainder")}  # (split again)
+    resumed_model, resumed = _resumed(model, preset, saved)
+    params = list(resumed_model.parameters())
+    for (index, key), value in loaded.items():
+        assert _address(resumed.state[params[index]][key]) == _address(value), (index, key)
+    train(model, opt, batches[2:])
+    train(resumed_model, resumed, batches[2:])
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), params))
+
+
+def test_a_live_optimizers_own_state_dict_is_copied_into_another():
+    """``twin.load_state_dict(opt.state_dict())`` hands over opt's own tensors: the twin copies
+    them, so the two optimizers step apart (bit for bit the same run, not a shared state)."""
+    model, batches = model_and_batches()
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision="bf16-sr", backend="numba")
+    train(model, opt, batches[:2])
+    twin_model, twin = _resumed(model, "bf16-sr", opt.state_dict())
+    params, twin_params = list(model.parameters()), list(twin_model.parameters())
+    assert _address(twin.state[twin_params[0]]["exp_avg"]) != _address(opt.state[params[0]]["exp_avg"])
+    train(model, opt, batches[2:])
+    train(twin_model, twin, batches[2:])
+    assert all(same_bits(p, q) for p, q in zip(params, twin_params))
+
+
+def test_a_loaded_tensor_given_twice_or_holding_a_nan_is_copied():
+    """A storage two saved tensors share, and a tensor holding a NaN (a copy stores it
+    canonical), are copied; the run then steps as from a dict of separate copies."""
+    model, batches = model_and_batches(torch.float32)
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision="fp32", backend="numba")
+    train(model, opt, batches[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    state = saved["state"]
+    state[3]["exp_avg_sq"] = state[1]["exp_avg_sq"][:2]  # a view of another param's state (2 of 6)
+    state[0]["exp_avg"].view(-1)[0] = float("-nan")
+    resumed_model, resumed = _resumed(model, "fp32", saved)
+    reference_model, reference = _resumed(model, "fp32", copy.deepcopy(saved))
+    q = list(resumed_model.parameters())
+    assert _address(resumed.state[q[1]]["exp_avg_sq"]) == _address(state[1]["exp_avg_sq"])
+    assert _address(resumed.state[q[3]]["exp_avg_sq"]) != _address(state[1]["exp_avg_sq"])
+    assert _address(resumed.state[q[0]]["exp_avg"]) != _address(state[0]["exp_avg"])
+    assert int(resumed.state[q[0]]["exp_avg"].view(torch.int32).view(-1)[0]) == 0x7FC00000  # canonical
+    train(resumed_model, resumed, batches[2:])
+    train(reference_model, reference, batches[2:])
+    assert all(same_bits(a, b) for a, b in zip(resumed_model.parameters(), reference_model.parameters()))
+
+
 def test_state_dict_keeps_configured_dtypes_and_plain_precision():
     model, batches = model_and_batches(torch.bfloat16)
     opt = bf16opt.AdamW(model.parameters(), precision="bf16-states")
