@@ -114,6 +114,29 @@ def test_a_live_optimizers_own_state_dict_is_copied_into_another():
     assert all(same_bits(p, q) for p, q in zip(params, twin_params))
 
 
+@pytest.mark.parametrize("form", ["negative view", "inference tensor"])
+def test_a_loaded_negative_view_or_inference_tensor_is_copied_as_its_values(form):
+    """A negative view holds its values negated in memory, and an inference tensor cannot be
+    written outside inference mode: both are copied, and the run steps from their values."""
+    model, batches = model_and_batches(torch.float32)
+    opt = bf16opt.AdamW(model.parameters(), lr=1e-2, precision="fp32", backend="reference")
+    train(model, opt, batches[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    reference_model, reference = _resumed(model, "fp32", copy.deepcopy(saved))
+    moment = saved["state"][0]["exp_avg"]
+    if form == "negative view":
+        saved["state"][0]["exp_avg"] = torch._neg_view(moment.neg())
+    else:
+        with torch.inference_mode():
+            saved["state"][0]["exp_avg"] = moment.clone()
+    resumed_model, resumed = _resumed(model, "fp32", saved)
+    assert _address(resumed.state[next(resumed_model.parameters())]["exp_avg"]) != \
+        _address(saved["state"][0]["exp_avg"])
+    train(resumed_model, resumed, batches[2:])
+    train(reference_model, reference, batches[2:])
+    assert all(same_bits(a, b) for a, b in zip(resumed_model.parameters(), reference_model.parameters()))
+
+
 def test_a_loaded_tensor_given_twice_or_holding_a_nan_is_copied():
     """A storage two saved tensors share, and a tensor holding a NaN (a copy stores it
     canonical), are copied; the run then steps as from a dict of separate copies."""
