@@ -447,11 +447,11 @@ def _adopted(value, param: torch.Tensor, dtype: torch.dtype, role, taken) -> "to
     """``value`` itself, to be the state, where a converted copy would hold its bits in its
     layout, as torch.optim keeps loaded tensors that need no conversion (a resumed run then
     holds its state once, not twice): a plain contiguous tensor of ``dtype`` (not an inference
-    tensor, not a negative or conjugate view) on the param's
-    device and of its shape (q8: of its codes' shape), not needing grad, whose storage no param,
-    no state adopted before and no other live bf16opt optimizer's state holds (``taken``, which
-    it joins: ``opt2.load_state_dict(opt1.state_dict())`` copies), and without a NaN (a copy
-    stores NaN canonical).  Else None."""
+    tensor, not a negative or conjugate view) on the param's device and of its shape (q8: of
+    its codes' shape), not needing grad, whose storage no param, no state adopted before and no
+    other live bf16opt optimizer's state holds (``taken``, which it joins:
+    ``opt2.load_state_dict(opt1.state_dict())`` copies), and without a NaN (a copy stores NaN
+    canonical).  Else None."""
     if taken is None or type(value) is not torch.Tensor or value.requires_grad or value.dtype != dtype:
         return None
     if value.is_inference() or value.is_neg() or value.is_conj():  # (kernels write raw memory)
