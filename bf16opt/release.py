@@ -434,18 +434,13 @@ def _in_a_nested_backward() -> bool:
     return False
 
 
-_NOT_TRACED: dict = {}  # function -> itself behind a graph break (kept: a new one each time recompiles)
-
-
+@functools.cache  # (one wrapper per function: a new one at each update makes Dynamo recompile)
 def _not_traced(function):
     """``function`` as Dynamo runs it eagerly, behind a graph break (only asked while compiling,
     so torch._dynamo is loaded already)."""
-    eager = _NOT_TRACED.get(function)
-    if eager is None:
-        import torch._dynamo  # noqa: PLC0415
+    import torch._dynamo  # noqa: PLC0415
 
-        eager = _NOT_TRACED[function] = torch._dynamo.disable(function)
-    return eager
+    return torch._dynamo.disable(function)
 
 
 def _grad_ready(owner_ref, param: torch.Tensor) -> None:

@@ -316,9 +316,9 @@ def convert_state(config: KernelConfig, saved: dict, param: torch.Tensor, index,
             state[key] = _converted(saved[key], param, needed[key], f"{key} of param {index}", key, taken)
     new_param = None
     weights = config.weights
-    kept_master = None if live or taken is None or "master" not in saved else \
-        _adopted(saved["master"], param, needed.get("master"), None, taken)
-    if kept_master is not None and weights == "copy":  # (the saved copy, as the param's master)
+    kept_master = _adopted(saved["master"], param, needed["master"], None, taken) \
+        if weights == "copy" and "master" in saved and not live else None
+    if kept_master is not None:  # (the saved copy, as the param's master)
         state["master"] = kept_master
     elif weights in ("copy", "remainder"):
         master = _saved_master(saved, param, index, live)
